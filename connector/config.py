@@ -1,0 +1,118 @@
+"""Connector knobs: parsed and validated from ``kv_connector_extra_config``.
+
+Every knob has a default in seconds (not minutes) and a type; an unknown key or a
+wrong type raises :class:`ConfigError` naming the field, so a typo fails at
+start-up instead of silently running on defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A bad connector configuration value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class KVPathConfig:
+    # Connections per D peer; each lane is one NIXL agent with its own UCX TCP
+    # connection, so its own source port and its own ECMP path.
+    lanes: int = 4
+    # P keeps finished blocks this long waiting for D's registration and the push.
+    lease_timeout_s: float = 10.0
+    # D fails a registered request whose push has not completed by then.
+    registration_timeout_s: float = 15.0
+    # UCX_TLS for the transfer agents; "tcp" makes pushes cross the network stack
+    # (and so a shaped/emulated fabric); "auto" leaves UCX's own choice (CMA/shm).
+    ucx_transport: str = "tcp"
+    # UCX_NET_DEVICES; one device gives one TCP connection per lane.
+    ucx_net_devices: str | None = None
+    # JSONL telemetry, one record per transfer ("{pid}" is expanded).
+    trace_path: str | None = None
+    # P's control (side-channel) socket: D workers send registrations here.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    # How long the engine threads sleep when idle; bounds idle CPU use.
+    idle_poll_s: float = 0.02
+    # Optional fixed engine id (default: random per process).
+    engine_id: str | None = None
+    # Per-transfer hard limit once a WRITE is posted.
+    transfer_timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KVPathConfig":
+        extra = dict(extra or {})
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        kwargs: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key not in known:
+                raise ConfigError(
+                    f"kv_connector_extra_config: unknown knob {key!r}; "
+                    f"known knobs: {', '.join(sorted(known))}"
+                )
+            kwargs[key] = _coerce(key, value, known[key].default)
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.lanes < 1 or self.lanes > 64:
+            raise ConfigError(f"kv_connector_extra_config.lanes must be in [1, 64], got {self.lanes}")
+        for name in ("lease_timeout_s", "registration_timeout_s", "idle_poll_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")
+        if self.idle_poll_s > 1.0:
+            raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")
+        if not 0 < self.side_channel_port < 65536:
+            raise ConfigError(
+                f"kv_connector_extra_config.side_channel_port must be a TCP port, got {self.side_channel_port}"
+            )
+        if not self.ucx_transport:
+            raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
+
+    def side_channel_addr(self, rank: int = 0) -> str:
+        return f"{self.side_channel_host}:{self.side_channel_port + rank}"
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check the type of one knob against its default's type."""
+    where = f"kv_connector_extra_config.{key}"
+    if default is None:  # optional string knobs
+        if value is None or isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string or null, got {type(value).__name__}")
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be a boolean, got {value!r}")
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number (seconds), got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def parse_host_port(addr: str, field_name: str = "peer") -> tuple[str, int]:
+    """Parse ``host:port``; raise ValueError naming the field on bad input."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ValueError(f"{field_name} must be 'host:port', got {addr!r}")
+    host, _, port_s = addr.rpartition(":")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"{field_name} has a bad port: {addr!r}") from None
+    if not host or not 0 < port < 65536:
+        raise ValueError(f"{field_name} must be 'host:port', got {addr!r}")
+    return host, port

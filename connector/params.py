@@ -1,0 +1,80 @@
+"""The ``kv_transfer_params`` that carry kvpath's per-request fields (no vLLM import).
+
+D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port"}}
+P leg:  {"do_remote_decode": true,  "kvpath": {"transfer_id": T, "lane": 2}}
+The proxy sends both legs at once; a plain client may instead send the P leg
+first and pass P's returned ``kv_transfer_params`` to D unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from connector.config import parse_host_port
+
+
+class BadTransferParams(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    transfer_id: str
+    peer: str
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    transfer_id: str
+    lane: int | None
+
+
+def _kvpath(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    kp = params.get("kvpath")
+    if kp is None:
+        return {}
+    if not isinstance(kp, Mapping):
+        raise BadTransferParams("kv_transfer_params.kvpath must be an object")
+    return kp
+
+
+def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
+    """None when the request is not a remote-prefill (D) request."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    kp = _kvpath(params)
+    tid = kp.get("transfer_id")
+    if not isinstance(tid, str) or not tid or len(tid) > 256:
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty string")
+    peer = kp.get("peer")
+    try:
+        parse_host_port(peer, "kv_transfer_params.kvpath.peer")
+    except ValueError as e:
+        raise BadTransferParams(str(e)) from None
+    return DecodeParams(tid, peer)
+
+
+def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillParams | None:
+    """None when the request is not a remote-decode (P) request."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    kp = _kvpath(params)
+    tid = kp.get("transfer_id", request_id)
+    if not isinstance(tid, str) or not tid or len(tid) > 256:
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty string")
+    lane = kp.get("lane")
+    if lane is not None and (isinstance(lane, bool) or not isinstance(lane, int) or lane < 0):
+        raise BadTransferParams("kv_transfer_params.kvpath.lane must be a non-negative integer")
+    return PrefillParams(tid, lane)
+
+
+def decode_leg_params(transfer_id: str, peer: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "kvpath": {"transfer_id": transfer_id, "peer": peer}}
+
+
+def prefill_leg_params(transfer_id: str, lane: int | None = None) -> dict[str, Any]:
+    kp: dict[str, Any] = {"transfer_id": transfer_id}
+    if lane is not None:
+        kp["lane"] = lane
+    return {"do_remote_decode": True, "do_remote_prefill": False, "kvpath": kp}

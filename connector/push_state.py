@@ -1,0 +1,142 @@
+"""P-side matching of finished prefills with D registrations (no I/O, no threads).
+
+Either side can come first. A match is returned exactly once per transfer id;
+duplicates are reported, never re-executed. Leases bound how long anything waits:
+a finished prefill whose registration never comes is expired (its blocks are
+freed), and so is a registration whose prefill never finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from connector.messages import Register
+
+
+@dataclass
+class FinishedPrefill:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    lane: int | None = None  # lane chosen by the caller (the proxy); None: hash
+    finished_at: float = field(default_factory=time.time)
+    deadline: float = 0.0
+
+
+@dataclass
+class PendingRegistration:
+    reg: Register
+    reply_to: bytes  # control-channel identity of the D worker
+    received_at: float = field(default_factory=time.time)
+    deadline: float = 0.0
+
+
+@dataclass
+class Match:
+    prefill: FinishedPrefill
+    registration: PendingRegistration
+
+
+@dataclass
+class Expired:
+    prefills: list[FinishedPrefill] = field(default_factory=list)
+    registrations: list[PendingRegistration] = field(default_factory=list)
+
+
+class WriterState:
+    """Bookkeeping of the writer thread, kept pure so it can be unit-tested."""
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic, remember: int = 65536):
+        self.lease_s = lease_s
+        self.clock = clock
+        self.prefills: dict[str, FinishedPrefill] = {}  # waiting for a registration
+        self.registrations: dict[str, PendingRegistration] = {}  # waiting for a prefill
+        self.active: dict[str, Match] = {}  # matched, being written
+        self.aborted: set[str] = set()  # P request aborted before matching
+        self._done: OrderedDict[str, str] = OrderedDict()  # transfer id -> final status
+        self._remember = remember
+
+    # -- inputs -----------------------------------------------------------
+    def add_registration(self, reg: Register, reply_to: bytes) -> tuple[str, Match | None]:
+        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("aborted", None)."""
+        tid = reg.transfer_id
+        if tid in self.registrations or tid in self.active or tid in self._done:
+            return "duplicate", None
+        if tid in self.aborted:
+            self.aborted.discard(tid)
+            self._finish(tid, "aborted")
+            return "aborted", None
+        pr = PendingRegistration(reg, reply_to, deadline=self.clock() + self.lease_s)
+        fp = self.prefills.pop(tid, None)
+        if fp is None:
+            self.registrations[tid] = pr
+            return "waiting", None
+        m = Match(fp, pr)
+        self.active[tid] = m
+        return "matched", m
+
+    def add_prefill(self, fp: FinishedPrefill) -> tuple[str, Match | None]:
+        tid = fp.transfer_id
+        if tid in self.prefills or tid in self.active or tid in self._done:
+            return "duplicate", None
+        fp.deadline = self.clock() + self.lease_s
+        pr = self.registrations.pop(tid, None)
+        if pr is None:
+            self.prefills[tid] = fp
+            return "waiting", None
+        m = Match(fp, pr)
+        self.active[tid] = m
+        return "matched", m
+
+    def cancel(self, transfer_id: str) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
+        """D gave up on a transfer. Returns (status, prefill to free, registration dropped)."""
+        if transfer_id in self.active:
+            return "in_flight", None, None  # too late: the WRITE finishes (or times out)
+        pr = self.registrations.pop(transfer_id, None)
+        fp = self.prefills.pop(transfer_id, None)
+        self._finish(transfer_id, "cancelled")
+        return "cancelled", fp, pr
+
+    def abort_prefill(self, transfer_id: str) -> PendingRegistration | None:
+        """P's request ended without KV to push (aborted); reject D if it waits."""
+        pr = self.registrations.pop(transfer_id, None)
+        if pr is None and transfer_id not in self._done and transfer_id not in self.active:
+            self.aborted.add(transfer_id)
+        else:
+            self._finish(transfer_id, "aborted")
+        return pr
+
+    def complete(self, transfer_id: str, status: str = "ok") -> Match | None:
+        m = self.active.pop(transfer_id, None)
+        if m is not None:
+            self._finish(transfer_id, status)
+        return m
+
+    def expire(self) -> Expired:
+        now = self.clock()
+        out = Expired()
+        for tid in [t for t, fp in self.prefills.items() if fp.deadline <= now]:
+            out.prefills.append(self.prefills.pop(tid))
+            self._finish(tid, "expired")
+        for tid in [t for t, pr in self.registrations.items() if pr.deadline <= now]:
+            out.registrations.append(self.registrations.pop(tid))
+            self._finish(tid, "expired")
+        return out
+
+    # -- queries ----------------------------------------------------------
+    def status_of(self, transfer_id: str) -> str | None:
+        return self._done.get(transfer_id)
+
+    def idle(self) -> bool:
+        return not (self.prefills or self.registrations or self.active)
+
+    def _finish(self, tid: str, status: str) -> None:
+        self._done[tid] = status
+        self._done.move_to_end(tid)
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)
+        if len(self.aborted) > self._remember:
+            self.aborted.clear()

@@ -1,0 +1,135 @@
+"""Scheduler side of KVPathConnector (runs in vLLM's EngineCore process).
+
+It decides, per request, what the worker side must do next step, and hands it
+over in :class:`KVPathMetadata`. No networking here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from connector.config import KVPathConfig
+from connector.params import BadTransferParams, parse_decode, parse_prefill
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RecvReq:
+    request_id: str
+    transfer_id: str
+    peer: str
+    block_ids: list[int]
+    skip_blocks: int
+
+
+@dataclass
+class SendReq:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    lane: int | None
+
+
+@dataclass
+class KVPathMetadata(KVConnectorMetadata):
+    registrations: list[RecvReq] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # D request ids
+    finished: list[SendReq] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # P transfer ids
+
+
+class KVPathScheduler:
+    def __init__(self, vllm_config: "VllmConfig", cfg: KVPathConfig, engine_id: str):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self._meta = KVPathMetadata()
+        self._p_pending: set[str] = set()  # P requests whose blocks the writer holds
+        self._d_waiting: set[str] = set()  # D requests registered, KV not yet arrived
+        self._d_cancelled: set[str] = set()  # D requests ended while waiting
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            dp = parse_decode(request.kv_transfer_params)
+        except BadTransferParams as e:
+            logger.warning("request %s: %s; computing its prefill locally", request.request_id, e)
+            request.kv_transfer_params = None
+            return 0, False
+        if dp is None:
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return
+        dp = parse_decode(params)  # validated in get_num_new_matched_tokens
+        assert dp is not None
+        all_ids = blocks.get_block_ids()[0]
+        new_ids = blocks.get_unhashed_block_ids()
+        skip = len(all_ids) - len(new_ids)  # local prefix hits come first
+        self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip))
+        self._d_waiting.add(request.request_id)
+        params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
+        meta, self._meta = self._meta, KVPathMetadata()
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self._d_waiting:  # D gave up before its KV arrived
+            self._d_waiting.discard(rid)
+            self._d_cancelled.add(rid)
+            self._meta.cancels.append(rid)
+            return False, None  # vLLM itself holds the blocks until we report them
+        try:
+            pp = parse_prefill(request.kv_transfer_params, rid)
+        except BadTransferParams as e:
+            logger.warning("request %s: %s; not pushing its KV", rid, e)
+            return False, None
+        if pp is None:
+            return False, None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not ok or not block_ids:
+            self._meta.aborted.append(pp.transfer_id)
+            return False, None
+        self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane))
+        self._p_pending.add(rid)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvpath": {
+                "transfer_id": pp.transfer_id,
+                "peer": self.cfg.side_channel_addr(0),
+                "engine_id": self.engine_id,
+                "lane": pp.lane,
+                "num_blocks": len(block_ids),
+            },
+        }
+
+    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        for rid in out.finished_sending or ():
+            self._p_pending.discard(rid)
+        for rid in out.finished_recving or ():
+            self._d_waiting.discard(rid)
+            self._d_cancelled.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping so the worker can report completions.
+        return bool(self._p_pending or self._d_cancelled or self._meta.registrations or self._meta.finished)

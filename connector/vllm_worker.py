@@ -1,0 +1,72 @@
+"""Worker side of KVPathConnector: hands scheduler decisions to the engine threads."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from connector.config import KVPathConfig
+from connector.layout import layout_from_tensors
+from connector.receiver import PushReceiver
+from connector.sender import PushSender
+from connector.telemetry import Stats, TraceWriter
+from connector.vllm_scheduler import KVPathMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class KVPathWorker:
+    def __init__(self, cfg: KVPathConfig, engine_id: str, role: str, block_size: int, num_blocks: int, rank: int = 0):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.role = role  # kv_producer | kv_consumer | kv_both
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.rank = rank
+        self.stats = Stats()
+        self.trace = TraceWriter(cfg.trace_path)
+        self.sender: PushSender | None = None
+        self.receiver: PushReceiver | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        layout, spans = layout_from_tensors(list(kv_caches.values()), self.num_blocks, self.block_size)
+        logger.info(
+            "kvpath: %d KV tensors -> %d regions, %d B per block, %d blocks (%s)",
+            len(kv_caches), len(layout.regions), layout.bytes_per_block(), layout.num_blocks, self.role,
+        )
+        if self.role in ("kv_producer", "kv_both"):
+            self.sender = PushSender(
+                self.cfg, layout, spans, f"{self.engine_id}-p", self.rank, self.stats, self.trace
+            ).start()
+        if self.role in ("kv_consumer", "kv_both"):
+            self.receiver = PushReceiver(
+                self.cfg, layout, spans, f"{self.engine_id}-d", self.rank, self.stats, self.trace
+            ).start()
+
+    def process_metadata(self, meta: KVPathMetadata) -> None:
+        if self.receiver is not None:
+            for r in meta.registrations:
+                host, _, port = r.peer.rpartition(":")
+                # TP rank r of D talks to TP rank r of P (equal TP sizes).
+                self.receiver.register(r.request_id, r.transfer_id, f"{host}:{int(port) + self.rank}", r.block_ids, r.skip_blocks)
+            for rid in meta.cancels:
+                self.receiver.cancel(rid)
+        if self.sender is not None:
+            for s in meta.finished:
+                self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane)
+            for tid in meta.aborted:
+                self.sender.abort(tid)
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        sending = self.sender.take_finished() if self.sender else set()
+        recving, failed = self.receiver.take() if self.receiver else (set(), set())
+        return sending, recving, failed
+
+    def shutdown(self) -> None:
+        for part in (self.sender, self.receiver):
+            if part is not None:
+                part.close()
+        self.trace.close()

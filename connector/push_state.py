@@ -79,9 +79,16 @@ class WriterState:
         return "matched", m
 
     def add_prefill(self, fp: FinishedPrefill) -> tuple[str, Match | None]:
+        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("dead", None).
+
+        "dead": the transfer already ended (cancelled by D, expired, aborted):
+        the caller frees this prefill's blocks at once.
+        """
         tid = fp.transfer_id
-        if tid in self.prefills or tid in self.active or tid in self._done:
+        if tid in self.prefills or tid in self.active:
             return "duplicate", None
+        if tid in self._done:
+            return "dead", None
         fp.deadline = self.clock() + self.lease_s
         pr = self.registrations.pop(tid, None)
         if pr is None:

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,6 +81,7 @@ class PushSender:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished_lock = threading.Lock()
         self._finished: set[str] = set()
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._stop = threading.Event()
@@ -186,6 +188,10 @@ class PushSender:
                 status, m = self.state.add_prefill(arg)
                 if status == "duplicate":
                     logger.warning("duplicate finished prefill for transfer %s ignored", arg.transfer_id)
+                elif status == "dead":
+                    logger.info("transfer %s already ended (%s): blocks freed", arg.transfer_id,
+                                self.state.status_of(arg.transfer_id))
+                    self._release(arg.request_id)
                 elif m is not None:
                     self._start_write(m)
             elif kind == "abort":
@@ -397,6 +403,12 @@ class PushSender:
             self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
 
     def _release(self, request_id: str) -> None:
+        # Report each request once: vLLM frees (and forgets) it on the first report.
+        if request_id in self._released:
+            return
+        self._released[request_id] = None
+        if len(self._released) > 65536:
+            self._released.popitem(last=False)
         with self._finished_lock:
             self._finished.add(request_id)
 

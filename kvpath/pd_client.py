@@ -1,0 +1,86 @@
+"""A minimal P/D client for KVPathConnector (the proxy of a later issue does more).
+
+``sequential``: P leg (max_tokens=1) first, then D with P's returned params.
+``concurrent``: both legs at once, as the proxy does, so D can register first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from connector.params import decode_leg_params, prefill_leg_params
+
+
+@dataclass
+class PDResult:
+    prompt: str
+    text: str
+    transfer_id: str
+    ttft_s: float  # until D's completion came back (non-streaming: whole request)
+    p_leg_s: float
+    status: int = 200
+    error: str = ""
+
+
+async def pd_request(
+    client: httpx.AsyncClient,
+    p_url: str,
+    d_url: str,
+    p_peer: str,
+    prompt: str,
+    max_tokens: int = 16,
+    mode: str = "sequential",
+    lane: int | None = None,
+    model: str = "tiny",
+) -> PDResult:
+    tid = uuid.uuid4().hex
+    body = {"model": model, "prompt": prompt, "temperature": 0}
+    t0 = time.perf_counter()
+    p_body = {**body, "max_tokens": 1, "kv_transfer_params": prefill_leg_params(tid, lane)}
+    if mode == "sequential":
+        rp = await client.post(f"{p_url}/v1/completions", json=p_body)
+        p_leg = time.perf_counter() - t0
+        if rp.status_code != 200:
+            return PDResult(prompt, "", tid, 0.0, p_leg, rp.status_code, rp.text)
+        d_params = rp.json()["kv_transfer_params"]
+        rd = await client.post(f"{d_url}/v1/completions", json={**body, "max_tokens": max_tokens, "kv_transfer_params": d_params})
+    elif mode == "concurrent":
+        d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer)}
+        rd, rp = await asyncio.gather(
+            client.post(f"{d_url}/v1/completions", json=d_body), client.post(f"{p_url}/v1/completions", json=p_body),
+            return_exceptions=True,
+        )
+        p_leg = time.perf_counter() - t0
+        if isinstance(rd, BaseException):
+            return PDResult(prompt, "", tid, 0.0, p_leg, 0, repr(rd))
+    else:
+        raise ValueError(f"mode must be sequential or concurrent, got {mode!r}")
+    elapsed = time.perf_counter() - t0
+    if rd.status_code != 200:
+        return PDResult(prompt, "", tid, elapsed, p_leg, rd.status_code, rd.text)
+    data: dict[str, Any] = rd.json()
+    choice = data["choices"][0]
+    if choice.get("finish_reason") == "error":
+        return PDResult(prompt, choice.get("text", ""), tid, elapsed, p_leg, 500, "finish_reason=error")
+    return PDResult(prompt, choice["text"], tid, elapsed, p_leg)
+
+
+async def direct_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = 16, model: str = "tiny") -> str:
+    r = await client.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def make_prompts(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120) -> list[str]:
+    import random
+
+    words = ("spine leaf lane path prefill decode block token layer head push pull proxy fabric link queue "
+             "rate byte hash seed port route red green blue one two three").split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]

@@ -1,0 +1,41 @@
+import pytest
+
+from connector.config import ConfigError, KVPathConfig, parse_host_port
+
+
+def test_defaults_are_seconds_not_minutes():
+    cfg = KVPathConfig.from_extra_config({})
+    assert cfg.lease_timeout_s <= 60 and cfg.registration_timeout_s <= 60
+    assert cfg.lanes >= 1
+
+
+def test_known_knobs_are_parsed_and_coerced():
+    cfg = KVPathConfig.from_extra_config({"lanes": 2, "lease_timeout_s": 3, "trace_path": "/tmp/t.jsonl"})
+    assert cfg.lanes == 2 and cfg.lease_timeout_s == 3.0 and isinstance(cfg.lease_timeout_s, float)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"lane": 2}, "lane"),
+        ({"lanes": "4"}, "lanes"),
+        ({"lanes": 0}, "lanes"),
+        ({"lanes": True}, "lanes"),
+        ({"lease_timeout_s": "10s"}, "lease_timeout_s"),
+        ({"registration_timeout_s": -1}, "registration_timeout_s"),
+        ({"side_channel_port": 70000}, "side_channel_port"),
+        ({"trace_path": 5}, "trace_path"),
+        ({"ucx_transport": ""}, "ucx_transport"),
+    ],
+)
+def test_bad_config_names_the_field(extra, field):
+    with pytest.raises(ConfigError) as e:
+        KVPathConfig.from_extra_config(extra)
+    assert field in str(e.value)
+
+
+def test_parse_host_port():
+    assert parse_host_port("127.0.0.1:5600") == ("127.0.0.1", 5600)
+    for bad in ("nohost", ":5600", "h:0", "h:x", None):
+        with pytest.raises(ValueError):
+            parse_host_port(bad)

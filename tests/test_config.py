@@ -39,3 +39,20 @@ def test_parse_host_port():
     for bad in ("nohost", ":5600", "h:0", "h:x", None):
         with pytest.raises(ValueError):
             parse_host_port(bad)
+
+
+def test_missing_nixl_is_a_clear_startup_error(monkeypatch):
+    import builtins
+
+    from connector import nixl_io
+
+    real_import = builtins.__import__
+
+    def no_nixl(name, *a, **kw):
+        if name.startswith("nixl"):
+            raise ImportError("No module named 'nixl'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_nixl)
+    with pytest.raises(ConfigError, match="needs NIXL"):
+        nixl_io.load_nixl()

@@ -64,13 +64,16 @@ def bench_throughput(console: Console, mib: int, reps: int) -> dict:
             t0 = time.perf_counter()
             sender.submit_finished(f"p{i}", tid, blocks)
             while f"p{i}" not in sender.take_finished():
-                time.sleep(0.0002)
+                time.sleep(0.0005)
             t = time.perf_counter() - t0
             d.call("wait", [f"d{i}"], 30)
             if i:
                 engine_s.append(t)
                 wire_s.append(records[-1].duration_s)
-        # raw NIXL: one agent in this process, the same D process and memory
+        # raw NIXL: one agent in this process, the same D process and memory. D must
+        # expect a push to progress UCX at full speed, as it does for the engine: a
+        # registration nobody will serve keeps its receiver in that state.
+        d.call("register", "hold", "hold", "127.0.0.1:1", [0], 0)
         _, meta, _, dlay = d.call("info")
         raw = make_agent("raw-bench")
         register(raw, spans, "DRAM")
@@ -108,15 +111,24 @@ def bench_throughput(console: Console, mib: int, reps: int) -> dict:
 
 def bench_descriptors(console: Console) -> dict:
     nb, n = 4096, 256
-    lay = layout_from_buffers([(1 << 30 + i, nb * 4096) for i in range(64)], nb, 16)  # 32 layers x K/V
+    lay = layout_from_buffers([((1 << 30) + i * nb * 4096, nb * 4096) for i in range(64)], nb, 16)  # 32 layers x K/V
     rng = random.Random(0)
     contiguous = list(range(100, 100 + n))
     frag_src, frag_dst = sorted(rng.sample(range(nb), n)), rng.sample(range(nb), n)
+    # a partly fragmented free list: runs of 1-16 consecutive blocks at random places
+    runs_src: list[int] = []
+    start = 0
+    while len(runs_src) < n:
+        start += rng.randint(1, 40)
+        k = min(rng.randint(1, 16), n - len(runs_src))
+        runs_src += list(range(start, start + k))
+        start += k
     rows = {
         "contiguous, coalesced": build_descs(lay, lay, contiguous, contiguous)[0].shape[0],
         "contiguous, per block": build_descs(lay, lay, contiguous, contiguous, coalesce=False)[0].shape[0],
-        "fragmented, coalesced": build_descs(lay, lay, frag_src, frag_dst)[0].shape[0],
-        "fragmented, per block": build_descs(lay, lay, frag_src, frag_dst, coalesce=False)[0].shape[0],
+        "runs of 1-16 blocks, coalesced": build_descs(lay, lay, runs_src, contiguous)[0].shape[0],
+        "random blocks, coalesced": build_descs(lay, lay, frag_src, frag_dst)[0].shape[0],
+        "random blocks, per block": build_descs(lay, lay, frag_src, frag_dst, coalesce=False)[0].shape[0],
     }
     t = Table(title=f"2. NIXL descriptors for one push of {n} blocks x {len(lay.regions)} regions")
     t.add_column("blocks")

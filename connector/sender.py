@@ -171,8 +171,13 @@ class PushSender:
                 self._drain_router()
             self._drain_cmds()
             if self._inflight:
-                self._progress()
-                time.sleep(0.00005)  # yield the GIL; UCX progress needs the loop, not a spin
+                # Without NIXL's progress thread, UCX moves bytes only while we poll:
+                # spin on the in-flight WRITEs for a short burst, then look at the
+                # sockets again. CPU is spent only while a push is in flight.
+                burst_end = time.monotonic() + 0.002
+                while self._inflight and time.monotonic() < burst_end:
+                    self._progress()
+                time.sleep(0)  # let the engine thread take the GIL
             now = time.monotonic()
             if now >= next_expire:
                 self._expire()

@@ -106,6 +106,46 @@ async def _direct(url, prompt, n):
         return await direct_request(c, url, prompt, n)
 
 
+def wait_metric(url, name, pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = metric(url, name)
+        if pred(v):
+            return v
+        time.sleep(0.5)
+    return metric(url, name)
+
+
+def test_prefill_without_decode_frees_blocks_after_lease(servers):
+    p, d, _ = servers
+    before = metric(p.url, "vllm:kvpath_pushes_expired_total")
+    r = httpx.post(f"{p.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": make_prompts(1, seed=11)[0], "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "kvpath": {"transfer_id": "nobody-decodes-this"}}})
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["kvpath"]["transfer_id"] == "nobody-decodes-this"
+    # P's lease (5 s) expires: the push is counted as expired and P's KV blocks are free again
+    assert wait_metric(p.url, "vllm:kvpath_pushes_expired_total", lambda v: v >= before + 1) == before + 1
+    assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+
+
+def test_client_disconnect_on_d_cancels_and_frees_blocks(servers):
+    p, d, _ = servers
+    cancelled_before = metric(p.url, "vllm:kvpath_pushes_cancelled_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{d.url}/v1/completions", timeout=1.5, json={
+            "model": "tiny", "prompt": make_prompts(1, seed=12)[0], "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": {"do_remote_prefill": True, "kvpath": {"transfer_id": "gone", "peer": f"127.0.0.1:{P_SIDE}"}}})
+    # D sent Cancel, P dropped the registration and confirmed: D's blocks are free long before the watchdog
+    assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=REG_TIMEOUT - 2) == 0
+    # the P leg arriving late is dead on arrival: its blocks are freed at once, nothing is pushed
+    r = httpx.post(f"{p.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": make_prompts(1, seed=12)[0], "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "kvpath": {"transfer_id": "gone"}}})
+    assert r.status_code == 200
+    assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=3) == 0
+    assert metric(p.url, "vllm:kvpath_pushes_cancelled_total") == cancelled_before
+
+
 def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_serving(servers):
     p, d, logs = servers
     prompts = make_prompts(6, seed=3)
@@ -130,6 +170,7 @@ def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_servin
     # D keeps serving
     assert asyncio.run(_direct(d.url, "one two three", 4)) is not None
     assert metric(d.url, "vllm:kvpath_recv_timeout_total") >= 6
+    assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0  # D freed the failed requests' blocks
     assert d.proc.poll() is None
 
 

@@ -8,17 +8,16 @@ that exposes D's KV memory. It keeps UCX progressing while pushes are expected
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
 from typing import Any
 
-import numpy as np
 import zmq
 
 from connector import messages as M
 from connector.config import KVPathConfig, parse_host_port
+from connector.engine_thread import EngineThread
 from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from connector.recv_state import ReceiverState
 from connector.telemetry import Stats, TraceWriter
@@ -26,7 +25,7 @@ from connector.telemetry import Stats, TraceWriter
 logger = logging.getLogger(__name__)
 
 
-class PushReceiver:
+class PushReceiver(EngineThread):
     def __init__(
         self,
         cfg: KVPathConfig,
@@ -37,21 +36,10 @@ class PushReceiver:
         stats: Stats | None = None,
         trace: TraceWriter | None = None,
     ):
-        self.cfg = cfg
-        self.layout = layout
-        self.spans = spans
-        self.engine_id = engine_id or cfg.engine_id or f"d-{uuid.uuid4().hex[:8]}"
-        self.rank = rank
-        self.stats = stats or Stats()
-        self.trace = trace or TraceWriter(cfg.trace_path)
+        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "d")
         self.state = ReceiverState(cfg.registration_timeout_s)
         self._lock = threading.Lock()  # guards self.state between threads
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._socks: dict[str, zmq.Socket] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ctx = zmq.Context.instance()
-        self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self.agent: Any = None
 
     def start(self) -> "PushReceiver":
@@ -60,24 +48,8 @@ class PushReceiver:
         register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
         register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
-        self._wake_addr = f"inproc://kvpath-recv-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kvpath-push-receiver", daemon=True)
-        self._thread.start()
+        self._start_thread(self._run, "kvpath-push-receiver")
         return self
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake()
-        if self._thread:
-            self._thread.join(timeout=5)
-        for s in list(self._socks.values()) + [getattr(self, "_wake_rx", None), getattr(self, "_wake_tx", None)]:
-            if s is not None:
-                s.close(0)
 
     # -- engine thread ----------------------------------------------------------
     def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0) -> None:
@@ -87,16 +59,14 @@ class PushReceiver:
             if not self.state.add(request_id, transfer_id, peer):
                 logger.warning("transfer %s registered twice; second registration ignored", transfer_id)
                 return
-        self._cmds.put(("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks)))
-        self._wake()
+        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks))
 
     def cancel(self, request_id: str) -> None:
         """D's request ended while waiting: ask P not to push; release when safe."""
         with self._lock:
             w = self.state.cancel_request(request_id)
         if w is not None:
-            self._cmds.put(("cancel", (w.transfer_id, w.peer)))
-            self._wake()
+            self._put("cancel", (w.transfer_id, w.peer))
 
     def take(self) -> tuple[set[str], set[str]]:
         with self._lock:
@@ -106,13 +76,6 @@ class PushReceiver:
         with self._lock:
             return self.state.pending()
 
-    def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-
     # -- receiver thread ----------------------------------------------------------
     def _sock(self, peer: str) -> zmq.Socket:
         s = self._socks.get(peer)
@@ -121,6 +84,7 @@ class PushReceiver:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://{peer}")
             self._socks[peer] = s
+            self._sockets.append(s)
             self._poller.register(s, zmq.POLLIN)
         return s
 
@@ -137,10 +101,9 @@ class PushReceiver:
             except zmq.ZMQError:
                 break
             if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
+                self._drain_wake()
             self._drain_cmds()
-            for peer, s in list(self._socks.items()):
+            for s in list(self._socks.values()):
                 if s in events:
                     self._drain_acks(s)
             self._poll_notifs()
@@ -158,11 +121,7 @@ class PushReceiver:
                 next_expire = now + 0.05
 
     def _drain_cmds(self) -> None:
-        while True:
-            try:
-                kind, arg = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._commands():
             if kind == "register":
                 request_id, tid, peer, block_ids, skip = arg
                 msg = M.Register(

@@ -8,10 +8,8 @@ thread that owns the sockets and the NIXL agents.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-import uuid
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import zmq
 
 from connector import messages as M
 from connector.config import ConfigError, KVPathConfig
+from connector.engine_thread import EngineThread
 from connector.layout import LayoutMismatch, build_descs, check_compatible
 from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register, remote_endpoints, wait_xfer
 from connector.push_state import FinishedPrefill, Match, WriterState
@@ -56,7 +55,7 @@ def default_lane(transfer_id: str, n_lanes: int) -> int:
     return zlib.crc32(transfer_id.encode()) % n_lanes
 
 
-class PushSender:
+class PushSender(EngineThread):
     def __init__(
         self,
         cfg: KVPathConfig,
@@ -68,73 +67,43 @@ class PushSender:
         trace: TraceWriter | None = None,
         on_lanes: Callable[[str, list[Lane]], None] | None = None,
     ):
-        self.cfg = cfg
-        self.layout = layout
-        self.spans = spans
-        self.engine_id = engine_id or cfg.engine_id or f"p-{uuid.uuid4().hex[:8]}"
-        self.rank = rank
-        self.stats = stats or Stats()
-        self.trace = trace or TraceWriter(cfg.trace_path)
+        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "p")
         self.on_lanes = on_lanes
         self.state = WriterState(cfg.lease_timeout_s)
         self.address = cfg.side_channel_addr(rank)
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._finished_lock = threading.Lock()
         self._finished: set[str] = set()
         self._released: OrderedDict[str, None] = OrderedDict()
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[str, _InFlight] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ctx = zmq.Context.instance()
-        self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self.lane_agents: list[Any] = []
 
-    # -- life cycle ---------------------------------------------------------
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._sockets.append(self._router)
         try:
             self._router.bind(f"tcp://{self.address}")
         except zmq.ZMQError as e:
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port: cannot listen on {self.address}: {e}"
             ) from e
-        self._wake_addr = f"inproc://kvpath-sender-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
         for i in range(self.cfg.lanes):
             agent = make_agent(f"{self.engine_id}-r{self.rank}-lane{i}")
             register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
             register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
-        self._thread = threading.Thread(target=self._run, name="kvpath-push-writer", daemon=True)
-        self._thread.start()
+        self._start_thread(self._run, "kvpath-push-writer")
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
 
-    def close(self) -> None:
-        self._stop.set()
-        self._wake()
-        if self._thread:
-            self._thread.join(timeout=5)
-        for s in (getattr(self, "_router", None), getattr(self, "_wake_rx", None), getattr(self, "_wake_tx", None)):
-            if s is not None:
-                s.close(0)
-        self.trace.close()
-
     # -- called from the engine thread ---------------------------------------
     def submit_finished(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None) -> None:
-        self._cmds.put(("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane)))
-        self._wake()
+        self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane))
 
     def abort(self, transfer_id: str) -> None:
-        self._cmds.put(("abort", transfer_id))
-        self._wake()
+        self._put("abort", transfer_id)
 
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed (pushed, failed or expired)."""
@@ -144,13 +113,6 @@ class PushSender:
 
     def lanes(self) -> dict[str, list[Lane]]:
         return {p.agent_name: list(p.lanes) for p in self._peers.values()}
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
 
     # -- writer thread ------------------------------------------------------
     def _run(self) -> None:
@@ -165,8 +127,7 @@ class PushSender:
             except zmq.ZMQError:
                 break
             if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
+                self._drain_wake()
             if self._router in events:
                 self._drain_router()
             self._drain_cmds()
@@ -184,11 +145,7 @@ class PushSender:
                 next_expire = now + 0.05
 
     def _drain_cmds(self) -> None:
-        while True:
-            try:
-                kind, arg = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._commands():
             if kind == "finished":
                 status, m = self.state.add_prefill(arg)
                 if status == "duplicate":

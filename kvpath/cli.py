@@ -20,7 +20,7 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     try:
         spec.validate()
     except ValueError as e:
-        raise SystemExit(f"kvpath model tiny: error: {e}")
+        raise SystemExit(f"kvpath model tiny: error: {e}") from None
     out = build_tiny_model(args.out, spec)
     print(out)
     return 0

@@ -4,7 +4,6 @@ import random
 import time
 import uuid
 
-import numpy as np
 import pytest
 import zmq
 
@@ -77,7 +76,7 @@ def test_fragmented_pushes_arrive_byte_exact(pair, order):
     _, done, failed = d.call("wait", [c[1] for c in cases], 20)
     assert sorted(done) == sorted(c[1] for c in cases) and not failed
     assert p.wait_released([c[0] for c in cases]) >= {c[0] for c in cases}
-    for prid, drid, tid, src, dst in cases:
+    for _prid, _drid, tid, src, dst in cases:
         assert d.call("read", dst)[1] == p.expect(src), f"{tid}: bytes differ"
     stats = p.sender.stats.snapshot()
     assert stats["pushes_ok"] == 6 and stats["pushes_failed"] == 0

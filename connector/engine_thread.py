@@ -1,0 +1,91 @@
+"""What the writer (P) and receiver (D) threads share: identity, queues, wake-ups.
+
+The engine loop hands work over through a queue and wakes the thread with a byte
+on an inproc ZMQ pair, so the thread can sleep in ``zmq.poll`` while idle (no busy
+polling) and still react at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import zmq
+
+from connector import messages as M
+from connector.config import KVPathConfig
+from connector.nixl_io import PROBE_BYTES
+from connector.telemetry import Stats, TraceWriter
+
+
+class EngineThread:
+    def __init__(
+        self,
+        cfg: KVPathConfig,
+        layout: M.BlockLayout,
+        spans: list[tuple[int, int]],
+        engine_id: str | None,
+        rank: int,
+        stats: Stats | None,
+        trace: TraceWriter | None,
+        id_prefix: str,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.spans = spans
+        self.engine_id = engine_id or cfg.engine_id or f"{id_prefix}-{uuid.uuid4().hex[:8]}"
+        self.rank = rank
+        self.stats = stats or Stats()
+        self.trace = trace or TraceWriter(cfg.trace_path)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = zmq.Context.instance()
+        # A small registered buffer: D's is the target of lane-opening probes, P's the source.
+        self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        self._wake_lock = threading.Lock()
+        addr = f"inproc://kvpath-wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(addr)
+        self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, kind: str, arg: Any) -> None:
+        """Called from the engine thread: queue work and wake the engine thread."""
+        self._cmds.put((kind, arg))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _drain_wake(self) -> None:
+        while self._wake_rx.poll(0):
+            self._wake_rx.recv()
+
+    def _commands(self) -> Iterator[tuple[str, Any]]:
+        while True:
+            try:
+                yield self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread:
+            self._thread.join(timeout=5)
+        for s in self._sockets:
+            s.close(0)
+        self.trace.close()

@@ -8,6 +8,7 @@ first and pass P's returned ``kv_transfer_params`` to D unchanged.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -78,3 +79,8 @@ def prefill_leg_params(transfer_id: str, lane: int | None = None) -> dict[str, A
     if lane is not None:
         kp["lane"] = lane
     return {"do_remote_decode": True, "do_remote_prefill": False, "kvpath": kp}
+
+
+def default_lane(transfer_id: str, n_lanes: int) -> int:
+    """The lane a transfer takes when nobody chose one (stable across processes)."""
+    return zlib.crc32(transfer_id.encode()) % n_lanes

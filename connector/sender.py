@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,6 +21,7 @@ from connector import messages as M
 from connector.config import ConfigError, KVPathConfig
 from connector.engine_thread import EngineThread
 from connector.layout import LayoutMismatch, build_descs, check_compatible
+from connector.params import default_lane
 from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register, remote_endpoints, wait_xfer
 from connector.push_state import FinishedPrefill, Match, WriterState
 from connector.telemetry import Stats, TraceWriter, TransferRecord
@@ -48,11 +48,6 @@ class _InFlight:
     handle: Any
     record: TransferRecord
     deadline: float
-
-
-def default_lane(transfer_id: str, n_lanes: int) -> int:
-    """The lane a transfer takes when nobody chose one (stable across processes)."""
-    return zlib.crc32(transfer_id.encode()) % n_lanes
 
 
 class PushSender(EngineThread):

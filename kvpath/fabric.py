@@ -1,0 +1,194 @@
+"""The fabric spec: one declarative leaf-spine description shared by every part.
+
+Addressing is hierarchical: host ``h`` under leaf ``l`` is ``l{l}h{h}`` with IP
+``<base>.<l>.<h+2>.1`` (one /16 of the /8 per leaf). Paths follow the up-down rule and are
+computed by rule, never by routing tables: hosts under one leaf talk through the
+leaf; otherwise the packet goes host -> leaf -> spine -> leaf -> host, the spine
+picked by the ECMP hash of the flow's 5-tuple (or by a reservation pinning it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import zlib
+from dataclasses import asdict, dataclass, field
+import pathlib
+from typing import Any
+
+HASH_FIELDS = ("src_ip", "dst_ip", "proto", "src_port", "dst_port")
+PROTO_NUM = {"tcp": 6, "udp": 17}
+
+
+class FabricSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FlowKey:
+    src_ip: str
+    dst_ip: str
+    src_port: int
+    dst_port: int
+    proto: str = "tcp"
+
+
+@dataclass(frozen=True)
+class Path:
+    """Nodes from source host to destination host and the directed links between."""
+
+    nodes: tuple[str, ...]
+    spine: str | None
+
+    @property
+    def links(self) -> tuple[tuple[str, str], ...]:
+        return tuple(zip(self.nodes[:-1], self.nodes[1:]))
+
+    @property
+    def core_links(self) -> tuple[tuple[str, str], ...]:
+        """Switch-to-switch links: the only ones where two paths between the
+        same hosts can differ (host links are common to all of them)."""
+        return self.links[1:-1]
+
+
+@dataclass(frozen=True)
+class FabricSpec:
+    leaves: int = 4
+    spines: int = 4
+    hosts_per_leaf: int = 4
+    host_link_gbps: float = 100.0
+    spine_link_gbps: float = 100.0
+    mtu: int = 9000
+    ecmp_hash_fields: tuple[str, ...] = HASH_FIELDS
+    ecmp_seed: int = 0
+    base_net: str = "10.0.0.0/8"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("leaves", "spines", "hosts_per_leaf"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise FabricSpecError(f"fabric.{name} must be a positive integer, got {v!r}")
+        if self.leaves > 250 or self.hosts_per_leaf > 250:
+            raise FabricSpecError("fabric.leaves and fabric.hosts_per_leaf must be <= 250 (one /24 per leaf)")
+        for name in ("host_link_gbps", "spine_link_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise FabricSpecError(f"fabric.{name} must be a positive number, got {v!r}")
+        if not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65536:
+            raise FabricSpecError(f"fabric.mtu must be an integer in [576, 65536], got {self.mtu!r}")
+        bad = [f for f in self.ecmp_hash_fields if f not in HASH_FIELDS]
+        if bad or not self.ecmp_hash_fields:
+            raise FabricSpecError(f"fabric.ecmp_hash_fields must be a non-empty subset of {HASH_FIELDS}, got {bad or '[]'}")
+        try:
+            net = ipaddress.ip_network(self.base_net)
+        except ValueError as e:
+            raise FabricSpecError(f"fabric.base_net: {e}") from None
+        if net.version != 4 or net.prefixlen > 8:
+            raise FabricSpecError("fabric.base_net must be an IPv4 /8 (e.g. 10.0.0.0/8)")
+
+    # ---- loading ----------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FabricSpec":
+        if not isinstance(d, dict):
+            raise FabricSpecError("fabric spec must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise FabricSpecError(f"fabric: unknown field(s) {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        if "ecmp_hash_fields" in d:
+            d["ecmp_hash_fields"] = tuple(d["ecmp_hash_fields"])
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> "FabricSpec":
+        try:
+            data = json.loads(pathlib.Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise FabricSpecError(f"cannot read fabric spec {path}: {e}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        d["ecmp_hash_fields"] = list(self.ecmp_hash_fields)
+        return d
+
+    # ---- addressing ------------------------------------------------------
+    def hosts(self) -> list[str]:
+        return [self.host_name(l, h) for l in range(self.leaves) for h in range(self.hosts_per_leaf)]
+
+    @staticmethod
+    def host_name(leaf: int, host: int) -> str:
+        return f"l{leaf}h{host}"
+
+    @staticmethod
+    def leaf_name(leaf: int) -> str:
+        return f"leaf{leaf}"
+
+    @staticmethod
+    def spine_name(spine: int) -> str:
+        return f"spine{spine}"
+
+    def locate(self, host: str) -> tuple[int, int]:
+        """(leaf, host index) of a host name or IP; FabricSpecError if not in the fabric."""
+        try:
+            if host.startswith("l") and "h" in host:
+                l_s, h_s = host[1:].split("h", 1)
+                leaf, idx = int(l_s), int(h_s)
+            else:
+                octets = ipaddress.ip_address(host).packed
+                base = ipaddress.ip_network(self.base_net).network_address.packed
+                if octets[0] != base[0]:
+                    raise ValueError
+                leaf, idx = octets[1], octets[2] - 2
+        except ValueError:
+            raise FabricSpecError(f"{host!r} is not a host of this fabric") from None
+        if not (0 <= leaf < self.leaves and 0 <= idx < self.hosts_per_leaf):
+            raise FabricSpecError(f"{host!r} is not a host of this fabric ({self.leaves} leaves x {self.hosts_per_leaf} hosts)")
+        return leaf, idx
+
+    def host_ip(self, host: str) -> str:
+        leaf, idx = self.locate(host)
+        base = ipaddress.ip_network(self.base_net).network_address.packed[0]
+        return f"{base}.{leaf}.{idx + 2}.1"
+
+    def canonical(self, host: str) -> str:
+        return self.host_name(*self.locate(host))
+
+    # ---- paths by rule ---------------------------------------------------
+    def ecmp_hash(self, key: FlowKey) -> int:
+        parts = {
+            "src_ip": key.src_ip, "dst_ip": key.dst_ip, "proto": str(PROTO_NUM.get(key.proto, 0)),
+            "src_port": str(key.src_port), "dst_port": str(key.dst_port),
+        }
+        data = "|".join(parts[f] for f in self.ecmp_hash_fields).encode()
+        h = zlib.crc32(data, self.ecmp_seed & 0xFFFFFFFF)
+        # finalizer: crc32 alone maps neighbouring ports to neighbouring buckets
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        return h
+
+    def path(self, src_host: str, dst_host: str, spine: int | None = None) -> Path:
+        sl, _ = self.locate(src_host)
+        dl, _ = self.locate(dst_host)
+        src, dst = self.canonical(src_host), self.canonical(dst_host)
+        if src == dst:
+            return Path((src,), None)
+        if sl == dl:
+            return Path((src, self.leaf_name(sl), dst), None)
+        if spine is None or not 0 <= spine < self.spines:
+            raise FabricSpecError(f"path {src}->{dst} crosses the spine layer: give a spine in [0, {self.spines})")
+        s = self.spine_name(spine)
+        return Path((src, self.leaf_name(sl), s, self.leaf_name(dl), dst), s)
+
+    def flow_path(self, src_host: str, dst_host: str, src_port: int, dst_port: int = 0, proto: str = "tcp") -> Path:
+        """The path ECMP gives this 5-tuple (the model's hash)."""
+        key = FlowKey(self.host_ip(src_host), self.host_ip(dst_host), src_port, dst_port, proto)
+        return self.path(src_host, dst_host, self.ecmp_hash(key) % self.spines)
+
+    def link_gbps(self, link: tuple[str, str]) -> float:
+        a, b = link
+        return self.spine_link_gbps if a.startswith("spine") or b.startswith("spine") else self.host_link_gbps

@@ -1,0 +1,262 @@
+"""Path reservation: which lane (so which path) a KV flow takes. In-process core.
+
+Modes:
+- ``ecmp``: the lane the transfer id hashes to (what the connector does alone);
+  no control, reservations are only recorded.
+- ``cc``: central Global-First-Fit (after Hedera): among the P host's lanes to
+  the D host, take the path whose busiest switch-to-switch link carries the
+  fewest reserved flows, then the fewest reserved bytes on those links; ties go
+  to the lowest lane id.
+- ``dc``: one agent per P host decides with the same rule from its own view; its
+  own reservations enter its view at once, other hosts' after ``dc_delay_s``
+  (their broadcast delay). Zero delay reproduces ``cc``; a long delay leaves
+  each agent blind to the others, drifting toward ``ecmp``-like collisions.
+
+Leases end a reservation when its release never comes. Loads are integer flow
+counts and byte sums per directed link, so they return exactly to zero.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+from connector.params import default_lane
+from kvpath.fabric import FabricSpec, FabricSpecError, Path
+from proxy.oracle import ModelOracle, PathOracle
+
+MODES = ("ecmp", "cc", "dc")
+Link = tuple[str, str]
+
+
+class ReservationError(ValueError):
+    """Bad reservation input; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    lane: int
+    src_port: int
+    dst_port: int = 0
+
+
+@dataclass
+class Reservation:
+    lease_id: str
+    transfer_id: str
+    src_host: str
+    dst_host: str
+    bytes: int
+    lane: int | None
+    src_port: int | None
+    path: Path | None
+    expires_at: float
+    mode: str
+    fallback: str = ""  # why no decision was made ("no_lanes"), else ""
+
+    def to_dict(self) -> dict:
+        return {
+            "lease_id": self.lease_id, "transfer_id": self.transfer_id, "src_host": self.src_host,
+            "dst_host": self.dst_host, "bytes": self.bytes, "lane": self.lane, "src_port": self.src_port,
+            "path": list(self.path.nodes) if self.path else None, "spine": self.path.spine if self.path else None,
+            "expires_in_s": round(self.expires_at - time.monotonic(), 3) if self.expires_at else None,
+            "mode": self.mode, "fallback": self.fallback,
+        }
+
+
+class LinkLoads:
+    """Reserved flows and bytes per directed link."""
+
+    def __init__(self) -> None:
+        self.flows: dict[Link, int] = defaultdict(int)
+        self.bytes: dict[Link, int] = defaultdict(int)
+
+    def add(self, links: tuple[Link, ...], nbytes: int, sign: int) -> None:
+        for ln in links:
+            self.flows[ln] += sign
+            self.bytes[ln] += sign * nbytes
+            if self.flows[ln] == 0:
+                del self.flows[ln]
+                self.bytes.pop(ln, None)
+
+    def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
+        if not links:
+            return (0, 0)
+        return (max(self.flows.get(ln, 0) for ln in links), sum(self.bytes.get(ln, 0) for ln in links))
+
+    def total_flows(self) -> int:
+        return sum(self.flows.values())
+
+
+@dataclass
+class _Event:
+    time: float
+    origin: str
+    links: tuple[Link, ...]
+    nbytes: int
+    sign: int
+
+
+class _DelayedView:
+    """What one P host's agent believes in ``dc`` mode: the true loads minus the
+    other hosts' changes it has not heard of yet (those younger than the delay)."""
+
+    def __init__(self, truth: LinkLoads, unheard: list[_Event], host: str):
+        self.truth = truth
+        self.dflows: dict[Link, int] = defaultdict(int)
+        self.dbytes: dict[Link, int] = defaultdict(int)
+        for e in unheard:
+            if e.origin != host:
+                for ln in e.links:
+                    self.dflows[ln] -= e.sign
+                    self.dbytes[ln] -= e.sign * e.nbytes
+
+    def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
+        if not links:
+            return (0, 0)
+        t = self.truth
+        return (
+            max(t.flows.get(ln, 0) + self.dflows.get(ln, 0) for ln in links),
+            sum(t.bytes.get(ln, 0) + self.dbytes.get(ln, 0) for ln in links),
+        )
+
+
+class ReservationService:
+    def __init__(
+        self,
+        spec: FabricSpec,
+        mode: str = "cc",
+        oracle: PathOracle | None = None,
+        lease_s: float = 10.0,
+        dc_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if mode not in MODES:
+            raise ReservationError(f"mode must be one of {MODES}, got {mode!r}")
+        if lease_s <= 0 or dc_delay_s < 0:
+            raise ReservationError("lease_s must be > 0 and dc_delay_s >= 0")
+        self.spec = spec
+        self.mode = mode
+        self.oracle = oracle or ModelOracle(spec)
+        self.lease_s = lease_s
+        self.dc_delay_s = dc_delay_s
+        self.clock = clock
+        self.loads = LinkLoads()  # the global truth (what cc decides on)
+        self.active: dict[str, Reservation] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self._ids = itertools.count(1)
+        self._lanes: dict[tuple[str, str], list[LaneInfo]] = {}
+        self._recent: deque[_Event] = deque()  # dc: changes younger than the broadcast delay
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # ---- lane registry (filled by P connectors when they open lanes) -------
+    def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo]) -> None:
+        src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
+        self._check_lanes(lanes)
+        self._lanes[(src, dst)] = sorted(lanes, key=lambda x: x.lane)
+        self.counters["lane_registrations"] += 1
+
+    def lanes(self, src_host: str, dst_host: str) -> list[LaneInfo]:
+        return list(self._lanes.get((self._host(src_host, "src_host"), self._host(dst_host, "dst_host")), []))
+
+    # ---- decisions -------------------------------------------------------
+    def reserve(
+        self, src_host: str, dst_host: str, nbytes: int, lanes: list[LaneInfo] | None = None, transfer_id: str = ""
+    ) -> Reservation:
+        now = self.clock()
+        self.expire(now)
+        src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ReservationError(f"bytes must be a non-negative integer, got {nbytes!r}")
+        if lanes:
+            self._check_lanes(lanes)
+        cands = sorted(lanes, key=lambda x: x.lane) if lanes else self._lanes.get((src, dst), [])
+        lease_id = f"r{next(self._ids)}"
+        tid = transfer_id or lease_id
+        if not cands:
+            self.counters["fallback_no_lanes"] += 1
+            return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
+        paths = [self.oracle.path(src, dst, c.src_port, c.dst_port) for c in cands]
+        if self.mode == "ecmp":
+            # exactly the lane the connector takes by itself (crc32 of the transfer id)
+            want = default_lane(tid, max(c.lane for c in cands) + 1)
+            i = next((k for k, c in enumerate(cands) if c.lane == want), 0)
+        else:
+            view = self.loads if self.mode == "cc" else self._view(src, now)
+            i = min(range(len(cands)), key=lambda k: (*view.cost(paths[k].core_links), cands[k].lane))
+        lane, path = cands[i], paths[i]
+        r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, path, now + self.lease_s, self.mode)
+        self._apply(r, +1, now)
+        self.active[lease_id] = r
+        heapq.heappush(self._expiry, (r.expires_at, lease_id))
+        self.counters["reservations"] += 1
+        return r
+
+    def release(self, lease_id: str) -> bool:
+        """End a reservation; False when it already ended (idempotent)."""
+        r = self.active.pop(lease_id, None)
+        if r is None:
+            self.counters["releases_unknown"] += 1
+            return False
+        self._apply(r, -1, self.clock())
+        self.counters["releases"] += 1
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        n = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lid = heapq.heappop(self._expiry)
+            r = self.active.pop(lid, None)
+            if r is not None and r.expires_at <= now:
+                self._apply(r, -1, now)
+                self.counters["leases_expired"] += 1
+                n += 1
+        return n
+
+    def state(self) -> dict:
+        self.expire()
+        return {
+            "mode": self.mode,
+            "active": len(self.active),
+            "reserved_flows": self.loads.total_flows(),
+            "links": {f"{a}->{b}": {"flows": f, "bytes": self.loads.bytes.get((a, b), 0)}
+                      for (a, b), f in sorted(self.loads.flows.items())},
+            "lanes_known": {f"{s}->{d}": [[l.lane, l.src_port] for l in ls] for (s, d), ls in self._lanes.items()},
+            "counters": dict(self.counters),
+        }
+
+    # ---- internals -------------------------------------------------------
+    def _host(self, host: str, field_name: str) -> str:
+        if not isinstance(host, str) or not host:
+            raise ReservationError(f"{field_name} must be a host name or IP of the fabric")
+        try:
+            return self.spec.canonical(host)
+        except FabricSpecError as e:
+            raise ReservationError(f"{field_name}: {e}") from None
+
+    @staticmethod
+    def _check_lanes(lanes: list[LaneInfo]) -> None:
+        seen = set()
+        for ln in lanes:
+            if not isinstance(ln.lane, int) or ln.lane < 0 or ln.lane in seen:
+                raise ReservationError(f"lanes: bad or repeated lane id {ln.lane!r}")
+            if not 0 <= ln.src_port < 65536 or not 0 <= ln.dst_port < 65536:
+                raise ReservationError(f"lanes: lane {ln.lane} has a port outside [0, 65535]")
+            seen.add(ln.lane)
+
+    def _apply(self, r: Reservation, sign: int, now: float) -> None:
+        links = r.path.links if r.path else ()
+        self.loads.add(links, r.bytes, sign)
+        if self.mode == "dc" and self.dc_delay_s > 0 and links:
+            self._recent.append(_Event(now, r.src_host, links, r.bytes, sign))
+
+    def _view(self, host: str, now: float) -> "_DelayedView | LinkLoads":
+        rec = self._recent
+        while rec and rec[0].time + self.dc_delay_s <= now:
+            rec.popleft()  # heard by everyone by now
+        return _DelayedView(self.loads, list(rec), host) if rec else self.loads

@@ -1,0 +1,56 @@
+import pytest
+
+from kvpath.fabric import FabricSpec, FabricSpecError
+
+
+def test_addressing_is_hierarchical_and_reversible():
+    f = FabricSpec(leaves=3, spines=2, hosts_per_leaf=4)
+    assert len(f.hosts()) == 12
+    assert f.host_ip("l2h3") == "10.2.5.1"
+    assert f.canonical("10.2.5.1") == "l2h3"
+    for bad in ("l3h0", "l0h4", "11.0.2.1", "nonsense", "10.0.1.1"):
+        with pytest.raises(FabricSpecError):
+            f.locate(bad)
+
+
+def test_paths_follow_the_up_down_rule():
+    f = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
+    assert f.path("l0h0", "l0h1").nodes == ("l0h0", "leaf0", "l0h1")
+    p = f.path("l0h0", "l1h1", spine=2)
+    assert p.nodes == ("l0h0", "leaf0", "spine2", "leaf1", "l1h1") and p.spine == "spine2"
+    assert p.links[1] == ("leaf0", "spine2")
+    with pytest.raises(FabricSpecError):
+        f.path("l0h0", "l1h0")
+
+
+def test_ecmp_hash_is_deterministic_spreads_and_depends_on_seed():
+    f = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2, ecmp_seed=1)
+    spines = [f.flow_path("l0h0", "l1h0", sport, 5000).spine for sport in range(40000, 40400)]
+    assert spines == [f.flow_path("l0h0", "l1h0", sport, 5000).spine for sport in range(40000, 40400)]
+    counts = {s: spines.count(s) for s in set(spines)}
+    assert len(counts) == 4 and min(counts.values()) > 60  # roughly uniform
+    g = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2, ecmp_seed=2)
+    assert spines != [g.flow_path("l0h0", "l1h0", sport, 5000).spine for sport in range(40000, 40400)]
+    # hash fields that exclude ports: every port takes the same path
+    h = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2, ecmp_hash_fields=("src_ip", "dst_ip"))
+    assert len({h.flow_path("l0h0", "l1h0", p, 5000).spine for p in range(100)}) == 1
+
+
+@pytest.mark.parametrize(
+    "d, field",
+    [({"leaves": 0}, "leaves"), ({"spines": "4"}, "spines"), ({"mtu": 100}, "mtu"),
+     ({"ecmp_hash_fields": ["src_mac"]}, "ecmp_hash_fields"), ({"spine_link_gbps": -1}, "spine_link_gbps"),
+     ({"bogus": 1}, "bogus"), ({"base_net": "10.0.0.0/16"}, "base_net")],
+)
+def test_bad_spec_names_the_field(d, field):
+    with pytest.raises(FabricSpecError, match=field):
+        FabricSpec.from_dict(d)
+
+
+def test_roundtrip(tmp_path):
+    f = FabricSpec(leaves=2, spines=3, ecmp_seed=7)
+    p = tmp_path / "f.json"
+    import json
+
+    p.write_text(json.dumps(f.to_dict()))
+    assert FabricSpec.load(p) == f

@@ -41,6 +41,11 @@ class KVPathConfig:
     engine_id: str | None = None
     # Per-transfer hard limit once a WRITE is posted.
     transfer_timeout_s: float = 30.0
+    # Reservation service (kvpath reservation): lanes are registered there when
+    # they open, and a push's reservation is released when the push ends.
+    reservation_url: str | None = None
+    # This engine's host in the fabric spec (e.g. "l0h1"); sent with lanes.
+    fabric_host: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -47,6 +47,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     probe_addr: int = 0
     probe_len: int = 0
     host: str = ""
+    fabric_host: str = ""  # D's host in the fabric spec, for lane registration
     version: int = PROTOCOL_VERSION
 
 

@@ -1,7 +1,7 @@
 """The ``kv_transfer_params`` that carry kvpath's per-request fields (no vLLM import).
 
 D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port"}}
-P leg:  {"do_remote_decode": true,  "kvpath": {"transfer_id": T, "lane": 2}}
+P leg:  {"do_remote_decode": true,  "kvpath": {"transfer_id": T, "lane": 2, "lease_id": "r7"}}
 The proxy sends both legs at once; a plain client may instead send the P leg
 first and pass P's returned ``kv_transfer_params`` to D unchanged.
 """
@@ -29,6 +29,7 @@ class DecodeParams:
 class PrefillParams:
     transfer_id: str
     lane: int | None
+    lease_id: str | None = None
 
 
 def _kvpath(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -67,17 +68,22 @@ def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillP
     lane = kp.get("lane")
     if lane is not None and (isinstance(lane, bool) or not isinstance(lane, int) or lane < 0):
         raise BadTransferParams("kv_transfer_params.kvpath.lane must be a non-negative integer")
-    return PrefillParams(tid, lane)
+    lease = kp.get("lease_id")
+    if lease is not None and (not isinstance(lease, str) or len(lease) > 64):
+        raise BadTransferParams("kv_transfer_params.kvpath.lease_id must be a string")
+    return PrefillParams(tid, lane, lease)
 
 
 def decode_leg_params(transfer_id: str, peer: str) -> dict[str, Any]:
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvpath": {"transfer_id": transfer_id, "peer": peer}}
 
 
-def prefill_leg_params(transfer_id: str, lane: int | None = None) -> dict[str, Any]:
+def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str | None = None) -> dict[str, Any]:
     kp: dict[str, Any] = {"transfer_id": transfer_id}
     if lane is not None:
         kp["lane"] = lane
+    if lease_id:
+        kp["lease_id"] = lease_id
     return {"do_remote_decode": True, "do_remote_prefill": False, "kvpath": kp}
 
 

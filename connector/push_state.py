@@ -22,6 +22,7 @@ class FinishedPrefill:
     transfer_id: str
     block_ids: list[int]
     lane: int | None = None  # lane chosen by the caller (the proxy); None: hash
+    lease_id: str | None = None  # the reservation behind that lane, released when the push ends
     finished_at: float = field(default_factory=time.time)
     deadline: float = 0.0
 

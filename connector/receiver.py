@@ -128,7 +128,7 @@ class PushReceiver(EngineThread):
                     transfer_id=tid, request_id=request_id, engine_id=self.engine_id,
                     agent_name=self.agent.name, agent_metadata=self.metadata, layout=self.layout,
                     block_ids=block_ids, skip_blocks=skip, probe_addr=self._probe.ctypes.data,
-                    probe_len=PROBE_BYTES, host=self.cfg.side_channel_host,
+                    probe_len=PROBE_BYTES, host=self.cfg.side_channel_host, fabric_host=self.cfg.fabric_host or "",
                 )
                 self._sock(peer).send(M.encode(msg), zmq.NOBLOCK)
             elif kind == "cancel":

@@ -24,6 +24,7 @@ from connector.layout import LayoutMismatch, build_descs, check_compatible
 from connector.params import default_lane
 from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register, remote_endpoints, wait_xfer
 from connector.push_state import FinishedPrefill, Match, WriterState
+from connector.reservation_hooks import ReservationNotifier
 from connector.telemetry import Stats, TraceWriter, TransferRecord
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class PushSender(EngineThread):
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[str, _InFlight] = {}
         self.lane_agents: list[Any] = []
+        self.notifier: ReservationNotifier | None = None
 
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
@@ -89,13 +91,22 @@ class PushSender(EngineThread):
             register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
             register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
+        if self.cfg.reservation_url:
+            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats)
         self._start_thread(self._run, "kvpath-push-writer")
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
 
+    def close(self) -> None:
+        super().close()
+        if self.notifier is not None:
+            self.notifier.close()
+
     # -- called from the engine thread ---------------------------------------
-    def submit_finished(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None) -> None:
-        self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane))
+    def submit_finished(
+        self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None, lease_id: str | None = None
+    ) -> None:
+        self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id))
 
     def abort(self, transfer_id: str) -> None:
         self._put("abort", transfer_id)
@@ -148,7 +159,7 @@ class PushSender(EngineThread):
                 elif status == "dead":
                     logger.info("transfer %s already ended (%s): blocks freed", arg.transfer_id,
                                 self.state.status_of(arg.transfer_id))
-                    self._release(arg.request_id)
+                    self._release(arg)
                 elif m is not None:
                     self._start_write(m)
             elif kind == "abort":
@@ -215,7 +226,7 @@ class PushSender(EngineThread):
         if status == "in_flight":
             return  # D hears the completion notification or a failure
         if fp is not None:
-            self._release(fp.request_id)
+            self._release(fp)
             self.stats.inc("pushes_cancelled")
             self.trace.write(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
         self._ack(ident, tid, "cancelled")
@@ -250,6 +261,10 @@ class PushSender(EngineThread):
         self.trace.write_event(
             "lanes", peer=reg.agent_name, engine=self.engine_id, lanes=[[l.lane_id, l.src_ports] for l in lanes]
         )
+        if self.notifier is not None and self.cfg.fabric_host and reg.fabric_host:
+            self.notifier.register_lanes(
+                self.cfg.fabric_host, reg.fabric_host, [(l.lane_id, l.src_ports[0]) for l in lanes if l.src_ports]
+            )
         if self.on_lanes:
             try:
                 self.on_lanes(reg.agent_name, lanes)
@@ -269,6 +284,7 @@ class PushSender(EngineThread):
             peer_request_id=reg.request_id,
             lane=lane,
             src_port=(peer.lanes[lane].src_ports[0] if peer and peer.lanes[lane].src_ports else 0),
+            lease_id=fp.lease_id or "",
             registered_at=m.registration.received_at,
             prefill_done_at=fp.finished_at,
         )
@@ -327,7 +343,7 @@ class PushSender(EngineThread):
 
     def _succeed(self, m: Match, rec: TransferRecord) -> None:
         self.state.complete(m.prefill.transfer_id, "ok")
-        self._release(m.prefill.request_id)
+        self._release(m.prefill)
         self.stats.inc("pushes_ok")
         self.stats.observe_transfer(rec)
         self.trace.write(rec)
@@ -337,7 +353,7 @@ class PushSender(EngineThread):
         tid = m.prefill.transfer_id
         self.state.active.setdefault(tid, m)
         self.state.complete(tid, "failed")
-        self._release(m.prefill.request_id)
+        self._release(m.prefill)
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)
         rec.status, rec.detail, rec.completed_at = "failed", why, time.time()
@@ -348,7 +364,7 @@ class PushSender(EngineThread):
     def _expire(self) -> None:
         ex = self.state.expire()
         for fp in ex.prefills:
-            self._release(fp.request_id)
+            self._release(fp)
             self.stats.inc("pushes_expired")
             self.trace.write(
                 TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
@@ -359,7 +375,11 @@ class PushSender(EngineThread):
             self.stats.inc("registrations_rejected")
             self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, fp: FinishedPrefill) -> None:
+        """The push of ``fp`` ended (any way): free its blocks, end its reservation."""
+        if fp.lease_id and self.notifier is not None:
+            self.notifier.release(fp.lease_id)
+        request_id = fp.request_id
         # Report each request once: vLLM frees (and forgets) it on the first report.
         if request_id in self._released:
             return

@@ -25,6 +25,7 @@ class TransferRecord:
     blocks: int = 0
     lane: int = -1
     src_port: int = 0
+    lease_id: str = ""  # the path reservation this push used, if any
     registered_at: float | None = None  # D's registration arrived
     prefill_done_at: float | None = None  # P's request finished
     submit_at: float | None = None  # WRITE posted
@@ -89,6 +90,8 @@ COUNTERS = (
     "recv_failed",
     "recv_timeout",
     "lanes_opened",
+    "reservation_calls_ok",
+    "reservation_calls_failed",
 )
 
 

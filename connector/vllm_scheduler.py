@@ -40,6 +40,7 @@ class SendReq:
     transfer_id: str
     block_ids: list[int]
     lane: int | None
+    lease_id: str | None = None
 
 
 @dataclass
@@ -109,7 +110,7 @@ class KVPathScheduler:
         if not ok or not block_ids:
             self._meta.aborted.append(pp.transfer_id)
             return False, None
-        self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane))
+        self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id))
         self._p_pending.add(rid)
         return True, {
             "do_remote_prefill": True,

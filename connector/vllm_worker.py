@@ -56,7 +56,7 @@ class KVPathWorker:
                 self.receiver.cancel(rid)
         if self.sender is not None:
             for s in meta.finished:
-                self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane)
+                self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id)
             for tid in meta.aborted:
                 self.sender.abort(tid)
 

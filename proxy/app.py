@@ -1,0 +1,454 @@
+"""``kvpath proxy``: the OpenAI-compatible P/D proxy (FastAPI + httpx).
+
+For each request it picks a P and a D instance, asks for a lane (push mode),
+runs the two legs and passes D's response through unchanged (streamed or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proxy import legs
+from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
+from proxy.metrics import ProxyMetrics
+from proxy.reservation_client import LaneGrant
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyConfig:
+    mode: str = "push"
+    policy: str = "round_robin"
+    admin_token: str | None = None
+    upstream_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    kv_bytes_per_token: int = 131072  # for the reservation's flow size estimate
+    max_connections: int = 2048
+
+    def validate(self) -> None:
+        if self.mode not in legs.MODES:
+            raise ValueError(f"mode must be one of {legs.MODES}, got {self.mode!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.upstream_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class CompletionBody(_Strict):
+    model: str = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
+
+
+class ChatBody(_Strict):
+    model: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
+
+
+class InstanceBody(BaseModel):
+    role: str = Field(pattern="^(prefill|decode)$")
+    url: str = Field(min_length=8, pattern="^https?://")
+    fabric_host: str = ""
+    kv_addr: str = ""
+    engine_id: str = ""
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status, **extra}}, status_code=status)
+
+
+class Proxy:
+    def __init__(self, cfg: ProxyConfig, prefill: list[Instance], decode: list[Instance], reserver: Any = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.pools = {"prefill": InstancePool("prefill", cfg.policy), "decode": InstancePool("decode", cfg.policy)}
+        for i in prefill + decode:
+            self.pools[i.role].add(i)
+        self.reserver = reserver
+        self.metrics = ProxyMetrics()
+        self.client: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- life cycle ------------------------------------------------------
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.cfg.upstream_timeout_s, connect=self.cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=self.cfg.max_connections, max_keepalive_connections=256),
+        )
+
+    async def stop(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        if self.client:
+            await self.client.aclose()
+        if self.reserver is not None:
+            await self.reserver.close()
+
+    # ---- request handling --------------------------------------------------
+    async def handle(self, request: Request, endpoint: str, schema: type[BaseModel]) -> Response:
+        t0 = time.perf_counter()
+        try:
+            raw = await request.body()
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._count(endpoint, _error(400, "request body is not valid JSON"), "bad_json")
+        if not isinstance(body, dict):
+            return self._count(endpoint, _error(400, "request body must be a JSON object"), "bad_json")
+        try:
+            schema.model_validate(body)
+        except ValidationError as e:
+            fields = [".".join(str(x) for x in err["loc"]) for err in e.errors()]
+            msg = "; ".join(f"{f}: {err['msg']}" for f, err in zip(fields, e.errors()))
+            return self._count(endpoint, _error(422, msg, fields=fields), "schema")
+        body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
+        try:
+            p, d = self.pools["prefill"].pick(), self.pools["decode"].pick()
+        except NoInstance as e:
+            return self._count(endpoint, _error(503, str(e)), "no_instance")
+        try:
+            resp = await self._run(request, endpoint, body, p, d, t0)
+        except UpstreamError as e:
+            return self._count(endpoint, _error(e.status, e.message), e.kind)
+        return resp
+
+    def _count(self, endpoint: str, resp: Response, error_kind: str | None = None) -> Response:
+        self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        if error_kind:
+            self.metrics.errors.labels(error_kind).inc()
+        return resp
+
+    async def _run(self, request: Request, endpoint: str, body: dict, p: Instance, d: Instance, t0: float) -> Response:
+        assert self.client is not None
+        stream = bool(body.get("stream"))
+        tid = uuid.uuid4().hex
+        headers = {"X-Request-Id": tid}
+        grant = LaneGrant(None, None, None, "")
+        self._enter(p, d)
+        p_task: asyncio.Task | None = None
+        handed_over = ok = False
+        try:
+            if self.cfg.mode == "push":
+                grant = await self._reserve(p, d, body, tid)
+                p_body, d_body = legs.push_legs(body, p, tid, grant.lane, grant.lease_id)
+            elif self.cfg.mode == "inproc-push":
+                p_body, d_body = legs.inproc_push_legs(body, p)
+            else:
+                p_body, d_body = legs.pull_prefill_leg(body), None
+            if d_body is None:  # pull: P first, then D with what P returned
+                p_out = await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
+                d_body = legs.decode_body(body, p_out.get("kv_transfer_params") or {})
+            else:
+                p_task = asyncio.create_task(self._post_json(p.url + endpoint, p_body, headers, p))
+            d_resp, first, chunks = await self._watch(
+                request, self._open_decode(d, endpoint, d_body, headers, stream), p_task)
+            ttfb = time.perf_counter() - t0
+            self.metrics.first_token.observe(ttfb)
+            if stream:
+                handed_over = True
+                return StreamingResponse(
+                    self._relay(d_resp, first, chunks, p, d, p_task, grant, endpoint, t0),
+                    status_code=d_resp.status_code, media_type=d_resp.headers.get("content-type", "text/event-stream"),
+                )
+            content = first  # non-streaming: _open_decode read the whole body
+            await d_resp.aclose()
+            ok = True
+            d.served += 1
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            return self._count(endpoint, Response(content, status_code=d_resp.status_code,
+                                                  media_type=d_resp.headers.get("content-type", "application/json")))
+        except asyncio.CancelledError:
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            if not handed_over:
+                await self._finish(p, d, p_task, grant, ok)
+
+    async def _relay(self, d_resp: httpx.Response, first: bytes, chunks: Any, p: Instance, d: Instance,
+                     p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float) -> AsyncIterator[bytes]:
+        status = str(d_resp.status_code)
+        ok = False
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+            ok = True
+            d.served += 1
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        except httpx.HTTPError as e:
+            status = "502"
+            self.metrics.errors.labels("upstream_error").inc()
+            logger.warning("decode stream from %s broke: %s", d.url, e)
+        finally:
+            self.metrics.requests.labels(endpoint, status).inc()
+            await d_resp.aclose()
+            await self._finish(p, d, p_task, grant, ok)
+
+    async def _watch(self, request: Request, coro, p_task: asyncio.Task | None = None):
+        """Await ``coro`` (the D leg, or P in pull mode) while watching P's leg and the
+        client: a failed P leg or a gone client cancels it."""
+        main = asyncio.ensure_future(coro)
+        watchers = {main}
+        if p_task is not None:
+            watchers.add(p_task)
+        gone = asyncio.ensure_future(self._client_gone(request))
+        watchers.add(gone)
+        try:
+            while True:
+                done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+                if main in done:
+                    return main.result()
+                if gone in done:
+                    raise asyncio.CancelledError("client disconnected")
+                if p_task is not None and p_task in done:
+                    watchers.discard(p_task)
+                    exc = p_task.exception()
+                    if exc is not None:
+                        raise exc  # P failed: D would wait for a push that never comes
+        finally:
+            for t in (main, gone):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
+
+    @staticmethod
+    async def _client_gone(request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+
+    async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
+        assert self.client is not None
+        try:
+            r = await self.client.post(url, json=body, headers=headers)
+        except httpx.TimeoutException:
+            inst.errors += 1
+            raise UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out") from None
+        except httpx.HTTPError as e:
+            inst.errors += 1
+            raise UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} unreachable: {e!r}") from None
+        if r.status_code >= 400:
+            inst.errors += 1
+            raise UpstreamError(*_upstream_status(r.status_code), f"{inst.role} {inst.url}: {_message(r.text)}")
+        inst.served += 1
+        return r.json()
+
+    async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
+        """Send D's leg; return its response, its first bytes (they come once the KV
+        arrived) and, when streaming, the iterator over the rest."""
+        assert self.client is not None
+        req = self.client.build_request("POST", d.url + endpoint, json=body, headers=headers)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.TimeoutException:
+            d.errors += 1
+            raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
+        except httpx.HTTPError as e:
+            d.errors += 1
+            raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} unreachable: {e!r}") from None
+        if resp.status_code >= 400:
+            text = (await resp.aread()).decode("utf-8", "replace")
+            await resp.aclose()
+            d.errors += 1
+            raise UpstreamError(*_upstream_status(resp.status_code), f"decode {d.url}: {_message(text)}")
+        first = b""
+        chunks = None
+        try:
+            if stream:
+                # keep the iterator: the relay goes on from where the first chunk ended
+                chunks = resp.aiter_raw()
+                with contextlib.suppress(StopAsyncIteration):
+                    first = await chunks.__anext__()
+            else:
+                first = await resp.aread()
+        except httpx.TimeoutException:
+            await resp.aclose()
+            raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
+        except httpx.HTTPError as e:
+            await resp.aclose()
+            raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} failed: {e!r}") from None
+        except BaseException:
+            await resp.aclose()
+            raise
+        return resp, first, chunks
+
+    async def _reserve(self, p: Instance, d: Instance, body: dict, tid: str) -> LaneGrant:
+        if self.reserver is None:
+            return LaneGrant(None, None, None, "")
+        if not p.fabric_host or not d.fabric_host:
+            self.metrics.fallbacks.labels("no_fabric_host").inc()
+            return LaneGrant(None, None, None, "no_fabric_host")
+        nbytes = legs.estimate_prompt_tokens(body) * self.cfg.kv_bytes_per_token
+        t = time.perf_counter()
+        grant = await self.reserver.reserve(p.fabric_host, d.fabric_host, nbytes, tid)
+        self.metrics.reservation.observe(time.perf_counter() - t)
+        if grant.fallback:
+            self.metrics.fallbacks.labels(grant.fallback.split(":")[0]).inc()
+        return grant
+
+    def _enter(self, p: Instance, d: Instance) -> None:
+        for i in (p, d):
+            i.inflight += 1
+            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+
+    async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool) -> None:
+        for i in (p, d):
+            i.inflight -= 1
+            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+        if p_task is not None and not p_task.done():
+            if ok:
+                # D answered, so P pushed; let P's own answer arrive without holding the client
+                self._background.add(p_task)
+                p_task.add_done_callback(self._p_leg_done)
+            else:
+                p_task.cancel()  # failed or abandoned request: abort the prefill too
+                with contextlib.suppress(BaseException):
+                    await p_task
+        if grant.lease_id and self.reserver is not None:
+            await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
+
+    def _p_leg_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("prefill leg failed after decode answered: %s", task.exception())
+
+    # ---- admin -----------------------------------------------------------
+    def authorized(self, request: Request) -> bool:
+        if not self.cfg.admin_token:
+            return False
+        return request.headers.get("authorization", "") == f"Bearer {self.cfg.admin_token}"
+
+    def status(self) -> dict:
+        return {
+            "mode": self.cfg.mode, "policy": self.cfg.policy,
+            "reservation": type(self.reserver).__name__ if self.reserver else None,
+            "prefill": [i.to_dict() for i in self.pools["prefill"].all()],
+            "decode": [i.to_dict() for i in self.pools["decode"].all()],
+        }
+
+
+def _upstream_status(code: int) -> tuple[int, str]:
+    """A client error stays a client error; an engine failure becomes 502."""
+    if code in (400, 404, 413, 422):
+        return code, "upstream_rejected"
+    if code == 504:
+        return 504, "upstream_timeout"
+    return 502, "upstream_error"
+
+
+def _message(text: str) -> str:
+    try:
+        d = json.loads(text)
+        if isinstance(d, dict):
+            err = d.get("error", d.get("message", d))
+            if isinstance(err, dict):
+                return str(err.get("message", err))
+            return str(err)
+    except json.JSONDecodeError:
+        pass
+    return text[:500]
+
+
+def create_app(proxy: Proxy) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await proxy.start()
+        yield
+        await proxy.stop()
+
+    app = FastAPI(title="kvpath P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions", CompletionBody)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions", ChatBody)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        ds = proxy.pools["decode"].all()
+        if not ds:
+            return _error(503, "no decode instance is configured")
+        assert proxy.client is not None
+        try:
+            r = await proxy.client.get(ds[0].url + "/v1/models")
+        except httpx.HTTPError as e:
+            return _error(502, f"decode {ds[0].url} unreachable: {e!r}")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = bool(proxy.pools["prefill"].all() and proxy.pools["decode"].all())
+        return JSONResponse({"status": "ok" if ok else "no instances"}, status_code=200 if ok else 503)
+
+    @app.get("/status")
+    async def status() -> dict:
+        return proxy.status()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/instances")
+    async def add_instance(request: Request) -> Response:
+        if not proxy.authorized(request):
+            return _error(401 if proxy.cfg.admin_token else 403, "admin token required" if proxy.cfg.admin_token
+                          else "admin endpoints are disabled (start the proxy with --admin-token)")
+        try:
+            b = InstanceBody.model_validate_json(await request.body())
+        except ValidationError as e:
+            fields = [".".join(str(x) for x in err["loc"]) for err in e.errors()]
+            return _error(422 if not any(err["type"] == "json_invalid" for err in e.errors()) else 400,
+                          "; ".join(f"{f}: {err['msg']}" for f, err in zip(fields, e.errors())), fields=fields)
+        if b.role == "prefill" and proxy.cfg.mode != "pull" and not b.kv_addr:
+            return _error(422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
+                          fields=["kv_addr"])
+        new = proxy.pools[b.role].add(Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id))
+        return JSONResponse({"added" if new else "updated": b.url, "role": b.role}, status_code=201 if new else 200)
+
+    @app.delete("/admin/instances")
+    async def remove_instance(request: Request, role: str, url: str) -> Response:
+        if not proxy.authorized(request):
+            return _error(401 if proxy.cfg.admin_token else 403, "admin token required")
+        if role not in proxy.pools:
+            return _error(422, "role must be prefill or decode", fields=["role"])
+        if not proxy.pools[role].remove(url.rstrip("/")):
+            return _error(404, f"no {role} instance {url}")
+        return JSONResponse({"removed": url, "role": role})
+
+    return app

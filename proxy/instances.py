@@ -1,0 +1,71 @@
+"""Engine instances (P and D pools) and the routing policies that pick them."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("round_robin", "least_outstanding")
+
+
+class NoInstance(RuntimeError):
+    pass
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str  # "prefill" | "decode"
+    fabric_host: str = ""  # host in the fabric spec (reservations)
+    kv_addr: str = ""  # P only: connector side channel (push) or NIXL side channel (inproc-push), host:port
+    engine_id: str = ""  # P only, inproc-push: the engine's kv_transfer_config.engine_id
+    inflight: int = 0
+    served: int = 0
+    errors: int = 0
+    added_seq: int = field(default=0, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "fabric_host": self.fabric_host, "kv_addr": self.kv_addr,
+                "engine_id": self.engine_id, "inflight": self.inflight, "served": self.served, "errors": self.errors}
+
+
+class InstancePool:
+    """One role's instances. Not thread-safe: used from the proxy's event loop only."""
+
+    def __init__(self, role: str, policy: str = "round_robin"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.role = role
+        self.policy = policy
+        self._items: dict[str, Instance] = {}
+        self._rr = itertools.count()
+        self._seq = itertools.count()
+
+    def add(self, inst: Instance) -> bool:
+        """Add or update; True when it is new."""
+        new = inst.url not in self._items
+        if not new:
+            old = self._items[inst.url]
+            inst.inflight, inst.served, inst.errors, inst.added_seq = old.inflight, old.served, old.errors, old.added_seq
+        else:
+            inst.added_seq = next(self._seq)
+        self._items[inst.url] = inst
+        return new
+
+    def remove(self, url: str) -> bool:
+        return self._items.pop(url, None) is not None
+
+    def all(self) -> list[Instance]:
+        return sorted(self._items.values(), key=lambda i: i.added_seq)
+
+    def pick(self) -> Instance:
+        items = self.all()
+        if not items:
+            raise NoInstance(f"no {self.role} instance is configured")
+        n = next(self._rr)
+        if self.policy == "round_robin":
+            return items[n % len(items)]
+        low = min(i.inflight for i in items)
+        ties = [i for i in items if i.inflight == low]
+        return ties[n % len(ties)]

@@ -1,0 +1,78 @@
+"""Request bodies and headers of the P and D legs, per proxy mode.
+
+- ``push`` (KVPathConnector): legs sent at once, matched by a transfer id; P's leg
+  carries the reserved lane and its lease.
+- ``pull`` (vLLM's NixlConnector): P leg first (``max_tokens`` 1), D leg with the
+  ``kv_transfer_params`` P returned.
+- ``inproc-push`` (vLLM's NixlPushConnector): legs sent at once with the same
+  ``X-Request-Id``; D's params name P's engine and NIXL side channel.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from connector.config import parse_host_port
+from connector.params import decode_leg_params, prefill_leg_params
+from proxy.instances import Instance
+
+MODES = ("push", "pull", "inproc-push")
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg: same prompt, one token, no streaming."""
+    b = copy.deepcopy(body)
+    b["max_tokens"] = 1
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["stream"] = False
+    b.pop("stream_options", None)
+    b["kv_transfer_params"] = params
+    return b
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    b = dict(body)
+    b["kv_transfer_params"] = params
+    return b
+
+
+def push_legs(body: dict[str, Any], p: Instance, transfer_id: str, lane: int | None, lease_id: str | None):
+    return (
+        prefill_body(body, prefill_leg_params(transfer_id, lane, lease_id)),
+        decode_body(body, decode_leg_params(transfer_id, p.kv_addr)),
+    )
+
+
+def pull_prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
+    return prefill_body(body, {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    })
+
+
+def inproc_push_legs(body: dict[str, Any], p: Instance) -> tuple[dict[str, Any], dict[str, Any]]:
+    host, port = parse_host_port(p.kv_addr, f"prefill instance {p.url} kv_addr")
+    return (
+        prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False}),
+        decode_body(body, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
+            "remote_host": host, "remote_port": port, "tp_size": 1,
+        }),
+    )
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Rough token count without a tokenizer (about 4 characters per token)."""
+    if "messages" in body:
+        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            if prompt and isinstance(prompt[0], int):
+                return len(prompt)
+            text = "".join(str(x) for x in prompt)
+        else:
+            text = str(prompt)
+    return max(1, len(text) // 4)

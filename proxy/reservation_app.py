@@ -1,0 +1,129 @@
+"""``kvpath reservation``: the reservation service over HTTP (FastAPI).
+
+POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, path, lease
+POST /v1/release   {lease_id} -> {released}   (idempotent)
+POST /v1/lanes     {src_host, dst_host, lanes} (P connectors register the lanes they opened)
+GET  /v1/state, /health, /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
+
+from proxy.reservation import LaneInfo, ReservationError, ReservationService
+
+logger = logging.getLogger(__name__)
+
+
+class LaneModel(BaseModel):
+    lane: int = Field(ge=0, le=1023)
+    src_port: int = Field(ge=0, le=65535)
+    dst_port: int = Field(default=0, ge=0, le=65535)
+
+
+class ReserveBody(BaseModel):
+    src_host: str = Field(min_length=1, max_length=64)
+    dst_host: str = Field(min_length=1, max_length=64)
+    bytes: int = Field(ge=0)
+    lanes: list[LaneModel] | None = Field(default=None, max_length=1024)
+    transfer_id: str = Field(default="", max_length=256)
+
+
+class ReleaseBody(BaseModel):
+    lease_id: str = Field(min_length=1, max_length=64)
+
+
+class LanesBody(BaseModel):
+    src_host: str = Field(min_length=1, max_length=64)
+    dst_host: str = Field(min_length=1, max_length=64)
+    lanes: list[LaneModel] = Field(min_length=1, max_length=1024)
+
+
+def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming the field; a body that is not JSON at all is a 400."""
+    errs = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errs):
+        return JSONResponse({"error": "invalid JSON body"}, status_code=400)
+    fields = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errs]
+    msg = "; ".join(f"{f or 'body'}: {e.get('msg')}" for f, e in zip(fields, errs))
+    return JSONResponse({"error": msg, "fields": fields}, status_code=422)
+
+
+def create_app(svc: ReservationService, expire_every_s: float = 0.5) -> FastAPI:
+    reg = CollectorRegistry()
+    m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
+    m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)
+    m_lat = Histogram("kvpath_reserve_seconds", "time to decide one reservation", registry=reg,
+                      buckets=[1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.02])
+    m_active = Gauge("kvpath_active_leases", "reservations holding load", registry=reg)
+    m_expired = Gauge("kvpath_leases_expired", "leases that ended without a release (cumulative)", registry=reg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def expirer():
+            while True:
+                await asyncio.sleep(expire_every_s)
+                svc.expire()
+
+        task = asyncio.create_task(expirer())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="kvpath reservation service", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.state.svc = svc
+
+    # Handlers are async on purpose: the event loop serializes them, so the
+    # in-process service needs no lock.
+    @app.post("/v1/reserve")
+    async def reserve(body: ReserveBody) -> dict:
+        t0 = time.perf_counter()
+        lanes = [LaneInfo(x.lane, x.src_port, x.dst_port) for x in body.lanes] if body.lanes else None
+        try:
+            r = svc.reserve(body.src_host, body.dst_host, body.bytes, lanes, body.transfer_id)
+        except ReservationError as e:
+            m_dec.labels(svc.mode, "rejected").inc()
+            raise HTTPException(422, str(e)) from None
+        m_lat.observe(time.perf_counter() - t0)
+        m_dec.labels(svc.mode, r.fallback or "decided").inc()
+        return r.to_dict()
+
+    @app.post("/v1/release")
+    async def release(body: ReleaseBody) -> dict:
+        ok = svc.release(body.lease_id)
+        m_rel.labels(str(ok).lower()).inc()
+        return {"lease_id": body.lease_id, "released": ok}
+
+    @app.post("/v1/lanes")
+    async def lanes(body: LanesBody) -> dict:
+        try:
+            svc.register_lanes(body.src_host, body.dst_host, [LaneInfo(x.lane, x.src_port, x.dst_port) for x in body.lanes])
+        except ReservationError as e:
+            raise HTTPException(422, str(e)) from None
+        return {"ok": True, "lanes": len(body.lanes)}
+
+    @app.get("/v1/state")
+    async def state() -> dict:
+        return svc.state()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "mode": svc.mode}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        svc.expire()
+        m_active.set(len(svc.active))
+        m_expired.set(svc.counters.get("leases_expired", 0))
+        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    return app

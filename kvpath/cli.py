@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lanes", type=int, default=4)
     d.add_argument("--base-port", type=int, default=8100)
     d.set_defaults(func=_cmd_connector_demo)
+
+    from proxy.cli import add_parsers
+
+    add_parsers(sub)
     return p
 
 

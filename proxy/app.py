@@ -159,7 +159,7 @@ class Proxy:
                 grant = await self._reserve(p, d, body, tid)
                 p_body, d_body = legs.push_legs(body, p, tid, grant.lane, grant.lease_id)
             elif self.cfg.mode == "inproc-push":
-                p_body, d_body = legs.inproc_push_legs(body, p)
+                p_body, d_body = legs.inproc_push_legs(body, p, tid, endpoint)
             else:
                 p_body, d_body = legs.pull_prefill_leg(body), None
             if d_body is None:  # pull: P first, then D with what P returned

@@ -52,13 +52,16 @@ def pull_prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
     })
 
 
-def inproc_push_legs(body: dict[str, Any], p: Instance) -> tuple[dict[str, Any], dict[str, Any]]:
+def inproc_push_legs(body: dict[str, Any], p: Instance, request_id: str, endpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both legs carry ``X-Request-Id: request_id``; vLLM names P's request after it
+    (``cmpl-<id>-0`` for completions, ``chatcmpl-<id>`` for chat)."""
     host, port = parse_host_port(p.kv_addr, f"prefill instance {p.url} kv_addr")
+    remote_rid = f"chatcmpl-{request_id}" if "chat" in endpoint else f"cmpl-{request_id}-0"
     return (
         prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False}),
         decode_body(body, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
-            "remote_host": host, "remote_port": port, "tp_size": 1,
+            "remote_request_id": remote_rid, "remote_host": host, "remote_port": port, "tp_size": 1,
         }),
     )
 

@@ -1,0 +1,130 @@
+"""Proxy overhead: latency added by `kvpath proxy` against stub engines.
+
+    .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--requests-per-stream 20]
+
+Stub P and D engines (testbed/stub_engine.py) and the proxy each run in their own
+process; the client keeps N streaming requests open at once. For each N it measures
+time to first byte and end-to-end latency straight to the stub D, then through the
+proxy (push mode, both legs), and prints the difference of the percentiles: what the
+proxy adds (target: p99 added < 5 ms at 64 streams). On 2 cores the client, the proxy
+and two stubs share the CPU, so large N measures the machine as much as the proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+STUB = """
+import sys, uvicorn
+sys.path.insert(0, {root!r})
+from testbed.stub_engine import StubBehaviour, create_stub_app
+b = StubBehaviour(delay_s={delay}, token_delay_s={tok}, keep_records=False)
+uvicorn.run(create_stub_app({name!r}, b), host="127.0.0.1", port={port}, log_level="warning", backlog=4096)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str) -> None:
+    for _ in range(300):
+        try:
+            httpx.get(url, timeout=0.5)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) -> tuple[list[float], list[float]]:
+    ttfb: list[float] = []
+    e2e: list[float] = []
+    body = {"model": "tiny", "prompt": "spine leaf lane path push pull proxy fabric", "max_tokens": tokens, "stream": True}
+    limits = httpx.Limits(max_connections=n_streams + 8, max_keepalive_connections=n_streams + 8)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+        async def stream(k: int) -> None:
+            for _ in range(per_stream):
+                t0 = time.perf_counter()
+                first = None
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    async for _chunk in r.aiter_raw():
+                        if first is None:
+                            first = time.perf_counter() - t0
+                e2e.append(time.perf_counter() - t0)
+                ttfb.append(first or 0.0)
+
+        await asyncio.gather(*(stream(k) for k in range(n_streams)))
+    return ttfb, e2e
+
+
+def pct(a: list[float], q: float) -> float:
+    return float(np.percentile(np.array(a) * 1e3, q))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 512])
+    ap.add_argument("--requests-per-stream", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--engine-delay-s", type=float, default=0.02, help="stub time before the first token")
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = []
+    ports = {k: free_port() for k in ("p", "d", "proxy")}
+    try:
+        for name, port in (("P", ports["p"]), ("D", ports["d"])):
+            code = STUB.format(root=str(ROOT), delay=args.engine_delay_s, tok=0.001, name=name, port=port)
+            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
+             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:5600",
+             "--decode", f"http://127.0.0.1:{ports['d']}"], env=env))
+        d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
+        for u in (d_url, px_url + "/health"):
+            wait(u)
+        con = Console()
+        t = Table(title=f"proxy overhead, stub engines ({args.engine_delay_s * 1e3:.0f} ms to first token, "
+                        f"{args.tokens} tokens), {args.requests_per_stream} requests per stream")
+        for col in ("streams", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms", "added p99 ms",
+                    "added e2e p99 ms"):
+            t.add_column(col)
+        results = {}
+        for n in args.streams:
+            asyncio.run(run_streams(px_url, min(n, 8), 2, args.tokens))  # warm connections
+            d_t, d_e = asyncio.run(run_streams(d_url, n, args.requests_per_stream, args.tokens))
+            p_t, p_e = asyncio.run(run_streams(px_url, n, args.requests_per_stream, args.tokens))
+            add50, add99 = pct(p_t, 50) - pct(d_t, 50), pct(p_t, 99) - pct(d_t, 99)
+            results[n] = add99
+            t.add_row(str(n), f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}", f"{pct(p_t, 50):.1f} / {pct(p_t, 99):.1f}",
+                      f"{add50:.1f}", f"{add99:.1f}", f"{pct(p_e, 99) - pct(d_e, 99):.1f}")
+        con.print(t)
+        if 64 in results:
+            con.print(f"[bold]summary[/bold]: p99 added at 64 streams {results[64]:.1f} ms "
+                      f"(< 5 ms: {'yes' if results[64] < 5 else 'NO'})")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

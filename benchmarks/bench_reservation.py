@@ -1,0 +1,139 @@
+"""Reservation service benchmark: decisions per second in-process and over HTTP.
+
+    .venv/bin/python benchmarks/bench_reservation.py [--decisions 50000] [--http-requests 2000]
+
+In-process: reserve+release pairs on an 8 leaves x 8 spines x 8 hosts fabric with 8
+lanes per P host and a few hundred flows kept active (target >= 20,000 decisions/s).
+Over HTTP: a `kvpath reservation` server in its own process, a client keeping 8
+requests in flight; p50/p99 latency of /v1/reserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from kvpath.fabric import FabricSpec  # noqa: E402
+from proxy.reservation import LaneInfo, ReservationService  # noqa: E402
+
+SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    hosts = SPEC.hosts()
+    pairs = []
+    for _ in range(n):
+        s = rng.choice(hosts)
+        d = rng.choice([h for h in hosts if h[:2] != s[:2]])
+        pairs.append((s, d, rng.randint(10**6, 10**9)))
+    return pairs
+
+
+def bench_inprocess(n: int) -> dict:
+    out = {}
+    pairs = workload(n)
+    for mode in ("ecmp", "cc", "dc"):
+        svc = ReservationService(SPEC, mode, dc_delay_s=0.001)
+        lanes = [LaneInfo(i, 40000 + 17 * i, 0) for i in range(8)]
+        for s, d, _ in pairs[:2000]:
+            svc.register_lanes(s, d, lanes)
+        active: list[str] = []
+        t0 = time.perf_counter()
+        for i, (s, d, b) in enumerate(pairs):
+            active.append(svc.reserve(s, d, b, lanes, f"t{i}").lease_id)
+            if len(active) > 256:  # keep a few hundred flows in the fabric
+                svc.release(active.pop(0))
+        el = time.perf_counter() - t0
+        for lid in active:
+            svc.release(lid)
+        assert svc.state()["reserved_flows"] == 0
+        out[mode] = n / el
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _http(url: str, n: int, conc: int) -> list[float]:
+    pairs = workload(n, seed=1)
+    lanes = [{"lane": i, "src_port": 40000 + 17 * i} for i in range(8)]
+    lat: list[float] = []
+    sem = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=conc)) as c:
+        async def one(i, s, d, b):
+            async with sem:
+                t = time.perf_counter()
+                r = await c.post(url + "/v1/reserve", json={"src_host": s, "dst_host": d, "bytes": b, "lanes": lanes,
+                                                           "transfer_id": f"h{i}"})
+                lat.append(time.perf_counter() - t)
+                await c.post(url + "/v1/release", json={"lease_id": r.json()["lease_id"]})
+
+        await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs[:50])))  # warm-up
+        lat.clear()
+        await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs)))
+    return lat
+
+
+def bench_http(n: int, conc: int) -> dict:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", str(port), "--mode", "cc"],
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(url + "/health", timeout=0.5)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        t0 = time.perf_counter()
+        lat = asyncio.run(_http(url, n, conc))
+        el = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    a = np.array(lat) * 1e3
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rps": n / el}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decisions", type=int, default=50000)
+    ap.add_argument("--http-requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    con = Console()
+    ip = bench_inprocess(args.decisions)
+    t = Table(title=f"in-process decisions/s ({SPEC.leaves}x{SPEC.spines}x{SPEC.hosts_per_leaf} fabric, 8 lanes, ~256 active flows)")
+    t.add_column("mode")
+    t.add_column("decisions/s")
+    for k, v in ip.items():
+        t.add_row(k, f"{v:,.0f}")
+    con.print(t)
+    h = bench_http(args.http_requests, args.concurrency)
+    con.print(f"HTTP /v1/reserve (cc, {args.concurrency} in flight): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
+              f"{h['rps']:,.0f} reserve+release pairs/s")
+    con.print(f"[bold]summary[/bold]: in-process cc {ip['cc']:,.0f}/s (>= 20,000: {'yes' if ip['cc'] >= 20000 else 'NO'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

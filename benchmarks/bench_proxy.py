@@ -54,25 +54,32 @@ def wait(url: str) -> None:
     raise TimeoutError(url)
 
 
-async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) -> tuple[list[float], list[float]]:
+async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) -> tuple[list[float], list[float], int]:
     ttfb: list[float] = []
     e2e: list[float] = []
+    errors = 0
     body = {"model": "tiny", "prompt": "spine leaf lane path push pull proxy fabric", "max_tokens": tokens, "stream": True}
     limits = httpx.Limits(max_connections=n_streams + 8, max_keepalive_connections=n_streams + 8)
     async with httpx.AsyncClient(timeout=60, limits=limits) as c:
         async def stream(k: int) -> None:
+            nonlocal errors
+            await asyncio.sleep(k * 0.002)  # staggered start, as real clients arrive
             for _ in range(per_stream):
                 t0 = time.perf_counter()
                 first = None
-                async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                    async for _chunk in r.aiter_raw():
-                        if first is None:
-                            first = time.perf_counter() - t0
+                try:
+                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                        async for _chunk in r.aiter_raw():
+                            if first is None:
+                                first = time.perf_counter() - t0
+                except httpx.HTTPError:
+                    errors += 1
+                    continue
                 e2e.append(time.perf_counter() - t0)
                 ttfb.append(first or 0.0)
 
         await asyncio.gather(*(stream(k) for k in range(n_streams)))
-    return ttfb, e2e
+    return ttfb, e2e, errors
 
 
 def pct(a: list[float], q: float) -> float:
@@ -82,16 +89,17 @@ def pct(a: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64, 512])
-    ap.add_argument("--requests-per-stream", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--engine-delay-s", type=float, default=0.02, help="stub time before the first token")
+    ap.add_argument("--requests-per-stream", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--engine-delay-s", type=float, default=0.2, help="stub time before the first token (prefill)")
+    ap.add_argument("--token-delay-s", type=float, default=0.01, help="stub time between tokens (decode)")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     ports = {k: free_port() for k in ("p", "d", "proxy")}
     try:
         for name, port in (("P", ports["p"]), ("D", ports["d"])):
-            code = STUB.format(root=str(ROOT), delay=args.engine_delay_s, tok=0.001, name=name, port=port)
+            code = STUB.format(root=str(ROOT), delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
             procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
@@ -102,19 +110,20 @@ def main() -> int:
             wait(u)
         con = Console()
         t = Table(title=f"proxy overhead, stub engines ({args.engine_delay_s * 1e3:.0f} ms to first token, "
-                        f"{args.tokens} tokens), {args.requests_per_stream} requests per stream")
+                        f"{args.tokens} tokens {args.token_delay_s * 1e3:.0f} ms apart), "
+                        f"{args.requests_per_stream} requests per stream")
         for col in ("streams", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms", "added p99 ms",
-                    "added e2e p99 ms"):
+                    "added e2e p99 ms", "errors direct/proxy"):
             t.add_column(col)
         results = {}
         for n in args.streams:
-            asyncio.run(run_streams(px_url, min(n, 8), 2, args.tokens))  # warm connections
-            d_t, d_e = asyncio.run(run_streams(d_url, n, args.requests_per_stream, args.tokens))
-            p_t, p_e = asyncio.run(run_streams(px_url, n, args.requests_per_stream, args.tokens))
+            asyncio.run(run_streams(px_url, min(n, 8), 1, args.tokens))  # warm connections
+            d_t, d_e, d_err = asyncio.run(run_streams(d_url, n, args.requests_per_stream, args.tokens))
+            p_t, p_e, p_err = asyncio.run(run_streams(px_url, n, args.requests_per_stream, args.tokens))
             add50, add99 = pct(p_t, 50) - pct(d_t, 50), pct(p_t, 99) - pct(d_t, 99)
             results[n] = add99
             t.add_row(str(n), f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}", f"{pct(p_t, 50):.1f} / {pct(p_t, 99):.1f}",
-                      f"{add50:.1f}", f"{add99:.1f}", f"{pct(p_e, 99) - pct(d_e, 99):.1f}")
+                      f"{add50:.1f}", f"{add99:.1f}", f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{d_err}/{p_err}")
         con.print(t)
         if 64 in results:
             con.print(f"[bold]summary[/bold]: p99 added at 64 streams {results[64]:.1f} ms "

@@ -84,6 +84,7 @@ async def _http(url: str, n: int, conc: int) -> list[float]:
                 r = await c.post(url + "/v1/reserve", json={"src_host": s, "dst_host": d, "bytes": b, "lanes": lanes,
                                                            "transfer_id": f"h{i}"})
                 lat.append(time.perf_counter() - t)
+                r.raise_for_status()
                 await c.post(url + "/v1/release", json={"lease_id": r.json()["lease_id"]})
 
         await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs[:50])))  # warm-up
@@ -93,8 +94,14 @@ async def _http(url: str, n: int, conc: int) -> list[float]:
 
 
 def bench_http(n: int, conc: int) -> dict:
+    import json
+    import tempfile
+
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", str(port), "--mode", "cc"],
+    spec_file = Path(tempfile.mkdtemp()) / "fabric.json"
+    spec_file.write_text(json.dumps(SPEC.to_dict()))
+    proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", str(port), "--mode", "cc",
+                             "--fabric", str(spec_file)],
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -118,7 +125,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=50000)
     ap.add_argument("--http-requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     args = ap.parse_args()
     con = Console()
     ip = bench_inprocess(args.decisions)
@@ -128,9 +135,10 @@ def main() -> int:
     for k, v in ip.items():
         t.add_row(k, f"{v:,.0f}")
     con.print(t)
-    h = bench_http(args.http_requests, args.concurrency)
-    con.print(f"HTTP /v1/reserve (cc, {args.concurrency} in flight): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
-              f"{h['rps']:,.0f} reserve+release pairs/s")
+    for conc in args.concurrency:
+        h = bench_http(args.http_requests, conc)
+        con.print(f"HTTP /v1/reserve (cc, {conc} in flight): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
+                  f"{h['rps']:,.0f} reserve+release pairs/s")
     con.print(f"[bold]summary[/bold]: in-process cc {ip['cc']:,.0f}/s (>= 20,000: {'yes' if ip['cc'] >= 20000 else 'NO'})")
     return 0
 

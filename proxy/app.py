@@ -1,7 +1,9 @@
-"""``kvpath proxy``: the OpenAI-compatible P/D proxy (FastAPI + httpx).
+"""``kvpath proxy``: the OpenAI-compatible P/D proxy (FastAPI; aiohttp upstream).
 
 For each request it picks a P and a D instance, asks for a lane (push mode),
 runs the two legs and passes D's response through unchanged (streamed or not).
+The upstream legs use aiohttp: httpx's connection pool scans every connection for
+every queued request, which made the proxy CPU-bound at 64 concurrent streams.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -94,21 +96,22 @@ class Proxy:
             self.pools[i.role].add(i)
         self.reserver = reserver
         self.metrics = ProxyMetrics()
-        self.client: httpx.AsyncClient | None = None
+        self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
 
     # ---- life cycle ------------------------------------------------------
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.cfg.upstream_timeout_s, connect=self.cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=self.cfg.max_connections, max_keepalive_connections=256),
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, connect=self.cfg.connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0),
+            auto_decompress=False,
         )
 
     async def stop(self) -> None:
         for t in list(self._background):
             t.cancel()
-        if self.client:
-            await self.client.aclose()
+        if self.session:
+            await self.session.close()
         if self.reserver is not None:
             await self.reserver.close()
 
@@ -146,7 +149,7 @@ class Proxy:
         return resp
 
     async def _run(self, request: Request, endpoint: str, body: dict, p: Instance, d: Instance, t0: float) -> Response:
-        assert self.client is not None
+        assert self.session is not None
         stream = bool(body.get("stream"))
         tid = uuid.uuid4().hex
         headers = {"X-Request-Id": tid}
@@ -175,14 +178,14 @@ class Proxy:
                 handed_over = True
                 return StreamingResponse(
                     self._relay(d_resp, first, chunks, p, d, p_task, grant, endpoint, t0),
-                    status_code=d_resp.status_code, media_type=d_resp.headers.get("content-type", "text/event-stream"),
+                    status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
                 )
             content = first  # non-streaming: _open_decode read the whole body
-            await d_resp.aclose()
+            d_resp.release()
             ok = True
             d.served += 1
             self.metrics.e2e.observe(time.perf_counter() - t0)
-            return self._count(endpoint, Response(content, status_code=d_resp.status_code,
+            return self._count(endpoint, Response(content, status_code=d_resp.status,
                                                   media_type=d_resp.headers.get("content-type", "application/json")))
         except asyncio.CancelledError:
             self.metrics.errors.labels("client_disconnect").inc()
@@ -191,9 +194,9 @@ class Proxy:
             if not handed_over:
                 await self._finish(p, d, p_task, grant, ok)
 
-    async def _relay(self, d_resp: httpx.Response, first: bytes, chunks: Any, p: Instance, d: Instance,
+    async def _relay(self, d_resp: aiohttp.ClientResponse, first: bytes, chunks: Any, p: Instance, d: Instance,
                      p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float) -> AsyncIterator[bytes]:
-        status = str(d_resp.status_code)
+        status = str(d_resp.status)
         ok = False
         try:
             if first:
@@ -207,13 +210,16 @@ class Proxy:
             status = "499"
             self.metrics.errors.labels("client_disconnect").inc()
             raise
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             status = "502"
             self.metrics.errors.labels("upstream_error").inc()
-            logger.warning("decode stream from %s broke: %s", d.url, e)
+            logger.warning("decode stream from %s broke: %r", d.url, e)
         finally:
             self.metrics.requests.labels(endpoint, status).inc()
-            await d_resp.aclose()
+            if ok:
+                d_resp.release()
+            else:
+                d_resp.close()  # drop the connection: the engine sees the client leave and aborts
             await self._finish(p, d, p_task, grant, ok)
 
     async def _watch(self, request: Request, coro, p_task: asyncio.Task | None = None):
@@ -250,57 +256,62 @@ class Proxy:
             await asyncio.sleep(0.1)
 
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
-        assert self.client is not None
+        assert self.session is not None
         try:
-            r = await self.client.post(url, json=body, headers=headers)
-        except httpx.TimeoutException:
+            async with self.session.post(url, json=body, headers=headers) as r:
+                status, text = r.status, await r.text()
+        except asyncio.TimeoutError:
             inst.errors += 1
             raise UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out") from None
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             inst.errors += 1
             raise UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} unreachable: {e!r}") from None
-        if r.status_code >= 400:
+        if status >= 400:
             inst.errors += 1
-            raise UpstreamError(*_upstream_status(r.status_code), f"{inst.role} {inst.url}: {_message(r.text)}")
+            raise UpstreamError(*_upstream_status(status), f"{inst.role} {inst.url}: {_message(text)}")
         inst.served += 1
-        return r.json()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
 
     async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
         """Send D's leg; return its response, its first bytes (they come once the KV
         arrived) and, when streaming, the iterator over the rest."""
-        assert self.client is not None
-        req = self.client.build_request("POST", d.url + endpoint, json=body, headers=headers)
+        assert self.session is not None
         try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.TimeoutException:
+            resp = await self.session.post(d.url + endpoint, json=body, headers=headers)
+        except asyncio.TimeoutError:
             d.errors += 1
             raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             d.errors += 1
             raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} unreachable: {e!r}") from None
-        if resp.status_code >= 400:
-            text = (await resp.aread()).decode("utf-8", "replace")
-            await resp.aclose()
-            d.errors += 1
-            raise UpstreamError(*_upstream_status(resp.status_code), f"decode {d.url}: {_message(text)}")
         first = b""
         chunks = None
         try:
+            if resp.status >= 400:
+                text = await resp.text()
+                resp.release()
+                d.errors += 1
+                raise UpstreamError(*_upstream_status(resp.status), f"decode {d.url}: {_message(text)}")
             if stream:
                 # keep the iterator: the relay goes on from where the first chunk ended
-                chunks = resp.aiter_raw()
+                chunks = resp.content.iter_any()
                 with contextlib.suppress(StopAsyncIteration):
                     first = await chunks.__anext__()
             else:
-                first = await resp.aread()
-        except httpx.TimeoutException:
-            await resp.aclose()
+                first = await resp.read()
+        except UpstreamError:
+            raise
+        except asyncio.TimeoutError:
+            resp.close()
             raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
-        except httpx.HTTPError as e:
-            await resp.aclose()
+        except aiohttp.ClientError as e:
+            resp.close()
             raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} failed: {e!r}") from None
         except BaseException:
-            await resp.aclose()
+            resp.close()
             raise
         return resp, first, chunks
 
@@ -404,12 +415,12 @@ def create_app(proxy: Proxy) -> FastAPI:
         ds = proxy.pools["decode"].all()
         if not ds:
             return _error(503, "no decode instance is configured")
-        assert proxy.client is not None
+        assert proxy.session is not None
         try:
-            r = await proxy.client.get(ds[0].url + "/v1/models")
-        except httpx.HTTPError as e:
+            async with proxy.session.get(ds[0].url + "/v1/models") as r:
+                return Response(await r.read(), status_code=r.status, media_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return _error(502, f"decode {ds[0].url} unreachable: {e!r}")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

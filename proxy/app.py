@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy import legs
+from proxy.errors import describe_validation_errors, is_invalid_json
 from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
 from proxy.metrics import ProxyMetrics
 from proxy.reservation_client import LaneGrant
@@ -128,8 +129,7 @@ class Proxy:
         try:
             schema.model_validate(body)
         except ValidationError as e:
-            fields = [".".join(str(x) for x in err["loc"]) for err in e.errors()]
-            msg = "; ".join(f"{f}: {err['msg']}" for f, err in zip(fields, e.errors()))
+            msg, fields = describe_validation_errors(e.errors())
             return self._count(endpoint, _error(422, msg, fields=fields), "schema")
         body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
         try:
@@ -260,12 +260,9 @@ class Proxy:
         try:
             async with self.session.post(url, json=body, headers=headers) as r:
                 status, text = r.status, await r.text()
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             inst.errors += 1
-            raise UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out") from None
-        except aiohttp.ClientError as e:
-            inst.errors += 1
-            raise UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} unreachable: {e!r}") from None
+            raise _transport_error(inst, e, "unreachable") from None
         if status >= 400:
             inst.errors += 1
             raise UpstreamError(*_upstream_status(status), f"{inst.role} {inst.url}: {_message(text)}")
@@ -281,12 +278,9 @@ class Proxy:
         assert self.session is not None
         try:
             resp = await self.session.post(d.url + endpoint, json=body, headers=headers)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             d.errors += 1
-            raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
-        except aiohttp.ClientError as e:
-            d.errors += 1
-            raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} unreachable: {e!r}") from None
+            raise _transport_error(d, e, "unreachable") from None
         first = b""
         chunks = None
         try:
@@ -304,12 +298,9 @@ class Proxy:
                 first = await resp.read()
         except UpstreamError:
             raise
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             resp.close()
-            raise UpstreamError(504, "upstream_timeout", f"upstream decode {d.url} timed out") from None
-        except aiohttp.ClientError as e:
-            resp.close()
-            raise UpstreamError(502, "upstream_error", f"upstream decode {d.url} failed: {e!r}") from None
+            raise _transport_error(d, e, "failed") from None
         except BaseException:
             resp.close()
             raise
@@ -368,6 +359,13 @@ class Proxy:
             "prefill": [i.to_dict() for i in self.pools["prefill"].all()],
             "decode": [i.to_dict() for i in self.pools["decode"].all()],
         }
+
+
+def _transport_error(inst: Instance, exc: BaseException, what: str) -> UpstreamError:
+    """No HTTP answer from an engine: a timeout is 504, anything else 502."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out")
+    return UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} {what}: {exc!r}")
 
 
 def _upstream_status(code: int) -> tuple[int, str]:
@@ -443,9 +441,8 @@ def create_app(proxy: Proxy) -> FastAPI:
         try:
             b = InstanceBody.model_validate_json(await request.body())
         except ValidationError as e:
-            fields = [".".join(str(x) for x in err["loc"]) for err in e.errors()]
-            return _error(422 if not any(err["type"] == "json_invalid" for err in e.errors()) else 400,
-                          "; ".join(f"{f}: {err['msg']}" for f, err in zip(fields, e.errors())), fields=fields)
+            msg, fields = describe_validation_errors(e.errors())
+            return _error(400 if is_invalid_json(e.errors()) else 422, msg, fields=fields)
         if b.role == "prefill" and proxy.cfg.mode != "pull" and not b.kv_addr:
             return _error(422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
                           fields=["kv_addr"])

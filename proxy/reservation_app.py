@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field
 
+from proxy.errors import describe_validation_errors, is_invalid_json
 from proxy.reservation import LaneInfo, ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,9 @@ class LanesBody(BaseModel):
 def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     """422 naming the field; a body that is not JSON at all is a 400."""
     errs = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errs):
+    if is_invalid_json(errs):
         return JSONResponse({"error": "invalid JSON body"}, status_code=400)
-    fields = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errs]
-    msg = "; ".join(f"{f or 'body'}: {e.get('msg')}" for f, e in zip(fields, errs))
+    msg, fields = describe_validation_errors(errs)
     return JSONResponse({"error": msg, "fields": fields}, status_code=422)
 
 

@@ -58,12 +58,13 @@ class Reservation:
     mode: str
     fallback: str = ""  # why no decision was made ("no_lanes"), else ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self, now: float) -> dict:
+        """``now`` on the service's clock (the lease's expiry is on it too)."""
         return {
             "lease_id": self.lease_id, "transfer_id": self.transfer_id, "src_host": self.src_host,
             "dst_host": self.dst_host, "bytes": self.bytes, "lane": self.lane, "src_port": self.src_port,
             "path": list(self.path.nodes) if self.path else None, "spine": self.path.spine if self.path else None,
-            "expires_in_s": round(self.expires_at - time.monotonic(), 3) if self.expires_at else None,
+            "expires_in_s": round(self.expires_at - now, 3) if self.expires_at else None,
             "mode": self.mode, "fallback": self.fallback,
         }
 

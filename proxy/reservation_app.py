@@ -95,7 +95,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5) -> FastAPI:
             raise HTTPException(422, str(e)) from None
         m_lat.observe(time.perf_counter() - t0)
         m_dec.labels(svc.mode, r.fallback or "decided").inc()
-        return r.to_dict()
+        return r.to_dict(svc.clock())
 
     @app.post("/v1/release")
     async def release(body: ReleaseBody) -> dict:

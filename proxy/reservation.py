@@ -181,15 +181,16 @@ class ReservationService:
         if not cands:
             self.counters["fallback_no_lanes"] += 1
             return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
-        paths = [self.oracle.path(src, dst, c.src_port, c.dst_port) for c in cands]
         if self.mode == "ecmp":
             # exactly the lane the connector takes by itself (crc32 of the transfer id)
             want = default_lane(tid, max(c.lane for c in cands) + 1)
-            i = next((k for k, c in enumerate(cands) if c.lane == want), 0)
+            lane = next((c for c in cands if c.lane == want), cands[0])
+            path = self.oracle.path(src, dst, lane.src_port, lane.dst_port)
         else:
+            paths = [self.oracle.path(src, dst, c.src_port, c.dst_port) for c in cands]
             view = self.loads if self.mode == "cc" else self._view(src, now)
             i = min(range(len(cands)), key=lambda k: (*view.cost(paths[k].core_links), cands[k].lane))
-        lane, path = cands[i], paths[i]
+            lane, path = cands[i], paths[i]
         r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, path, now + self.lease_s, self.mode)
         self._apply(r, +1, now)
         self.active[lease_id] = r

@@ -38,7 +38,9 @@ class ProxyConfig:
     policy: str = "round_robin"
     admin_token: str | None = None
     upstream_timeout_s: float = 300.0
-    connect_timeout_s: float = 5.0
+    # TCP connect only (not time queued for a pooled connection): an engine whose
+    # API server is starved of CPU can take seconds to accept.
+    connect_timeout_s: float = 15.0
     kv_bytes_per_token: int = 131072  # for the reservation's flow size estimate
     max_connections: int = 2048
 
@@ -103,7 +105,7 @@ class Proxy:
     # ---- life cycle ------------------------------------------------------
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, connect=self.cfg.connect_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=self.cfg.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0),
             auto_decompress=False,
         )
@@ -139,6 +141,7 @@ class Proxy:
         try:
             resp = await self._run(request, endpoint, body, p, d, t0)
         except UpstreamError as e:
+            logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
             return self._count(endpoint, _error(e.status, e.message), e.kind)
         return resp
 
@@ -363,8 +366,11 @@ class Proxy:
 
 def _transport_error(inst: Instance, exc: BaseException, what: str) -> UpstreamError:
     """No HTTP answer from an engine: a timeout is 504, anything else 502."""
+    if isinstance(exc, aiohttp.ServerTimeoutError):  # sock_connect or sock_read
+        return UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out: {exc}")
     if isinstance(exc, asyncio.TimeoutError):
-        return UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out")
+        return UpstreamError(504, "upstream_timeout",
+                             f"upstream {inst.role} {inst.url} timed out: no complete answer within --upstream-timeout-s")
     return UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} {what}: {exc!r}")
 
 

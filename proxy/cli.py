@@ -83,7 +83,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         elif args.reservation == "inproc":
             reserver = InProcessReserver(build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s))
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
-                      upstream_timeout_s=args.upstream_timeout_s, kv_bytes_per_token=args.kv_bytes_per_token)
+                      upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
+                      kv_bytes_per_token=args.kv_bytes_per_token)
     try:
         proxy = Proxy(cfg, prefill, decode, reserver)
     except ValueError as e:
@@ -109,7 +110,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H]")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'")
-    p.add_argument("--upstream-timeout-s", type=float, default=300.0)
+    p.add_argument("--upstream-timeout-s", type=float, default=300.0,
+                   help="a leg with no complete answer by then ends the request with 504")
+    p.add_argument("--connect-timeout-s", type=float, default=15.0,
+                   help="TCP connect to an engine; past it the request ends with 504")
     p.add_argument("--kv-bytes-per-token", type=int, default=131072, help="flow size estimate for reservations")
     p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",

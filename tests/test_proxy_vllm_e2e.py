@@ -108,7 +108,8 @@ def _bench_through_proxy(mode, model, tmp_path):
             px_args += ["--reservation-url", f"http://127.0.0.1:{RES_PORT}", "--reservation-timeout-s", "0.5"]
         p.wait_ready()
         d.wait_ready()
-        px = subprocess.Popen(kvpath_cmd(*px_args))
+        px_log = open(tmp_path / "proxy.log", "w")
+        px = subprocess.Popen(kvpath_cmd(*px_args), stdout=px_log, stderr=subprocess.STDOUT)
         procs.append(px)
         proxy = f"http://127.0.0.1:{PROXY_PORT}"
         wait_http(proxy + "/health", px)
@@ -142,7 +143,9 @@ def _bench_through_proxy(mode, model, tmp_path):
         )
         summary = out.stdout[out.stdout.find("Serving Benchmark Result"):]
         print(f"[{mode}]\n{summary}")
-        assert "Successful requests:                     50" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        proxy_tail = (tmp_path / "proxy.log").read_text(errors="replace")[-3000:]
+        assert "Successful requests:                     50" in out.stdout, (
+            summary[:1500] + "\n--- proxy log ---\n" + proxy_tail)
         assert "Failed requests:                         0" in out.stdout
         m = httpx.get(proxy + "/metrics").text
         assert 'status="200"' in m

@@ -27,8 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import uvloop  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -58,12 +61,16 @@ def wait(url: str) -> None:
 
 
 async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) -> tuple[list[float], list[float], int]:
+    """N clients, each sending ``per_stream`` streamed requests back to back.
+
+    aiohttp, not httpx: at hundreds of streams httpx's own pool bookkeeping costs
+    more CPU than the proxy under test, on the same 2 cores."""
     ttfb: list[float] = []
     e2e: list[float] = []
     errors = 0
     body = {"model": "tiny", "prompt": "spine leaf lane path push pull proxy fabric", "max_tokens": tokens, "stream": True}
-    limits = httpx.Limits(max_connections=n_streams + 8, max_keepalive_connections=n_streams + 8)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as c:
         async def stream(k: int) -> None:
             nonlocal errors
             await asyncio.sleep(k * 0.002)  # staggered start, as real clients arrive
@@ -71,11 +78,15 @@ async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) ->
                 t0 = time.perf_counter()
                 first = None
                 try:
-                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                        async for _chunk in r.aiter_raw():
+                    async with c.post(url + "/v1/completions", json=body) as r:
+                        if r.status != 200:
+                            errors += 1
+                            await r.read()
+                            continue
+                        async for _chunk in r.content.iter_any():
                             if first is None:
                                 first = time.perf_counter() - t0
-                except httpx.HTTPError:
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     errors += 1
                     continue
                 e2e.append(time.perf_counter() - t0)
@@ -83,6 +94,11 @@ async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int) ->
 
         await asyncio.gather(*(stream(k) for k in range(n_streams)))
     return ttfb, e2e, errors
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def pct(a: list[float], q: float) -> float:
@@ -116,6 +132,7 @@ def main() -> int:
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
              "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:5600",
              "--decode", f"http://127.0.0.1:{ports['d']}"], env=env))
+        proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
         d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
         for u in (d_url, px_url + "/health"):
             wait(u)
@@ -125,17 +142,19 @@ def main() -> int:
                         f"{args.tokens} tokens {args.token_delay_s * 1e3:.0f} ms apart), "
                         f"{args.requests_per_stream} requests per stream")
         for col in ("streams", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms", "added p99 ms",
-                    "added e2e p99 ms", "errors direct/proxy"):
+                    "added e2e p99 ms", "proxy CPU ms/request", "errors direct/proxy"):
             t.add_column(col)
         results = {}
         for n in args.streams:
-            asyncio.run(run_streams(px_url, min(n, 8), 1, args.tokens))  # warm connections
-            d_t, d_e, d_err = asyncio.run(run_streams(d_url, n, args.requests_per_stream, args.tokens))
-            p_t, p_e, p_err = asyncio.run(run_streams(px_url, n, args.requests_per_stream, args.tokens))
+            uvloop.run(run_streams(px_url, min(n, 8), 1, args.tokens))  # warm connections
+            d_t, d_e, d_err = uvloop.run(run_streams(d_url, n, args.requests_per_stream, args.tokens))
+            c0 = cpu_s(proxy_proc)
+            p_t, p_e, p_err = uvloop.run(run_streams(px_url, n, args.requests_per_stream, args.tokens))
+            cpu_per_req = (cpu_s(proxy_proc) - c0) * 1e3 / max(1, len(p_e))
             add50, add99 = pct(p_t, 50) - pct(d_t, 50), pct(p_t, 99) - pct(d_t, 99)
             results[n] = add99
             t.add_row(str(n), f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}", f"{pct(p_t, 50):.1f} / {pct(p_t, 99):.1f}",
-                      f"{add50:.1f}", f"{add99:.1f}", f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{d_err}/{p_err}")
+                      f"{add50:.1f}", f"{add99:.1f}", f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{p_err}")
         con.print(t)
         if 64 in results:
             con.print(f"[bold]summary[/bold]: p99 added at 64 streams {results[64]:.1f} ms "

@@ -59,6 +59,10 @@ class UpstreamError(Exception):
         self.status, self.kind, self.message = status, kind, message
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the answer started."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -143,6 +147,9 @@ class Proxy:
         except UpstreamError as e:
             logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
             return self._count(endpoint, _error(e.status, e.message), e.kind)
+        except ClientGone:
+            # nobody reads this answer; 499 (nginx's "client closed request") keeps the metrics honest
+            return self._count(endpoint, _error(499, "client closed the request"), "client_disconnect")
         return resp
 
     def _count(self, endpoint: str, resp: Response, error_kind: str | None = None) -> Response:
@@ -190,7 +197,7 @@ class Proxy:
             self.metrics.e2e.observe(time.perf_counter() - t0)
             return self._count(endpoint, Response(content, status_code=d_resp.status,
                                                   media_type=d_resp.headers.get("content-type", "application/json")))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the server itself cancelled the handler
             self.metrics.errors.labels("client_disconnect").inc()
             raise
         finally:
@@ -240,7 +247,7 @@ class Proxy:
                 if main in done:
                     return main.result()
                 if gone in done:
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientGone()
                 if p_task is not None and p_task in done:
                     watchers.discard(p_task)
                     exc = p_task.exception()
@@ -255,8 +262,10 @@ class Proxy:
 
     @staticmethod
     async def _client_gone(request: Request) -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.1)
+        # The body is read, so the next ASGI message is the disconnect: waiting
+        # for it costs nothing, unlike polling is_disconnected() per request.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
         assert self.session is not None
@@ -396,7 +405,11 @@ def _message(text: str) -> str:
     return text[:500]
 
 
-def create_app(proxy: Proxy) -> FastAPI:
+def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> FastAPI:
+    """The proxy's HTTP app. ``reservation_app`` (the in-process reservation
+    service's API) is mounted at ``/reservation``, so P connectors can register
+    their lanes with ``reservation_url=http://<proxy>/reservation``."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await proxy.start()
@@ -465,4 +478,6 @@ def create_app(proxy: Proxy) -> FastAPI:
             return _error(404, f"no {role} instance {url}")
         return JSONResponse({"removed": url, "role": role})
 
+    if reservation_app is not None:
+        app.mount("/reservation", reservation_app)  # its leases expire lazily: mounts get no lifespan
     return app

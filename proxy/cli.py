@@ -66,6 +66,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import Proxy, ProxyConfig, create_app
+    from proxy.reservation_app import create_app as create_reservation_app
     from proxy.reservation_client import HttpReserver, InProcessReserver
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
@@ -77,11 +78,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
         raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
     reserver = None
+    res_app = None
     if args.mode == "push":
         if args.reservation_url:
             reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
         elif args.reservation == "inproc":
-            reserver = InProcessReserver(build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s))
+            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
+            reserver = InProcessReserver(svc)
+            res_app = create_reservation_app(svc)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
                       upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
                       kv_bytes_per_token=args.kv_bytes_per_token)
@@ -90,7 +94,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvpath proxy: error: {e}") from None
     logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d", args.mode, len(prefill), len(decode), args.host, args.port)
-    uvicorn.run(create_app(proxy), host=args.host, port=args.port, log_level="warning", backlog=4096)
+    uvicorn.run(create_app(proxy, res_app), host=args.host, port=args.port, log_level="warning", backlog=4096)
     return 0
 
 
@@ -117,7 +121,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-bytes-per-token", type=int, default=131072, help="flow size estimate for reservations")
     p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",
-                   help="inproc: run the reservation service inside the proxy (push mode)")
+                   help="inproc: run the reservation service inside the proxy (push mode); "
+                        "its API is then at /reservation (connectors: reservation_url=http://PROXY/reservation)")
     p.add_argument("--reservation-timeout-s", type=float, default=0.05,
                    help="past this, a request goes on the hash-chosen lane (counted as a fallback)")
     add_reservation_args(p, "--reservation-mode")

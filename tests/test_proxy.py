@@ -44,7 +44,7 @@ class Setup:
             [Instance(s.url, "decode", "l1h0") for s in self.d],
             reserver,
         )
-        self.px = self._serve(create_app(self.proxy))
+        self.px = self._serve(create_app(self.proxy, create_reservation_app(self.svc) if reservation == "inproc" else None))
         self.url = self.px.url
 
     def _serve(self, app):
@@ -228,6 +228,21 @@ def test_reservation_service_down_falls_back_and_counts(setup):
     assert lanes_sent[0] is not None and lanes_sent[1:] == [None, None, None]  # hash lane on P
     m = httpx.get(setup.url + "/metrics").text
     assert 'kvpath_proxy_reservation_fallbacks_total{reason="unreachable"} 3.0' in m
+
+
+@pytest.mark.parametrize("setup", [{"reservation": "inproc"}], indirect=True)
+def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
+    """With the service in the proxy, connectors register lanes at /reservation."""
+    url = setup.url + "/reservation/v1/lanes"
+    r = httpx.post(url, json={"src_host": "l0h1", "dst_host": "l1h1", "lanes": [
+        {"lane": 0, "src_port": 41000}, {"lane": 1, "src_port": 41001}]})
+    assert r.status_code == 200, r.text
+    assert httpx.post(url, json={"src_host": "l0h1"}).status_code == 422
+    st = httpx.get(setup.url + "/reservation/v1/state").json()
+    assert st["lanes_known"]["l0h1->l1h1"] == [[0, 41000], [1, 41001]]
+    assert post(setup.url, BODY).status_code == 200  # l0h0 -> l1h0, lanes from the fixture
+    kvp = setup.pb[0].received[-1]["body"]["kv_transfer_params"]["kvpath"]
+    assert kvp["lane"] is not None and kvp["lease_id"]
 
 
 def test_admin_add_remove_requires_the_token(setup):

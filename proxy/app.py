@@ -19,14 +19,16 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy import legs
 from proxy.errors import describe_validation_errors, is_invalid_json
 from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
 from proxy.metrics import ProxyMetrics
+from proxy.relay import RelayResponse
 from proxy.reservation_client import LaneGrant
 
 logger = logging.getLogger(__name__)
@@ -186,7 +188,7 @@ class Proxy:
             self.metrics.first_token.observe(ttfb)
             if stream:
                 handed_over = True
-                return StreamingResponse(
+                return RelayResponse(
                     self._relay(d_resp, first, chunks, p, d, p_task, grant, endpoint, t0),
                     status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
                 )
@@ -405,7 +407,33 @@ def _message(text: str) -> str:
     return text[:500]
 
 
-def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> FastAPI:
+_INFERENCE: dict[str, type[BaseModel]] = {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody}
+
+
+class _InferenceFastPath:
+    """ASGI front for the two inference endpoints; everything else goes to FastAPI.
+
+    Per request and per relayed chunk, FastAPI's routing and Starlette's middleware
+    wrappers cost about a fifth of the proxy's CPU; the inference calls need none of
+    them (``Proxy.handle`` does its own parsing, validation and error answers)."""
+
+    def __init__(self, app: FastAPI, proxy: Proxy):
+        self.app, self.proxy = app, proxy
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        schema = _INFERENCE.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if schema is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            response = await self.proxy.handle(Request(scope, receive, send), scope["path"], schema)
+        except Exception:
+            logger.exception("%s failed inside the proxy", scope["path"])
+            response = _error(500, "internal proxy error (see the proxy's log)")
+        await response(scope, receive, send)
+
+
+def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
     """The proxy's HTTP app. ``reservation_app`` (the in-process reservation
     service's API) is mounted at ``/reservation``, so P connectors can register
     their lanes with ``reservation_url=http://<proxy>/reservation``."""
@@ -480,4 +508,4 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> FastAPI:
 
     if reservation_app is not None:
         app.mount("/reservation", reservation_app)  # its leases expire lazily: mounts get no lifespan
-    return app
+    return _InferenceFastPath(app, proxy)

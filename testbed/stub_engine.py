@@ -28,6 +28,7 @@ class StubBehaviour:
     hang: bool = False  # never answer
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0  # requests whose client went away before the answer
+    stream_cancelled: int = 0  # streams whose client went away mid-stream
     keep_records: bool = True
 
 
@@ -70,6 +71,14 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
         rid = request.headers.get("x-request-id", "req")
         if body.get("stream"):
             async def gen():
+                try:
+                    async for chunk in chunks():
+                        yield chunk
+                except (asyncio.CancelledError, GeneratorExit):
+                    b.stream_cancelled += 1
+                    raise
+
+            async def chunks():
                 for i, t in enumerate(toks):
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)

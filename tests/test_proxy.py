@@ -219,6 +219,22 @@ def test_client_disconnect_cancels_both_legs_and_releases_the_lease(setup):
     assert 'kvpath_proxy_errors_total{kind="client_disconnect"} 1.0' in httpx.get(setup.url + "/metrics").text
 
 
+def test_client_leaving_mid_stream_cancels_the_decode_stream(setup):
+    setup.db[0].token_delay_s = 0.2
+    body = {**BODY, "stream": True, "max_tokens": 50}
+    with httpx.stream("POST", setup.url + "/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # one chunk, then hang up
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and setup.db[0].stream_cancelled < 1:
+        time.sleep(0.05)
+    assert setup.db[0].stream_cancelled == 1  # D's stream was dropped, not read to the end
+    m = httpx.get(setup.url + "/metrics").text
+    assert 'kvpath_proxy_errors_total{kind="client_disconnect"} 1.0' in m
+    assert all(i["inflight"] == 0 for i in httpx.get(setup.url + "/status").json()["decode"])
+    assert setup.svc.state()["active"] == 0
+
+
 def test_reservation_service_down_falls_back_and_counts(setup):
     assert post(setup.url, BODY).status_code == 200
     setup.res.stop()

@@ -82,12 +82,16 @@ def test_vllm_bench_serve_through_the_proxy(mode, model, tmp_path):
     try:
         _bench_through_proxy(mode, model, tmp_path)
     except (httpx.TimeoutException, subprocess.TimeoutExpired, AssertionError):
-        # vLLM's in-tree NixlPushConnector intermittently never completes a WRITE on
-        # this machine (P logs LOST_PUSH, D waits); that is the baseline's fault, not
-        # the proxy's, which the same test checks on every other run.
+        # vLLM's in-tree NixlPushConnector loses pushes over UCX TCP, the only
+        # transport that completes WRITEs here: a TCP WRITE needs the target (D) to
+        # progress its UCX worker, and D's push writer only progresses when its
+        # engine wakes it, so a WRITE can sit until D's registration timeout (P
+        # then logs LOST_PUSH). That is the baseline's fault, not the proxy's,
+        # which the same test checks on every other run; docs/proxy.md has the
+        # evidence.
         p_log = (tmp_path / "p.log").read_text(errors="replace")
         if mode == "inproc-push" and LOST_PUSH in p_log:
-            pytest.xfail(f"vLLM NixlPushConnector lost a push: P logged '{LOST_PUSH}'")
+            pytest.xfail(f"vLLM NixlPushConnector lost a push over UCX TCP: P logged '{LOST_PUSH}'")
         raise
 
 

@@ -1,17 +1,16 @@
 """Proxy overhead: latency added by `kvpath proxy` against stub engines.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--requests-per-stream 20]
+    .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--rounds 3] [--pin]
 
 Stub P and D engines (testbed/stub_engine.py) and the proxy each run in their own
-process; the client keeps N streaming requests open at once. For each N it measures
-time to first byte and end-to-end latency straight to the stub D, then through the
-proxy (push mode, both legs), and prints the difference of the percentiles: what the
-proxy adds (target: p99 added < 5 ms at 64 streams). With ``--pin`` the proxy
-runs alone on the last core and the client and stubs share the others. On 2 cores,
-large N measures the client and the stubs as much as the proxy either way: at 64
-streams the proxy itself used about 2.5 CPU-seconds for 320 streamed requests
-(cProfile), while the client and the stubs saturated the machine.
-"""
+process; an aiohttp client keeps N streaming requests open at once, their start times
+spread over one request's duration so that they stay out of phase. For each N,
+rounds straight to the stub D and through the proxy (push mode, both legs) alternate;
+the table gives time to first byte, what the proxy adds (the p99 gap per round, its
+median the headline; target < 5 ms at 64 streams) and the proxy's own CPU time per
+request, a number that does not depend on how busy the machine is. With ``--pin`` the
+proxy runs alone on the last core. On 2 cores the client and the stubs share the CPU
+with the proxy, so at 512 streams the machine saturates and the direct path slows too."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import ipaddress
 import json
 import zlib
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 import pathlib
 from typing import Any
 
@@ -40,11 +41,12 @@ class Path:
     nodes: tuple[str, ...]
     spine: str | None
 
-    @property
+    # cached: the reservation service reads them on every decision
+    @cached_property
     def links(self) -> tuple[tuple[str, str], ...]:
         return tuple(zip(self.nodes[:-1], self.nodes[1:]))
 
-    @property
+    @cached_property
     def core_links(self) -> tuple[tuple[str, str], ...]:
         """Switch-to-switch links: the only ones where two paths between the
         same hosts can differ (host links are common to all of them)."""

@@ -80,14 +80,20 @@ class LinkLoads:
         for ln in links:
             self.flows[ln] += sign
             self.bytes[ln] += sign * nbytes
-            if self.flows[ln] == 0:
+            if self.flows[ln] == 0 and self.bytes[ln] == 0:  # (sums of mixed dc events can be 0 flows, not 0 bytes)
                 del self.flows[ln]
-                self.bytes.pop(ln, None)
+                del self.bytes[ln]
 
     def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
-        if not links:
-            return (0, 0)
-        return (max(self.flows.get(ln, 0) for ln in links), sum(self.bytes.get(ln, 0) for ln in links))
+        """(flows on the busiest link, bytes summed over the links)."""
+        flows, nbytes = self.flows, self.bytes
+        worst = total = 0
+        for ln in links:
+            f = flows.get(ln, 0)
+            if f > worst:
+                worst = f
+            total += nbytes.get(ln, 0)
+        return worst, total
 
     def total_flows(self) -> int:
         return sum(self.flows.values())
@@ -102,28 +108,51 @@ class _Event:
     sign: int
 
 
-class _DelayedView:
-    """What one P host's agent believes in ``dc`` mode: the true loads minus the
-    other hosts' changes it has not heard of yet (those younger than the delay)."""
+class _Unheard:
+    """``dc`` mode: the changes younger than the broadcast delay, summed per link
+    over all hosts and per origin host, kept up to date as events come and age out.
 
-    def __init__(self, truth: LinkLoads, unheard: list[_Event], host: str):
-        self.truth = truth
-        self.dflows: dict[Link, int] = defaultdict(int)
-        self.dbytes: dict[Link, int] = defaultdict(int)
-        for e in unheard:
-            if e.origin != host:
-                for ln in e.links:
-                    self.dflows[ln] -= e.sign
-                    self.dbytes[ln] -= e.sign * e.nbytes
+    An agent's view is the truth minus the changes of *other* hosts it has not heard
+    of yet, so a decision costs a few dict lookups however many events are in flight."""
+
+    def __init__(self) -> None:
+        self.events: deque[_Event] = deque()
+        self.all = LinkLoads()
+        self.by_host: dict[str, LinkLoads] = defaultdict(LinkLoads)
+
+    def push(self, e: _Event) -> None:
+        self.events.append(e)
+        self.all.add(e.links, e.nbytes, e.sign)
+        self.by_host[e.origin].add(e.links, e.nbytes, e.sign)
+
+    def age_out(self, before: float) -> None:
+        ev = self.events
+        while ev and ev[0].time <= before:
+            e = ev.popleft()  # heard by everyone by now
+            self.all.add(e.links, e.nbytes, -e.sign)
+            mine = self.by_host[e.origin]
+            mine.add(e.links, e.nbytes, -e.sign)
+            if not mine.flows:  # flows and bytes are dropped together
+                del self.by_host[e.origin]
+
+
+class _DelayedView:
+    """What one P host's agent believes: true loads minus others' unheard changes."""
+
+    def __init__(self, truth: LinkLoads, unheard: _Unheard, host: str):
+        self.truth, self.all, self.mine = truth, unheard.all, unheard.by_host.get(host)
 
     def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
-        if not links:
-            return (0, 0)
-        t = self.truth
-        return (
-            max(t.flows.get(ln, 0) + self.dflows.get(ln, 0) for ln in links),
-            sum(t.bytes.get(ln, 0) + self.dbytes.get(ln, 0) for ln in links),
-        )
+        tf, tb, af, ab = self.truth.flows, self.truth.bytes, self.all.flows, self.all.bytes
+        mf = self.mine.flows if self.mine else {}
+        mb = self.mine.bytes if self.mine else {}
+        worst = total = 0
+        for ln in links:
+            f = tf.get(ln, 0) - af.get(ln, 0) + mf.get(ln, 0)
+            if f > worst:
+                worst = f
+            total += tb.get(ln, 0) - ab.get(ln, 0) + mb.get(ln, 0)
+        return worst, total
 
 
 class ReservationService:
@@ -151,7 +180,10 @@ class ReservationService:
         self._expiry: list[tuple[float, str]] = []
         self._ids = itertools.count(1)
         self._lanes: dict[tuple[str, str], list[LaneInfo]] = {}
-        self._recent: deque[_Event] = deque()  # dc: changes younger than the broadcast delay
+        self._unheard = _Unheard()  # dc: changes younger than the broadcast delay
+        # per (src, dst): the registered lanes with their paths (lanes are long-lived)
+        self._cands: dict[tuple[str, str], list[tuple[LaneInfo, Path]]] = {}
+        self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
@@ -159,6 +191,7 @@ class ReservationService:
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         self._check_lanes(lanes)
         self._lanes[(src, dst)] = sorted(lanes, key=lambda x: x.lane)
+        self._cands.pop((src, dst), None)
         self.counters["lane_registrations"] += 1
 
     def lanes(self, src_host: str, dst_host: str) -> list[LaneInfo]:
@@ -175,22 +208,28 @@ class ReservationService:
             raise ReservationError(f"bytes must be a non-negative integer, got {nbytes!r}")
         if lanes:
             self._check_lanes(lanes)
-        cands = sorted(lanes, key=lambda x: x.lane) if lanes else self._lanes.get((src, dst), [])
         lease_id = f"r{next(self._ids)}"
         tid = transfer_id or lease_id
-        if not cands:
+        if not (lanes or self._lanes.get((src, dst))):
             self.counters["fallback_no_lanes"] += 1
             return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
         if self.mode == "ecmp":
             # exactly the lane the connector takes by itself (crc32 of the transfer id)
+            cands = sorted(lanes, key=lambda x: x.lane) if lanes else self._lanes[(src, dst)]
             want = default_lane(tid, max(c.lane for c in cands) + 1)
             lane = next((c for c in cands if c.lane == want), cands[0])
             path = self.oracle.path(src, dst, lane.src_port, lane.dst_port)
         else:
-            paths = [self.oracle.path(src, dst, c.src_port, c.dst_port) for c in cands]
             view = self.loads if self.mode == "cc" else self._view(src, now)
-            i = min(range(len(cands)), key=lambda k: (*view.cost(paths[k].core_links), cands[k].lane))
-            lane, path = cands[i], paths[i]
+            # Global-First-Fit: the least-loaded path; ties go to the lowest lane id
+            best = None
+            for lane_c, path_c in self._candidates(src, dst, lanes):
+                worst, total = view.cost(path_c.core_links)
+                key = (worst, total, lane_c.lane)
+                if best is None or key < best[0]:
+                    best = (key, lane_c, path_c)
+            assert best is not None
+            _, lane, path = best
         r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, path, now + self.lease_s, self.mode)
         self._apply(r, +1, now)
         self.active[lease_id] = r
@@ -234,12 +273,27 @@ class ReservationService:
 
     # ---- internals -------------------------------------------------------
     def _host(self, host: str, field_name: str) -> str:
+        c = self._canon.get(host) if isinstance(host, str) else None
+        if c is not None:
+            return c
         if not isinstance(host, str) or not host:
             raise ReservationError(f"{field_name} must be a host name or IP of the fabric")
         try:
-            return self.spec.canonical(host)
+            c = self.spec.canonical(host)
         except FabricSpecError as e:
             raise ReservationError(f"{field_name}: {e}") from None
+        if len(self._canon) < 100_000:  # bounded: names come from clients
+            self._canon[host] = c
+        return c
+
+    def _candidates(self, src: str, dst: str, lanes: list[LaneInfo] | None) -> list[tuple[LaneInfo, Path]]:
+        if lanes:  # given with the request: not cached
+            return [(c, self.oracle.path(src, dst, c.src_port, c.dst_port)) for c in sorted(lanes, key=lambda x: x.lane)]
+        got = self._cands.get((src, dst))
+        if got is None:
+            got = [(c, self.oracle.path(src, dst, c.src_port, c.dst_port)) for c in self._lanes[(src, dst)]]
+            self._cands[(src, dst)] = got
+        return got
 
     @staticmethod
     def _check_lanes(lanes: list[LaneInfo]) -> None:
@@ -255,10 +309,8 @@ class ReservationService:
         links = r.path.links if r.path else ()
         self.loads.add(links, r.bytes, sign)
         if self.mode == "dc" and self.dc_delay_s > 0 and links:
-            self._recent.append(_Event(now, r.src_host, links, r.bytes, sign))
+            self._unheard.push(_Event(now, r.src_host, links, r.bytes, sign))
 
     def _view(self, host: str, now: float) -> "_DelayedView | LinkLoads":
-        rec = self._recent
-        while rec and rec[0].time + self.dc_delay_s <= now:
-            rec.popleft()  # heard by everyone by now
-        return _DelayedView(self.loads, list(rec), host) if rec else self.loads
+        self._unheard.age_out(now - self.dc_delay_s)
+        return _DelayedView(self.loads, self._unheard, host) if self._unheard.events else self.loads

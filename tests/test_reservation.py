@@ -119,6 +119,37 @@ def test_dc_with_a_long_delay_collides_and_heals_once_heard():
     assert cc.reserve("l0h0", "l1h0", 10**8, a).path.spine != cc.reserve("l0h1", "l1h1", 10**8, b).path.spine
 
 
+def test_dc_views_equal_a_recount_of_the_unheard_changes():
+    """The dc agents' views are kept incrementally; check them against a recount:
+    the true loads minus the other hosts' changes younger than the delay."""
+    rng = random.Random(4)
+    clock = Clock()
+    svc = ReservationService(SPEC, "dc", dc_delay_s=0.03, clock=clock)
+    hosts = [f"l0h{h}" for h in range(4)]
+    lanes = {h: lanes_covering_spines(h, "l1h0", first_port=46000 + 60 * i) for i, h in enumerate(hosts)}
+    core = sorted({ln for h in hosts for c in lanes[h] for ln in SPEC.flow_path(h, "l1h0", c.src_port, 5000).core_links})
+    log, active = [], []  # every change (time, origin, links, bytes, sign)
+    for i in range(1500):
+        clock.t += rng.choice([0.001, 0.004, 0.02])
+        if active and rng.random() < 0.45:
+            r = active.pop(rng.randrange(len(active)))
+            svc.release(r.lease_id)
+            log.append((clock.t, r.src_host, r.path.links, r.bytes, -1))
+        else:
+            h = rng.choice(hosts)
+            r = svc.reserve(h, "l1h0", rng.randint(1, 10**6), lanes[h], f"v{i}")
+            active.append(r)
+            log.append((clock.t, h, r.path.links, r.bytes, +1))
+        me = rng.choice(hosts)
+        view = svc._view(me, clock.t)
+        for ln in core:
+            flows = sum(sg for _, _, ls, _, sg in log if ln in ls) - sum(
+                sg for t, o, ls, _, sg in log if ln in ls and o != me and t + 0.03 > clock.t)
+            nbytes = sum(sg * b for _, _, ls, b, sg in log if ln in ls) - sum(
+                sg * b for t, o, ls, b, sg in log if ln in ls and o != me and t + 0.03 > clock.t)
+            assert view.cost((ln,)) == (flows, nbytes), (i, me, ln)
+
+
 def test_leases_expire_and_release_is_idempotent():
     clock = Clock()
     svc = ReservationService(SPEC, "cc", lease_s=2.0, clock=clock)

@@ -110,6 +110,10 @@ def _bench_through_proxy(mode, model, tmp_path):
                    "--prefill", f"{p.url}{p_extra}", "--decode", f"{d.url}{d_extra}"]
         if mode == "push":
             px_args += ["--reservation-url", f"http://127.0.0.1:{RES_PORT}", "--reservation-timeout-s", "0.5"]
+        else:
+            # the in-tree connectors' progress threads busy-spin both cores, so the
+            # proxy's own event loop can be late to see a connect complete
+            px_args += ["--connect-timeout-s", "60"]
         p.wait_ready()
         d.wait_ready()
         px_log = open(tmp_path / "proxy.log", "w")

@@ -1,6 +1,6 @@
 """Proxy overhead: latency added by `kvpath proxy` against stub engines.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--rounds 3] [--pin]
+    .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--rounds 3] [--pin] [--plot PNG]
 
 Stub P and D engines (testbed/stub_engine.py) and the proxy each run in their own
 process; an aiohttp client keeps N streaming requests open at once, their start times
@@ -104,6 +104,31 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, title: str) -> None:
+    """One panel per stream count: the distribution (CDF) of time to first byte,
+    straight to the stub and through the proxy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(samples), figsize=(4.5 * len(samples), 3.6), squeeze=False)
+    for ax, (n, (direct, proxied)) in zip(axes[0], samples.items()):
+        for data, label in ((direct, "direct to D"), (proxied, "through the proxy")):
+            x = np.sort(np.array(data) * 1e3)
+            ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
+        ax.set_title(f"{n} streams")
+        ax.set_xlabel("time to first byte (ms)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][0].legend(loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def pct(a: list[float], q: float) -> float:
     return float(np.percentile(np.array(a) * 1e3, q))
 
@@ -116,6 +141,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--engine-delay-s", type=float, default=0.2, help="stub time before the first token (prefill)")
     ap.add_argument("--token-delay-s", type=float, default=0.01, help="stub time between tokens (decode)")
+    ap.add_argument("--plot", default="runs/bench_proxy.png", help="where to save the TTFB CDFs ('' for none)")
     ap.add_argument("--pin", action="store_true",
                     help="give the proxy the last core to itself (on 2 cores this starves the client and stubs)")
     args = ap.parse_args()
@@ -149,6 +175,7 @@ def main() -> int:
                     "added e2e p99 ms", "proxy CPU ms/request", "errors direct/proxy"):
             t.add_column(col)
         results = {}
+        samples: dict[int, tuple[list[float], list[float]]] = {}
         for n in args.streams:
             uvloop.run(run_streams(px_url, min(n, 8), 1, args.tokens))  # warm connections
             spread = args.engine_delay_s + args.tokens * args.token_delay_s
@@ -172,10 +199,14 @@ def main() -> int:
             cpu_per_req = cpu * 1e3 / max(1, len(p_e))
             add50, add99 = pct(p_t, 50) - pct(d_t, 50), float(np.median(add99s))
             results[n] = add99
+            samples[n] = (d_t, p_t)
             t.add_row(str(n), f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}", f"{pct(p_t, 50):.1f} / {pct(p_t, 99):.1f}",
                       f"{add50:.1f}", f"{add99:.1f} ({min(add99s):.1f}..{max(add99s):.1f})",
                       f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{p_err}")
         con.print(t)
+        if args.plot:
+            plot_ttfb(samples, args.plot, t.title or "")
+            con.print(f"plot: {args.plot}")
         if 64 in results:
             con.print(f"[bold]summary[/bold]: p99 added at 64 streams {results[64]:.1f} ms "
                       f"(< 5 ms: {'yes' if results[64] < 5 else 'NO'})")

@@ -47,6 +47,8 @@ else
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$DI/METADATA"
   printf 'vllm-0.32.0+cpu.dist-info/METADATA,,\nvllm-0.32.0+cpu.dist-info/RECORD,,\n' > "$DI/RECORD"
 fi
+log "installing plotting (matplotlib)"
+"${PIP[@]}" -r requirements/plots.txt
 log "installing kvpath (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "$WANT" > "$STAMP"

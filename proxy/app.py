@@ -40,8 +40,8 @@ class ProxyConfig:
     policy: str = "round_robin"
     admin_token: str | None = None
     upstream_timeout_s: float = 300.0
-    # TCP connect only (not time queued for a pooled connection): an engine whose
-    # API server is starved of CPU can take seconds to accept.
+    # TCP connect only (not time queued for a pooled connection). Generous: on a
+    # saturated machine the proxy's own event loop can be seconds late to see it.
     connect_timeout_s: float = 15.0
     kv_bytes_per_token: int = 131072  # for the reservation's flow size estimate
     max_connections: int = 2048

@@ -199,6 +199,17 @@ def test_upstream_timeout_is_504(setup):
     assert time.monotonic() - t0 < 6
 
 
+def test_a_bug_inside_the_proxy_is_a_500_with_a_message_not_a_dropped_connection(setup, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(setup.proxy, "_run", broken)
+    r = post(setup.url, BODY)
+    assert r.status_code == 500 and "internal proxy error" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert post(setup.url, BODY).status_code == 200
+
+
 def test_killed_engine_gives_502_and_proxy_keeps_serving(setup):
     setup.d[0].stop()
     r = post(setup.url, BODY)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import uvloop  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import track as progress  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from testbed.readiness import free_port, wait_http  # noqa: E402
 
 STUB = """
 import sys, uvicorn
@@ -42,22 +42,6 @@ from testbed.stub_engine import StubBehaviour, create_stub_app
 b = StubBehaviour(delay_s={delay}, token_delay_s={tok}, keep_records=False)
 uvicorn.run(create_stub_app({name!r}, b), host="127.0.0.1", port={port}, log_level="warning", backlog=4096)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(url: str) -> None:
-    for _ in range(300):
-        try:
-            httpx.get(url, timeout=0.5)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int,
@@ -165,7 +149,7 @@ def main() -> int:
         proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
         d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
         for u in (d_url, px_url + "/health"):
-            wait(u)
+            wait_http(u)
         con = Console(width=150)
         t = Table(title=f"proxy overhead{' (proxy on its own core)' if pin else ''}, stub engines "
                         f"({args.engine_delay_s * 1e3:.0f} ms to first token, "

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from rich.table import Table  # noqa: E402
 
 from kvpath.fabric import FabricSpec  # noqa: E402
 from proxy.reservation import LaneInfo, ReservationService  # noqa: E402
+from testbed.readiness import free_port, wait_http  # noqa: E402
 
 SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)
 
@@ -66,12 +66,6 @@ def bench_inprocess(n: int) -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _http(url: str, n: int, conc: int) -> list[float]:
     pairs = workload(n, seed=1)
     lanes = [{"lane": i, "src_port": 40000 + 17 * i} for i in range(8)]
@@ -105,12 +99,7 @@ def bench_http(n: int, conc: int) -> dict:
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                httpx.get(url + "/health", timeout=0.5)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_http(url + "/health", proc, timeout_s=30, interval_s=0.1)
         t0 = time.perf_counter()
         lat = asyncio.run(_http(url, n, conc))
         el = time.perf_counter() - t0

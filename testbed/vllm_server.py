@@ -9,12 +9,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+from testbed.readiness import wait_http
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +80,8 @@ class VLLMServer:
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vllm on port {self.port} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm on port {self.port} not ready after {timeout_s}s; see {self.log_path}")
+        wait_http(f"{self.url}/health", self.proc, timeout_s, interval_s=1.0, require_200=True,
+                  hint=f"vllm on port {self.port}, see {self.log_path}", request_timeout_s=2.0)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kill the whole process group (API server, EngineCore, workers)."""

@@ -4,12 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from kvpath.tiny_model import build_tiny_model
+from testbed.readiness import wait_http
 from testbed.vllm_server import VLLMServer, connector_config, vllm_executable
 
 pytestmark = pytest.mark.e2e
@@ -27,19 +27,6 @@ def model(tmp_path_factory):
 
 def kvpath_cmd(*args):
     return [sys.executable, "-m", "kvpath.cli", *args]
-
-
-def wait_http(url, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 def engines(mode, model, logs):

@@ -1,0 +1,36 @@
+"""Waiting for a local server to come up: free ports and HTTP readiness polls
+(tests, benchmarks and the vLLM launcher)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0, interval_s: float = 0.3,
+              require_200: bool = False, hint: str = "", request_timeout_s: float = 1.0) -> None:
+    """Poll ``url`` until it answers (with 200 if ``require_200``). A ``proc`` that
+    exits first is a RuntimeError; no answer by ``timeout_s`` a TimeoutError.
+    ``hint`` (where to look, e.g. a log path) ends both messages."""
+    tail = f"; {hint}" if hint else ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}{tail}")
+        try:
+            r = httpx.get(url, timeout=request_timeout_s)
+            if not require_200 or r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url}: no answer after {timeout_s:.0f}s{tail}")

@@ -28,7 +28,7 @@ from proxy import legs
 from proxy.errors import describe_validation_errors, is_invalid_json
 from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
 from proxy.metrics import ProxyMetrics
-from proxy.relay import RelayResponse
+from proxy.relay import RelayResponse, wait_for_disconnect
 from proxy.reservation_client import LaneGrant
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class Proxy:
         watchers = {main}
         if p_task is not None:
             watchers.add(p_task)
-        gone = asyncio.ensure_future(self._client_gone(request))
+        gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
         watchers.add(gone)
         try:
             while True:
@@ -262,12 +262,6 @@ class Proxy:
                     with contextlib.suppress(BaseException):
                         await t
 
-    @staticmethod
-    async def _client_gone(request: Request) -> None:
-        # The body is read, so the next ASGI message is the disconnect: waiting
-        # for it costs nothing, unlike polling is_disconnected() per request.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
 
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
         assert self.session is not None

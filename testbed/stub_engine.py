@@ -19,6 +19,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from proxy.relay import wait_for_disconnect
+
 
 @dataclass
 class StubBehaviour:
@@ -38,12 +40,6 @@ def _text(body: dict[str, Any], n: int) -> list[str]:
     return [f" {words[(i * 7) % len(words)]}" for i in range(n)]
 
 
-async def _disconnected(request: Request) -> None:
-    # the body is read: the next ASGI message can only be the disconnect
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) -> FastAPI:
     app = FastAPI()
     b = behaviour or StubBehaviour()
@@ -57,7 +53,7 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
         if wait:
             # like vLLM, notice a client that went away and abort the request
             try:
-                await asyncio.wait_for(_disconnected(request), timeout=wait)
+                await asyncio.wait_for(wait_for_disconnect(request.receive), timeout=wait)
                 b.cancelled += 1
                 return Response(status_code=499)
             except asyncio.TimeoutError:

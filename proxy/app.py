@@ -413,7 +413,6 @@ class _InferenceFastPath:
 
     def __init__(self, app: FastAPI, proxy: Proxy):
         self.app, self.proxy = app, proxy
-        self.state = app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         schema = _INFERENCE.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -441,6 +440,8 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
     app = FastAPI(title="kvpath P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
 
+    # POSTs to these two never get here (_InferenceFastPath answers them); the
+    # routes stay so that /docs lists them and other methods get 405, not 404.
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "/v1/completions", CompletionBody)

@@ -103,8 +103,8 @@ def _bench_through_proxy(mode, model, tmp_path):
             px_args += ["--connect-timeout-s", "60"]
         p.wait_ready()
         d.wait_ready()
-        px_log = open(tmp_path / "proxy.log", "w")
-        px = subprocess.Popen(kvpath_cmd(*px_args), stdout=px_log, stderr=subprocess.STDOUT)
+        with open(tmp_path / "proxy.log", "w") as px_log:  # the child keeps its own descriptor
+            px = subprocess.Popen(kvpath_cmd(*px_args), stdout=px_log, stderr=subprocess.STDOUT)
         procs.append(px)
         proxy = f"http://127.0.0.1:{PROXY_PORT}"
         wait_http(proxy + "/health", px)

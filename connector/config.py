@@ -21,10 +21,19 @@ class KVPathConfig:
     # Connections per D peer; each lane is one NIXL agent with its own UCX TCP
     # connection, so its own source port and its own ECMP path.
     lanes: int = 4
-    # P keeps finished blocks this long waiting for D's registration and the push.
-    lease_timeout_s: float = 10.0
-    # D fails a registered request whose push has not completed by then.
+    # P keeps a finished prefill's blocks this long waiting for D's registration.
+    lease_timeout_s: float = 30.0
+    # D's liveness clock: D gives up on a registered request (sends Cancel) when P
+    # has not acknowledged it or sent a heartbeat for it for this long (P dead,
+    # unreachable or wedged). P's backlog does not count: P heartbeats every
+    # registration it holds.
     registration_timeout_s: float = 15.0
+    # D's bound on P's backlog: P must post the WRITE within this of D's
+    # registration, or not at all; D gives up then even if P is alive.
+    max_wait_s: float = 120.0
+    # D keeps progressing this long after it knows no more bytes can arrive for a
+    # failed push (P's connection broke or closed) before it reuses the blocks.
+    fence_grace_s: float = 0.5
     # UCX_TLS for the transfer agents; "tcp" makes pushes cross the network stack
     # (and so a shaped/emulated fabric); "auto" leaves UCX's own choice (CMA/shm).
     ucx_transport: str = "tcp"
@@ -39,13 +48,17 @@ class KVPathConfig:
     idle_poll_s: float = 0.02
     # Optional fixed engine id (default: random per process).
     engine_id: str | None = None
-    # Per-transfer hard limit once a WRITE is posted.
+    # A posted WRITE still running after this is logged and counted (pushes_slow).
+    # It is not abandoned: neither NIXL nor UCX can stop bytes already queued on a
+    # TCP connection, so P keeps its source blocks until UCX reports it done or failed.
     transfer_timeout_s: float = 30.0
     # Reservation service (kvpath reservation): lanes are registered there when
     # they open, and a push's reservation is released when the push ends.
     reservation_url: str | None = None
     # This engine's host in the fabric spec (e.g. "l0h1"); sent with lanes.
     fabric_host: str | None = None
+    # Bearer token for the reservation service's lane registration, when it has one.
+    reservation_token: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -67,17 +80,33 @@ class KVPathConfig:
     def validate(self) -> None:
         if self.lanes < 1 or self.lanes > 64:
             raise ConfigError(f"kv_connector_extra_config.lanes must be in [1, 64], got {self.lanes}")
-        for name in ("lease_timeout_s", "registration_timeout_s", "idle_poll_s", "transfer_timeout_s"):
+        for name in ("lease_timeout_s", "registration_timeout_s", "max_wait_s", "fence_grace_s", "idle_poll_s",
+                     "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")
         if self.idle_poll_s > 1.0:
             raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")
+        # P heartbeats every registration_timeout_s / 4; a heartbeat must fit in a few polls.
+        if self.registration_timeout_s < 4 * self.idle_poll_s:
+            raise ConfigError(
+                "kv_connector_extra_config.registration_timeout_s must be >= 4 x idle_poll_s "
+                f"({4 * self.idle_poll_s}), got {self.registration_timeout_s}"
+            )
+        if self.max_wait_s < self.registration_timeout_s:
+            raise ConfigError(
+                f"kv_connector_extra_config.max_wait_s ({self.max_wait_s}) must be >= registration_timeout_s "
+                f"({self.registration_timeout_s}): the liveness clock runs inside the hard bound"
+            )
         if not 0 < self.side_channel_port < 65536:
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port must be a TCP port, got {self.side_channel_port}"
             )
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
+
+    def heartbeat_s(self) -> float:
+        """How often D asks P for heartbeats: four chances before the liveness clock ends."""
+        return self.registration_timeout_s / 4
 
     def side_channel_addr(self, rank: int = 0) -> str:
         return f"{self.side_channel_host}:{self.side_channel_port + rank}"

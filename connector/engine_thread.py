@@ -7,8 +7,10 @@ polling) and still react at once.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -19,6 +21,8 @@ from connector import messages as M
 from connector.config import KVPathConfig
 from connector.nixl_io import PROBE_BYTES
 from connector.telemetry import Stats, TraceWriter
+
+logger = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -32,6 +36,7 @@ class EngineThread:
         stats: Stats | None,
         trace: TraceWriter | None,
         id_prefix: str,
+        compat: M.Compat | None = None,
     ):
         self.cfg = cfg
         self.layout = layout
@@ -40,6 +45,8 @@ class EngineThread:
         self.rank = rank
         self.stats = stats or Stats()
         self.trace = trace or TraceWriter(cfg.trace_path)
+        # Without vLLM (tests, benchmarks) only the layout is known.
+        self.compat = compat or M.Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=rank)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,6 +64,18 @@ class EngineThread:
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
+
+    def _loop(self, step: Callable[[], None]) -> None:
+        """Run ``step`` until closed. An unexpected exception is logged and counted and
+        the loop goes on: the requests it touched end by their own deadlines, and the
+        engine keeps serving the others (a dead thread would hang them all)."""
+        while not self._stop.is_set():
+            try:
+                step()
+            except Exception:
+                self.stats.inc("engine_thread_errors")
+                logger.exception("%s: unexpected error (loop continues)", threading.current_thread().name)
+                time.sleep(0.01)  # a persistent fault must not spin a core
 
     def _put(self, kind: str, arg: Any) -> None:
         """Called from the engine thread: queue work and wake the engine thread."""

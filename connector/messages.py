@@ -1,17 +1,21 @@
 """Wire formats of the push protocol's control channel (msgspec/msgpack).
 
-D -> P: ``Register`` (blocks ready to receive a request's KV) and ``Cancel``.
-P -> D: ``Ack`` (accepted, rejected, failed, cancelled, expired).
+D -> P: ``Hello`` once per P peer (agent metadata, layout, compatibility), then
+``Register`` (blocks ready to receive one request's KV) and ``Cancel``.
+P -> D: ``Welcome`` (the handshake's answer), ``Ack`` (a registration's fate) and
+``Pending`` (heartbeat: P is alive and still holds these registrations).
 Data completion itself is a NIXL notification, ``NOTIF_PREFIX + transfer_id``,
 so it is ordered after the WRITE's bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 NOTIF_PREFIX = b"kvpath:done:"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Region(msgspec.Struct, array_like=True, frozen=True):
@@ -32,40 +36,97 @@ class BlockLayout(msgspec.Struct, frozen=True):
     def bytes_per_block(self) -> int:
         return sum(r.block_len for r in self.regions)
 
+    def shape(self) -> str:
+        """What must be equal on both sides for blocks to be copied as they are."""
+        return f"{len(self.regions)}x[{','.join(str(r.block_len) for r in self.regions)}]"
 
-class Register(msgspec.Struct, tag="register", frozen=True):
-    transfer_id: str
-    request_id: str  # D's own request id, for logs and the trace
+
+class Compat(msgspec.Struct, frozen=True):
+    """What P and D must agree on before any byte moves (checked once per peer)."""
+
+    protocol: int = PROTOCOL_VERSION
+    model: str = ""  # vLLM's served model name
+    dtype: str = ""  # KV cache dtype
+    block_size: int = 0  # tokens per block
+    kv_layout: str = ""  # BlockLayout.shape()
+    tp_size: int = 1
+    tp_rank: int = 0  # D rank r pairs with P rank r
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def mismatch(self, other: "Compat") -> tuple[str, str] | None:
+        """(field, message) for the first field that differs, None when compatible."""
+        for name in self.__struct_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return name, f"{name} differs: P has {mine!r}, D has {theirs!r}"
+        return None
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
     engine_id: str
     agent_name: str
     agent_metadata: bytes
     layout: BlockLayout
-    block_ids: list[int]
-    # P skips its first ``skip_blocks`` blocks (D already had them, e.g. a prefix hit).
-    skip_blocks: int = 0
+    compat: Compat
+    instance: str  # random per D process
+    heartbeat_s: float  # how often D wants P's Pending heartbeats
     # A small registered scratch buffer on D used to open lanes by a tiny WRITE.
     probe_addr: int = 0
     probe_len: int = 0
+    # D's UCX listening ports: a lane's connection is the new one to one of these.
+    listen_ports: list[int] = []
     host: str = ""
     fabric_host: str = ""  # D's host in the fabric spec, for lane registration
     version: int = PROTOCOL_VERSION
+
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    transfer_id: str
+    request_id: str  # D's own request id, for logs and the trace
+    agent_name: str  # D's agent, known to P from the Hello
+    block_ids: list[int]
+    # P skips its first ``skip_blocks`` blocks (D already had them, e.g. a prefix hit).
+    skip_blocks: int = 0
+    sent_at: float = 0.0  # D's wall clock when sent; P subtracts the message's age
+    post_by_s: float = 60.0  # P must not post a WRITE later than this after sent_at
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     transfer_id: str
 
 
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    instance: str  # random per P process: a new value means P restarted
+    ok: bool
+    field: str = ""  # the incompatible field when refused
+    detail: str = ""
+    # P's lane connections to this D, (source ip, source port): sent again whenever a
+    # lane reopens, before any WRITE on it. D watches them to tell that P is gone.
+    lanes: list[tuple[str, int]] = []
+
+
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     transfer_id: str
-    status: str  # accepted | duplicate | rejected | failed | cancelled | expired
+    # accepted | rejected | failed | cancelled | expired | unknown_peer
+    status: str
     detail: str = ""
+    # A WRITE had been posted and failed (its connection broke): D lets what its
+    # socket still holds drain before it reuses the blocks.
+    posted: bool = False
 
 
-ToPrefill = Register | Cancel
+class Pending(msgspec.Struct, tag="pending", frozen=True):
+    transfer_ids: list[str]
+
+
+ToPrefill = Hello | Register | Cancel
+ToDecode = Welcome | Ack | Pending
 
 _enc = msgspec.msgpack.Encoder()
 _dec_to_p = msgspec.msgpack.Decoder(ToPrefill)
-_dec_to_d = msgspec.msgpack.Decoder(Ack)
+_dec_to_d = msgspec.msgpack.Decoder(ToDecode)
 
 
 class MalformedMessage(ValueError):
@@ -76,46 +137,57 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _enc.encode(msg)
 
 
-def decode_to_prefill(data: bytes) -> Register | Cancel:
+def decode_to_prefill(data: bytes) -> Hello | Register | Cancel:
     try:
         msg = _dec_to_p.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MalformedMessage(str(e)) from None
     if isinstance(msg, Register):
         validate_register(msg)
+    elif isinstance(msg, Hello):
+        validate_hello(msg)
     elif not msg.transfer_id:
         raise MalformedMessage("cancel without transfer_id")
     return msg
 
 
-def decode_ack(data: bytes) -> Ack:
+def decode_to_decode(data: bytes) -> Welcome | Ack | Pending:
     try:
         return _dec_to_d.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MalformedMessage(str(e)) from None
 
 
-def validate_register(reg: Register) -> None:
-    """Semantic checks a schema cannot express."""
-    if reg.version != PROTOCOL_VERSION:
-        raise MalformedMessage(f"protocol version {reg.version}, expected {PROTOCOL_VERSION}")
-    if not reg.transfer_id:
-        raise MalformedMessage("register without transfer_id")
-    if not reg.agent_name or not reg.agent_metadata:
-        raise MalformedMessage("register without NIXL agent metadata")
-    lay = reg.layout
+def validate_hello(h: Hello) -> None:
+    if h.version != PROTOCOL_VERSION:
+        raise MalformedMessage(f"protocol version {h.version}, expected {PROTOCOL_VERSION}")
+    if not h.agent_name or not h.agent_metadata:
+        raise MalformedMessage("hello without NIXL agent metadata")
+    lay = h.layout
     if lay.num_blocks <= 0 or lay.block_size <= 0 or not lay.regions:
-        raise MalformedMessage("register with an empty block layout")
+        raise MalformedMessage("hello with an empty block layout")
     for r in lay.regions:
         if r.base <= 0 or r.block_len <= 0 or r.block_stride < r.block_len:
-            raise MalformedMessage(f"register with a bad region {r}")
+            raise MalformedMessage(f"hello with a bad region {r}")
+    if not h.heartbeat_s > 0:
+        raise MalformedMessage("hello with a non-positive heartbeat_s")
+
+
+def validate_register(reg: Register) -> None:
+    """Semantic checks a schema cannot express (block ids are checked against the
+    layout the Hello gave, by the writer)."""
+    if not reg.transfer_id:
+        raise MalformedMessage("register without transfer_id")
+    if not reg.agent_name:
+        raise MalformedMessage("register without agent_name")
     if reg.skip_blocks < 0:
         raise MalformedMessage("negative skip_blocks")
-    for b in reg.block_ids:
-        if not 0 <= b < lay.num_blocks:
-            raise MalformedMessage(f"block id {b} outside [0, {lay.num_blocks})")
+    if any(b < 0 for b in reg.block_ids):
+        raise MalformedMessage("negative block id")
     if len(set(reg.block_ids)) != len(reg.block_ids):
         raise MalformedMessage("duplicate block ids")
+    if not reg.post_by_s > 0:
+        raise MalformedMessage("register with a non-positive post_by_s")
 
 
 def parse_notif(msg: bytes) -> str | None:

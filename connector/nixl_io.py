@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Iterable
 
@@ -69,6 +70,39 @@ def remote_endpoints() -> set[tuple[str, int, str, int]]:
         if c.raddr and c.status == "ESTABLISHED" and (c.raddr.ip, c.raddr.port) not in local:
             out.add((c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port))
     return out
+
+
+def _listening_ports() -> set[int]:
+    """TCP ports this process listens on."""
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr}
+
+
+class _ListeningPorts:
+    """``listening_ports()``, with a lock that serialises agent creation around it, so
+    the listening port a new agent opened is not confused with another's."""
+
+    lock = threading.Lock()
+
+    def __call__(self) -> set[int]:
+        return _listening_ports()
+
+
+listening_ports = _ListeningPorts()
+
+
+def lane_connection(
+    before: set[tuple[str, int, str, int]], peer_ports: Iterable[int], own_port: int
+) -> list[tuple[str, int, str, int]]:
+    """The connections opened since ``before`` snapshot: to one of the peer's UCX
+    listening ports when it told us them (exact), else any new one except our own
+    control socket's (the fallback for peers that do not send them)."""
+    new = remote_endpoints() - before
+    ports = set(peer_ports)
+    if ports:
+        return sorted(c for c in new if c[3] in ports)
+    return sorted(c for c in new if c[1] != own_port)
 
 
 def wait_xfer(agent: Any, handle: Any, timeout_s: float) -> str:

@@ -1,9 +1,10 @@
 """P-side matching of finished prefills with D registrations (no I/O, no threads).
 
 Either side can come first. A match is returned exactly once per transfer id;
-duplicates are reported, never re-executed. Leases bound how long anything waits:
-a finished prefill whose registration never comes is expired (its blocks are
-freed), and so is a registration whose prefill never finishes.
+duplicates are reported, never re-executed. Deadlines bound how long anything
+waits: a finished prefill whose registration never comes is expired after the
+lease (its blocks are freed), and a registration whose prefill has not finished
+by D's ``post_by`` is expired (D is told no WRITE was posted).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class PendingRegistration:
     reg: Register
     reply_to: bytes  # control-channel identity of the D worker
     received_at: float = field(default_factory=time.time)
-    deadline: float = 0.0
+    # On the writer's clock: no WRITE is posted after this (D's max_wait_s).
+    post_by: float = 0.0
 
 
 @dataclass
@@ -61,7 +63,7 @@ class WriterState:
         self._remember = remember
 
     # -- inputs -----------------------------------------------------------
-    def add_registration(self, reg: Register, reply_to: bytes) -> tuple[str, Match | None]:
+    def add_registration(self, reg: Register, reply_to: bytes, post_by: float) -> tuple[str, Match | None]:
         """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("aborted", None)."""
         tid = reg.transfer_id
         if tid in self.registrations or tid in self.active or tid in self._done:
@@ -70,7 +72,7 @@ class WriterState:
             self.aborted.discard(tid)
             self._finish(tid, "aborted")
             return "aborted", None
-        pr = PendingRegistration(reg, reply_to, deadline=self.clock() + self.lease_s)
+        pr = PendingRegistration(reg, reply_to, post_by=post_by)
         fp = self.prefills.pop(tid, None)
         if fp is None:
             self.registrations[tid] = pr
@@ -129,12 +131,23 @@ class WriterState:
         for tid in [t for t, fp in self.prefills.items() if fp.deadline <= now]:
             out.prefills.append(self.prefills.pop(tid))
             self._finish(tid, "expired")
-        for tid in [t for t, pr in self.registrations.items() if pr.deadline <= now]:
+        for tid in [t for t, pr in self.registrations.items() if pr.post_by <= now]:
             out.registrations.append(self.registrations.pop(tid))
             self._finish(tid, "expired")
         return out
 
     # -- queries ----------------------------------------------------------
+    def holder(self, transfer_id: str) -> str | None:
+        """P request id whose finished prefill holds ``transfer_id`` now, if any."""
+        fp = self.prefills.get(transfer_id)
+        if fp is None and transfer_id in self.active:
+            fp = self.active[transfer_id].prefill
+        return fp.request_id if fp is not None else None
+
+    def held_registrations(self) -> list[PendingRegistration]:
+        """Registrations P holds (waiting for the prefill or being written): heartbeated."""
+        return list(self.registrations.values()) + [m.registration for m in self.active.values()]
+
     def status_of(self, transfer_id: str) -> str | None:
         return self._done.get(transfer_id)
 

@@ -1,8 +1,10 @@
-"""D side of the transfer engine: registrations out, notifications in.
+"""D side of the transfer engine: handshake and registrations out, acks and notifications in.
 
 One thread owns the control sockets (one DEALER per P peer) and the NIXL agent
 that exposes D's KV memory. It keeps UCX progressing while pushes are expected
 (over TCP a target that does not progress stalls the initiator's WRITE).
+The first contact with a P peer is a ``Hello`` (agent metadata, layout,
+compatibility); registrations to that peer wait for its ``Welcome``.
 """
 
 from __future__ import annotations
@@ -11,18 +13,39 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from connector import messages as M
 from connector.config import KVPathConfig, parse_host_port
 from connector.engine_thread import EngineThread
-from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
+from connector.nixl_io import PROBE_BYTES, configure_ucx, listening_ports, make_agent, register
 from connector.recv_state import ReceiverState
+from connector.tcp_table import lanes_drained
 from connector.telemetry import Stats, TraceWriter
 
 logger = logging.getLogger(__name__)
+
+# A refused handshake is retried after this long (P may have been restarted, fixed).
+REFUSAL_RETRY_S = 5.0
+
+
+@dataclass
+class _PeerLink:
+    addr: str
+    sock: zmq.Socket
+    welcomed: bool = False
+    instance: str = ""
+    hello_at: float = 0.0
+    refused_until: float = 0.0
+    refusal: str = ""
+    queued: list[M.Register] = field(default_factory=list)
+    # P's lane connections into us, (source ip, port), as P's Welcomes listed them;
+    # kept until drained, so the fence can tell when P's bytes can no longer arrive.
+    lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # per P instance
 
 
 class PushReceiver(EngineThread):
@@ -35,16 +58,24 @@ class PushReceiver(EngineThread):
         rank: int = 0,
         stats: Stats | None = None,
         trace: TraceWriter | None = None,
+        compat: M.Compat | None = None,
     ):
-        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "d")
-        self.state = ReceiverState(cfg.registration_timeout_s)
+        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "d", compat)
+        self.state = ReceiverState(cfg.registration_timeout_s, cfg.max_wait_s, cfg.fence_grace_s)
         self._lock = threading.Lock()  # guards self.state between threads
-        self._socks: dict[str, zmq.Socket] = {}
+        self._links: dict[str, _PeerLink] = {}
+        self._regs: dict[str, M.Register] = {}  # receiver thread only: to re-send after P restarted
+        self.instance = uuid.uuid4().hex[:12]
         self.agent: Any = None
 
     def start(self) -> "PushReceiver":
         configure_ucx(self.cfg)
-        self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
+        # UCX opens its listening socket when the agent is created: the new listening
+        # ports are where P's lanes connect, so P can tell its lane's connection exactly.
+        with listening_ports.lock:
+            before = listening_ports()
+            self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
+            self.listen_ports = sorted(listening_ports() - before)
         register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
         register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
@@ -57,18 +88,23 @@ class PushReceiver(EngineThread):
         parse_host_port(peer, "kv_transfer_params.kvpath.peer")
         with self._lock:
             if not self.state.add(request_id, transfer_id, peer):
-                logger.warning("transfer %s registered twice; second registration ignored", transfer_id)
+                # Two live requests with one transfer id (a reused id, or n > 1 whose
+                # children share kv_transfer_params): only one can receive the push.
+                self.state.reject_new(request_id)
+                self.stats.inc("registrations_duplicate")
+                logger.warning("request %s reuses transfer id %s, which another request is waiting on: failed",
+                               request_id, transfer_id)
                 return
         self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks))
 
     def cancel(self, request_id: str) -> None:
         """D's request ended while waiting: ask P not to push; release when safe."""
         with self._lock:
-            w = self.state.cancel_request(request_id)
-        if w is not None:
-            self._put("cancel", (w.transfer_id, w.peer))
+            self.state.cancel_request(request_id)
+        self._wake()
 
     def take(self) -> tuple[set[str], set[str]]:
+        """(released, failed): see :mod:`connector.recv_state`."""
         with self._lock:
             return self.state.take()
 
@@ -77,84 +113,206 @@ class PushReceiver(EngineThread):
             return self.state.pending()
 
     # -- receiver thread ----------------------------------------------------------
-    def _sock(self, peer: str) -> zmq.Socket:
-        s = self._socks.get(peer)
-        if s is None:
+    def _link(self, peer: str) -> _PeerLink:
+        link = self._links.get(peer)
+        if link is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://{peer}")
-            self._socks[peer] = s
+            link = self._links[peer] = _PeerLink(peer, s)
             self._sockets.append(s)
             self._poller.register(s, zmq.POLLIN)
-        return s
+        return link
 
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        next_expire = 0.0
-        while not self._stop.is_set():
-            busy = self.pending() > 0
-            # Expected pushes need UCX progress on this side: poll fast.
-            timeout_ms = 1 if busy else int(self.cfg.idle_poll_s * 1000)
-            try:
-                events = dict(self._poller.poll(timeout_ms))
-            except zmq.ZMQError:
-                break
-            if self._wake_rx in events:
-                self._drain_wake()
-            self._drain_cmds()
-            for s in list(self._socks.values()):
-                if s in events:
-                    self._drain_acks(s)
-            self._poll_notifs()
-            now = time.monotonic()
-            if now >= next_expire:
-                with self._lock:
-                    expired = self.state.expire()
-                for w in expired:
-                    self.stats.inc("recv_timeout")
-                    logger.warning(
-                        "no push for request %s (transfer %s) from %s within %.1fs: %s",
-                        w.request_id, w.transfer_id, w.peer, self.cfg.registration_timeout_s,
-                        "released" if w.cancelled else "failed",
-                    )
-                next_expire = now + 0.05
+        self._next_expire = 0.0
+        self._loop(self._step)
+
+    def _step(self) -> None:
+        busy = self.pending() > 0
+        # Expected pushes need UCX progress on this side: poll fast.
+        timeout_ms = 1 if busy else int(self.cfg.idle_poll_s * 1000)
+        try:
+            events = dict(self._poller.poll(timeout_ms))
+        except zmq.ZMQError:
+            self._stop.set()
+            return
+        if self._wake_rx in events:
+            self._drain_wake()
+        self._drain_cmds()
+        for link in list(self._links.values()):
+            if link.sock in events:
+                self._drain_replies(link)
+        self._poll_notifs()
+        now = time.monotonic()
+        if now >= self._next_expire:
+            self._expire()
+            self._next_expire = now + 0.05
+        self._send_cancels()
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
             if kind == "register":
                 request_id, tid, peer, block_ids, skip = arg
-                msg = M.Register(
-                    transfer_id=tid, request_id=request_id, engine_id=self.engine_id,
-                    agent_name=self.agent.name, agent_metadata=self.metadata, layout=self.layout,
-                    block_ids=block_ids, skip_blocks=skip, probe_addr=self._probe.ctypes.data,
-                    probe_len=PROBE_BYTES, host=self.cfg.side_channel_host, fabric_host=self.cfg.fabric_host or "",
+                reg = M.Register(
+                    transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
+                    skip_blocks=skip, post_by_s=self.cfg.max_wait_s,
                 )
-                self._sock(peer).send(M.encode(msg), zmq.NOBLOCK)
-            elif kind == "cancel":
-                tid, peer = arg
-                self._sock(peer).send(M.encode(M.Cancel(tid)), zmq.NOBLOCK)
+                self._regs[tid] = reg
+                link = self._link(peer)
+                link.queued.append(reg)
+                self._flush(link)
 
-    def _drain_acks(self, s: zmq.Socket) -> None:
+    def _flush(self, link: _PeerLink) -> None:
+        """Send what waits for ``link``: a Hello first, registrations once welcomed."""
+        now = time.monotonic()
+        if link.refused_until > now:
+            self._fail_queued(link, link.refusal)
+            return
+        if not link.welcomed:
+            if now - link.hello_at > self.cfg.heartbeat_s():  # (re)send until P answers
+                link.hello_at = now
+                self._send(link, M.Hello(
+                    engine_id=self.engine_id, agent_name=self.agent.name, agent_metadata=self.metadata,
+                    layout=self.layout, compat=self.compat, instance=self.instance,
+                    heartbeat_s=self.cfg.heartbeat_s(), probe_addr=self._probe.ctypes.data, probe_len=PROBE_BYTES,
+                    listen_ports=self.listen_ports, host=self.cfg.side_channel_host,
+                    fabric_host=self.cfg.fabric_host or "",
+                ))
+            return
+        queued, link.queued = link.queued, []
+        for reg in queued:
+            with self._lock:
+                if reg.transfer_id not in self.state.by_tid:
+                    continue  # given up while queued
+            stamped = msgspec.structs.replace(reg, sent_at=time.time())
+            if self._send(link, stamped):
+                with self._lock:
+                    self.state.on_sent(reg.transfer_id, link.instance)
+            else:
+                with self._lock:
+                    w = self.state.by_tid.get(reg.transfer_id)
+                    if w is not None:
+                        self.state.on_ended(reg.transfer_id, posted=False, why="control channel full")
+
+    def _send(self, link: _PeerLink, msg: Any) -> bool:
+        try:
+            link.sock.send(M.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # queue full (P gone for long) or socket closed
+            self.stats.inc("control_send_failed")
+            logger.warning("cannot send %s to P at %s: %s", type(msg).__name__, link.addr, e)
+            return False
+
+    def _fail_queued(self, link: _PeerLink, why: str) -> None:
+        link.queued.clear()
+        with self._lock:
+            failed = self.state.fail_unsent(link.addr, why)
+        for w in failed:
+            self.stats.inc("recv_failed")
+            logger.warning("request %s not registered with %s: %s", w.request_id, link.addr, why)
+
+    def _drain_replies(self, link: _PeerLink) -> None:
         while True:
             try:
-                data = s.recv(zmq.NOBLOCK)
+                data = link.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                ack = M.decode_ack(data)
+                msg = M.decode_to_decode(data)
             except M.MalformedMessage as e:
                 self.stats.inc("messages_malformed")
-                logger.warning("dropped malformed ack: %s", e)
+                logger.warning("dropped malformed message from %s: %s", link.addr, e)
                 continue
-            if ack.status in ("accepted", "duplicate"):
-                continue
+            if isinstance(msg, M.Welcome):
+                self._on_welcome(link, msg)
+            elif isinstance(msg, M.Pending):
+                with self._lock:
+                    for tid in msg.transfer_ids:
+                        self.state.on_alive(tid)
+            else:
+                self._on_ack(link, msg)
+
+    def _on_welcome(self, link: _PeerLink, msg: M.Welcome) -> None:
+        if not msg.ok:
+            link.welcomed = False
+            link.refused_until = time.monotonic() + REFUSAL_RETRY_S
+            link.refusal = f"P at {link.addr} refused the handshake: {msg.detail}"
+            self.stats.inc("handshakes_refused")
+            logger.error("%s (field %s)", link.refusal, msg.field)
+            self._fail_queued(link, link.refusal)
+            return
+        if link.instance and msg.instance != link.instance:
             with self._lock:
-                w = self.state.on_failed(ack.transfer_id)
-            if w is not None:
-                if not w.cancelled:
-                    self.stats.inc("recv_failed")
-                    logger.warning("push for %s ended as %s: %s", w.request_id, ack.status, ack.detail)
+                gone = self.state.peer_restarted(link.addr)
+            self.stats.inc("peer_restarts")
+            logger.warning("P at %s restarted (instance %s -> %s): %d waiting requests end once its old "
+                           "connections are drained", link.addr, link.instance, msg.instance, len(gone))
+        link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
+        link.instance, link.welcomed, link.refusal = msg.instance, True, ""
+        self._flush(link)
+
+    def _on_ack(self, link: _PeerLink, ack: M.Ack) -> None:
+        if ack.status == "accepted":
+            with self._lock:
+                self.state.on_alive(ack.transfer_id)
+            return
+        if ack.status == "unknown_peer":
+            # P does not know us (it restarted): handshake again, then re-send.
+            link.welcomed = False
+            link.hello_at = 0.0
+            with self._lock:
+                w = self.state.on_unknown_peer(ack.transfer_id)
+            if w is not None and not w.failed and ack.transfer_id in self._regs:
+                link.queued.append(self._regs[ack.transfer_id])
+            self._flush(link)
+            return
+        with self._lock:
+            w = self.state.on_ended(ack.transfer_id, ack.posted, f"{ack.status}: {ack.detail}")
+        if w is not None and not w.cancelled:
+            self.stats.inc("recv_failed")
+            logger.warning("push for %s ended as %s: %s", w.request_id, ack.status, ack.detail)
+
+    def _send_cancels(self) -> None:
+        with self._lock:
+            todo = self.state.to_cancel()
+            for w in todo:
+                w.cancel_sent = True
+        for w in todo:
+            link = self._links.get(w.peer)
+            if link is not None:
+                self._send(link, M.Cancel(w.transfer_id))
+
+    def _drained(self, peer: str, instance: str) -> bool:
+        """Every lane connection of the P process ``instance`` at ``peer`` into us is
+        closed and fully read."""
+        link = self._links.get(peer)
+        lanes = link.lanes.get(instance, set()) if link is not None else set()
+        return lanes_drained(set(self.listen_ports), lanes, parse_host_port(peer)[0])
+
+    def _expire(self) -> None:
+        with self._lock:
+            gave_up, released = self.state.expire(self._drained)
+        for w in gave_up:
+            if w.cancelled:
+                continue
+            self.stats.inc("recv_timeout")
+            logger.warning(
+                "no push for request %s (transfer %s) from %s: %s; cancelling it (blocks held until no WRITE can land)",
+                w.request_id, w.transfer_id, w.peer, w.why,
+            )
+        for w in released:
+            self.stats.inc("fence_drain_releases")
+            logger.info("blocks of %s released: P's connections to us are closed and drained", w.request_id)
+        for link in self._links.values():
+            if link.queued:
+                self._flush(link)
+        with self._lock:
+            live = set(self.state.by_tid)
+        for tid in [t for t in self._regs if t not in live]:
+            del self._regs[tid]
 
     def _poll_notifs(self) -> None:
         notifs = self.agent.get_new_notifs()
@@ -165,5 +323,5 @@ class PushReceiver(EngineThread):
                     continue
                 with self._lock:
                     w = self.state.on_done(tid)
-                if w is not None:
+                if w is not None and not w.failed:
                     self.stats.inc("recv_ok")

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,9 +21,10 @@ import zmq
 from connector import messages as M
 from connector.config import ConfigError, KVPathConfig
 from connector.engine_thread import EngineThread
+from connector.lanes import Lane, LaneSet
 from connector.layout import LayoutMismatch, build_descs, check_compatible
 from connector.params import default_lane
-from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register, remote_endpoints, wait_xfer
+from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from connector.push_state import FinishedPrefill, Match, WriterState
 from connector.reservation_hooks import ReservationNotifier
 from connector.telemetry import Stats, TraceWriter, TransferRecord
@@ -31,24 +33,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Lane:
-    lane_id: int
-    src_ports: list[int]
-
-
-@dataclass
 class _Peer:
-    agent_name: str
-    lanes: list[Lane]
+    """A D worker that completed the handshake."""
+
+    hello: M.Hello
+    ident: bytes  # its control-channel identity
+    lanes: LaneSet
 
 
 @dataclass
 class _InFlight:
     match: Match
-    agent: Any
+    lane: int
     handle: Any
     record: TransferRecord
-    deadline: float
+    slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
 
 
 class PushSender(EngineThread):
@@ -62,8 +61,9 @@ class PushSender(EngineThread):
         stats: Stats | None = None,
         trace: TraceWriter | None = None,
         on_lanes: Callable[[str, list[Lane]], None] | None = None,
+        compat: M.Compat | None = None,
     ):
-        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "p")
+        super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "p", compat)
         self.on_lanes = on_lanes
         self.state = WriterState(cfg.lease_timeout_s)
         self.address = cfg.side_channel_addr(rank)
@@ -74,6 +74,8 @@ class PushSender(EngineThread):
         self._inflight: dict[str, _InFlight] = {}
         self.lane_agents: list[Any] = []
         self.notifier: ReservationNotifier | None = None
+        self.instance = uuid.uuid4().hex[:12]  # D tells a restarted P by a new value
+        self._next_heartbeat = 0.0
 
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
@@ -92,7 +94,8 @@ class PushSender(EngineThread):
             register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
         if self.cfg.reservation_url:
-            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats)
+            kw = {"token": self.cfg.reservation_token} if self.cfg.reservation_token else {}
+            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats, **kw)
         self._start_thread(self._run, "kvpath-push-writer")
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
@@ -118,54 +121,69 @@ class PushSender(EngineThread):
         return out
 
     def lanes(self) -> dict[str, list[Lane]]:
-        return {p.agent_name: list(p.lanes) for p in self._peers.values()}
+        """D agent name -> its lanes (a snapshot; for tests and tools)."""
+        return {name: list(p.lanes.lanes) for name, p in self._peers.items()}
 
     # -- writer thread ------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        next_expire = 0.0
-        while not self._stop.is_set():
-            timeout_ms = 0 if self._inflight else int(self.cfg.idle_poll_s * 1000)
-            try:
-                events = dict(poller.poll(timeout_ms))
-            except zmq.ZMQError:
-                break
-            if self._wake_rx in events:
-                self._drain_wake()
-            if self._router in events:
-                self._drain_router()
-            self._drain_cmds()
-            if self._inflight:
-                # Without NIXL's progress thread, UCX moves bytes only while we poll:
-                # spin on the in-flight WRITEs for a short burst, then look at the
-                # sockets again. CPU is spent only while a push is in flight.
-                burst_end = time.monotonic() + 0.002
-                while self._inflight and time.monotonic() < burst_end:
-                    self._progress()
-                time.sleep(0)  # let the engine thread take the GIL
-            now = time.monotonic()
-            if now >= next_expire:
-                self._expire()
-                next_expire = now + 0.05
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._next_expire = 0.0
+        self._loop(self._step)
+
+    def _step(self) -> None:
+        timeout_ms = 0 if self._inflight else int(self.cfg.idle_poll_s * 1000)
+        try:
+            events = dict(self._poller.poll(timeout_ms))
+        except zmq.ZMQError:
+            self._stop.set()
+            return
+        if self._wake_rx in events:
+            self._drain_wake()
+        if self._router in events:
+            self._drain_router()
+        self._drain_cmds()
+        if self._inflight:
+            # Without NIXL's progress thread, UCX moves bytes only while we poll:
+            # spin on the in-flight WRITEs for a short burst, then look at the
+            # sockets again. CPU is spent only while a push is in flight.
+            burst_end = time.monotonic() + 0.002
+            while self._inflight and time.monotonic() < burst_end:
+                self._progress()
+            time.sleep(0)  # let the engine thread take the GIL
+        now = time.monotonic()
+        if now >= self._next_expire:
+            self._expire()
+            self._next_expire = now + 0.05
+        if now >= self._next_heartbeat:
+            self._heartbeat()
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
             if kind == "finished":
-                status, m = self.state.add_prefill(arg)
-                if status == "duplicate":
-                    logger.warning("duplicate finished prefill for transfer %s ignored", arg.transfer_id)
-                elif status == "dead":
-                    logger.info("transfer %s already ended (%s): blocks freed", arg.transfer_id,
-                                self.state.status_of(arg.transfer_id))
-                    self._release(arg)
-                elif m is not None:
-                    self._start_write(m)
+                self._on_finished(arg)
             elif kind == "abort":
                 pr = self.state.abort_prefill(arg)
                 if pr is not None:
                     self._ack(pr.reply_to, arg, "rejected", "prefill request was aborted")
+
+    def _on_finished(self, fp: FinishedPrefill) -> None:
+        status, m = self.state.add_prefill(fp)
+        if status == "duplicate":
+            if self.state.holder(fp.transfer_id) != fp.request_id:
+                # Another P request already holds this transfer id (a reused id, n > 1):
+                # this one's KV goes nowhere, so its blocks are freed now, not leaked.
+                self.stats.inc("prefills_duplicate")
+                logger.warning("request %s reuses transfer id %s held by request %s: its blocks are freed",
+                               fp.request_id, fp.transfer_id, self.state.holder(fp.transfer_id))
+                self._release(fp)
+        elif status == "dead":
+            logger.info("transfer %s already ended (%s): blocks freed", fp.transfer_id,
+                        self.state.status_of(fp.transfer_id))
+            self._release(fp)
+        elif m is not None:
+            self._start_write(m)
 
     def _drain_router(self) -> None:
         while True:
@@ -186,38 +204,95 @@ class PushSender(EngineThread):
                 continue
             if isinstance(msg, M.Cancel):
                 self._on_cancel(ident, msg.transfer_id)
+            elif isinstance(msg, M.Hello):
+                self._on_hello(ident, msg)
             else:
                 self._on_register(ident, msg)
 
+    def _on_hello(self, ident: bytes, hello: M.Hello) -> None:
+        """The handshake: refuse an incompatible peer naming the field, else open lanes."""
+        self.stats.inc("handshakes")
+        bad = self.compat.mismatch(hello.compat)
+        if bad is None:
+            try:
+                check_compatible(self.layout, hello.layout)
+            except LayoutMismatch as e:
+                bad = ("kv_layout", str(e))
+        if bad is not None:
+            self.stats.inc("handshakes_refused")
+            logger.error("refused D %s (%s): %s", hello.engine_id, hello.agent_name, bad[1])
+            self._send(ident, M.Welcome(self.instance, False, bad[0], bad[1]))
+            return
+        peer = self._peers.get(hello.agent_name)
+        if peer is None:
+            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]))
+            try:
+                lanes.open_all()
+            except Exception as e:  # a peer we cannot reach: refuse, keep serving the others
+                logger.warning("cannot open lanes to %s: %s", hello.agent_name, e)
+                for i in range(len(lanes.lanes)):
+                    lanes.tear_down(i)
+                self._send(ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
+                return
+            peer = self._peers[hello.agent_name] = _Peer(hello, ident, lanes)
+            self._lanes_opened(peer)
+        peer.ident = ident
+        self._welcome(peer)
+
+    def _welcome(self, peer: _Peer) -> None:
+        lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]
+        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes))
+
+    def _lanes_opened(self, peer: _Peer) -> None:
+        lanes, h = peer.lanes.lanes, peer.hello
+        self.stats.inc("lanes_opened", len(lanes))
+        logger.info("opened %d lanes to %s: %s", len(lanes), h.agent_name,
+                    [f"{l.src_ip}:{l.src_port}->{l.dst_ip}:{l.dst_port}" for l in lanes])
+        self.trace.write_event("lanes", peer=h.agent_name, engine=self.engine_id,
+                               lanes=[[l.lane_id, *l.five_tuple()] for l in lanes])
+        if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
+            self.notifier.register_lanes(
+                self.cfg.fabric_host, h.fabric_host, [(l.lane_id, l.src_port) for l in lanes if l.src_port]
+            )
+        if self.on_lanes:
+            try:
+                self.on_lanes(h.agent_name, list(lanes))
+            except Exception:  # a telemetry callback must never break pushes
+                logger.exception("on_lanes callback failed")
+
     def _on_register(self, ident: bytes, reg: M.Register) -> None:
         self.stats.inc("registrations")
-        try:
-            check_compatible(self.layout, reg.layout)
-        except LayoutMismatch as e:
-            self.stats.inc("registrations_rejected")
-            logger.warning("registration %s rejected: %s", reg.transfer_id, e)
-            self._ack(ident, reg.transfer_id, "rejected", str(e))
+        tid = reg.transfer_id
+        peer = self._peers.get(reg.agent_name)
+        if peer is None:  # no handshake with this D (P restarted since): D says Hello again
+            self._ack(ident, tid, "unknown_peer", "no handshake with this D worker")
             return
-        status, m = self.state.add_registration(reg, ident)
+        bad = [b for b in reg.block_ids if b >= peer.hello.layout.num_blocks]
+        if bad:
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "rejected", f"block id {bad[0]} outside D's {peer.hello.layout.num_blocks} blocks")
+            return
+        # D's deadlines, moved onto this clock. The message's age (wall clocks) is
+        # taken off, so a Register that sat in a queue gets no extra time.
+        now = time.monotonic()
+        age = max(0.0, time.time() - reg.sent_at) if reg.sent_at else 0.0
+        post_by = now + reg.post_by_s - age
+        if post_by <= now:
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "expired", f"registration arrived {age:.1f}s after it was sent")
+            return
+        status, m = self.state.add_registration(reg, ident, post_by)
         if status == "duplicate":
             self.stats.inc("registrations_duplicate")
-            done = self.state.status_of(reg.transfer_id)
-            logger.info("duplicate registration for %s ignored (state %s)", reg.transfer_id, done or "pending")
+            logger.warning("registration of %s for transfer %s rejected: the transfer id is taken (state %s)",
+                           reg.request_id, tid, self.state.status_of(tid) or "pending")
+            self._ack(ident, tid, "rejected", "transfer id already registered by another request")
             return
         if status == "aborted":
             self.stats.inc("registrations_rejected")
-            self._ack(ident, reg.transfer_id, "rejected", "prefill request was aborted")
+            self._ack(ident, tid, "rejected", "prefill request was aborted")
             return
-        try:
-            self._ensure_peer(reg)
-        except Exception as e:  # a peer we cannot reach: fail this transfer, keep serving
-            logger.warning("cannot open lanes to %s: %s", reg.agent_name, e)
-            if m is not None:
-                self._fail(m, f"lane set-up failed: {e}")
-            else:
-                self.state.registrations.pop(reg.transfer_id, None)
-                self._ack(ident, reg.transfer_id, "failed", f"lane set-up failed: {e}")
-            return
+        self._ack(ident, tid, "accepted")
         if m is not None:
             self._start_write(m)
 
@@ -231,89 +306,65 @@ class PushSender(EngineThread):
             self.trace.write(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
         self._ack(ident, tid, "cancelled")
 
-    def _ensure_peer(self, reg: M.Register) -> _Peer:
-        peer = self._peers.get(reg.agent_name)
-        if peer is not None:
-            return peer
-        lanes: list[Lane] = []
-        own_port = int(self.address.rpartition(":")[2])
-        for i, agent in enumerate(self.lane_agents):
-            # UCX may connect as soon as it learns the peer: snapshot first.
-            before = remote_endpoints()
-            name = agent.add_remote_agent(reg.agent_metadata)
-            if reg.probe_addr and reg.probe_len:
-                # A tiny WRITE opens the lane's connection now, so its source
-                # port is known before the first real push is routed.
-                n = min(8, reg.probe_len)
-                loc = agent.get_xfer_descs(np.array([[self._probe.ctypes.data, n, 0]], dtype=np.uint64), "DRAM")
-                rem = agent.get_xfer_descs(np.array([[reg.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
-                h = agent.initialize_xfer("WRITE", loc, rem, name)
-                state = wait_xfer(agent, h, timeout_s=5.0)
-                agent.release_xfer_handle(h)
-                if state != "DONE":
-                    raise RuntimeError(f"lane {i} probe ended in state {state}")
-            new = {c for c in remote_endpoints() - before if c[1] != own_port}
-            lanes.append(Lane(i, sorted(p[1] for p in new)))
-        peer = _Peer(reg.agent_name, lanes)
-        self._peers[reg.agent_name] = peer
-        self.stats.inc("lanes_opened", len(lanes))
-        logger.info("opened %d lanes to %s: source ports %s", len(lanes), reg.agent_name, [l.src_ports for l in lanes])
-        self.trace.write_event(
-            "lanes", peer=reg.agent_name, engine=self.engine_id, lanes=[[l.lane_id, l.src_ports] for l in lanes]
-        )
-        if self.notifier is not None and self.cfg.fabric_host and reg.fabric_host:
-            self.notifier.register_lanes(
-                self.cfg.fabric_host, reg.fabric_host, [(l.lane_id, l.src_ports[0]) for l in lanes if l.src_ports]
-            )
-        if self.on_lanes:
-            try:
-                self.on_lanes(reg.agent_name, lanes)
-            except Exception:  # a telemetry callback must never break pushes
-                logger.exception("on_lanes callback failed")
-        return peer
+    def _heartbeat(self) -> None:
+        """Tell each D that P still holds its registrations (so D's clock measures
+        P's liveness, not P's queue)."""
+        by_ident: dict[bytes, list[str]] = {}
+        for pr in self.state.held_registrations():
+            by_ident.setdefault(pr.reply_to, []).append(pr.reg.transfer_id)
+        for ident, tids in by_ident.items():
+            self._send(ident, M.Pending(tids))
+        beat = min((p.hello.heartbeat_s for p in self._peers.values()), default=1.0)
+        self._next_heartbeat = time.monotonic() + beat
 
     def _start_write(self, m: Match) -> None:
-        fp, reg = m.prefill, m.registration.reg
+        fp, pr = m.prefill, m.registration
+        reg = pr.reg
         n_lanes = len(self.lane_agents)
         lane = fp.lane if fp.lane is not None and 0 <= fp.lane < n_lanes else default_lane(fp.transfer_id, n_lanes)
-        peer = self._peers.get(reg.agent_name)
+        peer = self._peers[reg.agent_name]
         rec = TransferRecord(
-            transfer_id=fp.transfer_id,
-            request_id=fp.request_id,
-            peer_engine=reg.engine_id,
-            peer_request_id=reg.request_id,
-            lane=lane,
-            src_port=(peer.lanes[lane].src_ports[0] if peer and peer.lanes[lane].src_ports else 0),
-            lease_id=fp.lease_id or "",
-            registered_at=m.registration.received_at,
-            prefill_done_at=fp.finished_at,
+            transfer_id=fp.transfer_id, request_id=fp.request_id, peer_engine=peer.hello.engine_id,
+            peer_request_id=reg.request_id, lane=lane, lease_id=fp.lease_id or "",
+            registered_at=pr.received_at, prefill_done_at=fp.finished_at,
         )
+        if time.monotonic() >= pr.post_by:
+            self._fail(m, "D's post_by deadline passed before the prefill finished", rec)
+            return
         src = fp.block_ids[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
         if len(src) < len(reg.block_ids):
             self._fail(m, f"P has {len(fp.block_ids)} blocks, D expects {reg.skip_blocks + len(reg.block_ids)}", rec)
             return
         agent = self.lane_agents[lane]
         try:
-            loc, rem, nbytes = build_descs(self.layout, reg.layout, src, reg.block_ids)
+            if peer.lanes.lanes[lane].broken:
+                peer.lanes.ensure(lane)
+                self._welcome(peer)  # D learns the new connection before any byte moves on it
+            rec.src_port = peer.lanes.lanes[lane].src_port
+            loc, rem, nbytes = build_descs(self.layout, peer.hello.layout, src, reg.block_ids)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
             rec.submit_at = time.time()
             if len(loc) == 0:
-                agent.send_notif(peer.agent_name if peer else reg.agent_name, M.make_notif(fp.transfer_id))
+                agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
                 rec.completed_at = time.time()
                 self._succeed(m, rec)
                 return
             l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
-            r_d = agent.get_xfer_descs(rem, reg.layout.mem_type)
+            r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
             h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, M.make_notif(fp.transfer_id))
+        except Exception as e:  # nothing was posted
+            self._fail(m, f"preparing the WRITE failed: {e}", rec)
+            return
+        try:
             state = agent.transfer(h)
         except Exception as e:
-            self._fail(m, f"posting the WRITE failed: {e}", rec)
-            return
+            state = "ERR"
+            logger.warning("posting the WRITE of %s raised: %s", fp.transfer_id, e)
+        f = _InFlight(m, lane, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
         if state == "ERR":
-            agent.release_xfer_handle(h)
-            self._fail(m, "NIXL refused the WRITE", rec)
+            self._failed_write(f, "NIXL refused the WRITE")
             return
-        self._inflight[fp.transfer_id] = _InFlight(m, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
+        self._inflight[fp.transfer_id] = f
         if state == "DONE":
             self._progress()
 
@@ -321,25 +372,42 @@ class PushSender(EngineThread):
         now = time.monotonic()
         for tid, f in list(self._inflight.items()):
             try:
-                state = f.agent.check_xfer_state(f.handle)
+                state = self.lane_agents[f.lane].check_xfer_state(f.handle)
             except Exception as e:  # the peer vanished under the transfer
                 state, why = "ERR", str(e)
             else:
                 why = "transfer error"
-            if state == "PROC" and now > f.deadline:
-                state, why = "ERR", f"transfer timed out after {self.cfg.transfer_timeout_s}s"
             if state == "PROC":
+                if now > f.slow_at:
+                    f.slow_at = float("inf")
+                    self.stats.inc("pushes_slow")
+                    logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
+                                   tid, self.cfg.transfer_timeout_s)
                 continue
             del self._inflight[tid]
-            try:
-                f.agent.release_xfer_handle(f.handle)
-            except Exception:
-                logger.debug("releasing handle of %s failed", tid, exc_info=True)
             if state == "DONE":
+                self._release_handle(f)
                 f.record.completed_at = time.time()
                 self._succeed(f.match, f.record)
             else:
-                self._fail(f.match, why, f.record)
+                self._failed_write(f, why)
+
+    def _release_handle(self, f: _InFlight) -> None:
+        try:
+            self.lane_agents[f.lane].release_xfer_handle(f.handle)
+        except Exception:
+            logger.debug("releasing handle of %s failed", f.match.prefill.transfer_id, exc_info=True)
+
+    def _failed_write(self, f: _InFlight, why: str) -> None:
+        """UCX reported the WRITE failed: it no longer reads the source blocks, and its
+        connection is broken. The lane is reopened on its next use."""
+        self._inflight.pop(f.match.prefill.transfer_id, None)
+        self._release_handle(f)
+        peer = self._peers.get(f.match.registration.reg.agent_name)
+        if peer is not None:
+            peer.lanes.tear_down(f.lane)
+            self.stats.inc("lanes_torn_down")
+        self._fail(f.match, why, f.record, posted=True)
 
     def _succeed(self, m: Match, rec: TransferRecord) -> None:
         self.state.complete(m.prefill.transfer_id, "ok")
@@ -349,7 +417,7 @@ class PushSender(EngineThread):
         self.trace.write(rec)
         logger.debug("pushed %s: %d B in %d descs on lane %d", rec.transfer_id, rec.bytes, rec.descriptors, rec.lane)
 
-    def _fail(self, m: Match, why: str, rec: TransferRecord | None = None) -> None:
+    def _fail(self, m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
         tid = m.prefill.transfer_id
         self.state.active.setdefault(tid, m)
         self.state.complete(tid, "failed")
@@ -359,7 +427,7 @@ class PushSender(EngineThread):
         rec.status, rec.detail, rec.completed_at = "failed", why, time.time()
         self.trace.write(rec)
         logger.warning("push %s failed: %s", tid, why)
-        self._ack(m.registration.reply_to, tid, "failed", why)
+        self._ack(m.registration.reply_to, tid, "failed", why, posted)
 
     def _expire(self) -> None:
         ex = self.state.expire()
@@ -389,8 +457,11 @@ class PushSender(EngineThread):
         with self._finished_lock:
             self._finished.add(request_id)
 
-    def _ack(self, ident: bytes, tid: str, status: str, detail: str = "") -> None:
+    def _ack(self, ident: bytes, tid: str, status: str, detail: str = "", posted: bool = False) -> None:
+        self._send(ident, M.Ack(tid, status, detail, posted))
+
+    def _send(self, ident: bytes, msg: Any) -> None:
         try:
-            self._router.send_multipart([ident, M.encode(M.Ack(tid, status, detail))], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.debug("ack %s to a gone peer dropped: %s", status, e)
+            self._router.send_multipart([ident, M.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a gone peer: its own deadlines end its requests
+            logger.debug("%s to a gone peer dropped: %s", type(msg).__name__, e)

@@ -43,6 +43,16 @@ def _share_vllm_logging() -> None:
         ours.propagate = False
 
 
+def _compat_fields(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """What the handshake compares besides the layout: model, KV dtype, TP size."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    names = mc.served_model_name
+    model = names[0] if isinstance(names, (list, tuple)) and names else str(names or mc.model)
+    dtype = str(mc.dtype) if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
+    return {"model": model, "dtype": dtype.removeprefix("torch."),
+            "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+
+
 class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -52,9 +62,11 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
         if ktc.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_transfer_config.kv_role must be kv_producer, kv_consumer or kv_both, got {ktc.kv_role!r}")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            # SupportsHMA is declared for what works under the hybrid manager: one group.
             raise ConfigError(
-                "KVPathConnector supports models with one KV cache group (full attention); "
-                f"this model has {len(kv_cache_config.kv_cache_groups)}"
+                "KVPathConnector pushes one KV cache group (full attention); with the hybrid KV cache "
+                f"manager this model has {len(kv_cache_config.kv_cache_groups)}. Start vLLM with "
+                "--disable-hybrid-kv-cache-manager to give it one group."
             )
         from connector.nixl_io import load_nixl
 
@@ -71,7 +83,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = KVPathWorker(
                 self.cfg, self.engine_id, ktc.kv_role, vllm_config.cache_config.block_size,
-                kv_cache_config.num_blocks, rank=get_tensor_model_parallel_rank(),
+                kv_cache_config.num_blocks, rank=get_tensor_model_parallel_rank(), compat=_compat_fields(vllm_config),
             )
 
     # ---------------- scheduler side ----------------

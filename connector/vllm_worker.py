@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from connector.config import KVPathConfig
 from connector.layout import layout_from_tensors
+from connector.messages import Compat
 from connector.receiver import PushReceiver
 from connector.sender import PushSender
 from connector.telemetry import Stats, TraceWriter
@@ -19,13 +20,17 @@ logger = logging.getLogger(__name__)
 
 
 class KVPathWorker:
-    def __init__(self, cfg: KVPathConfig, engine_id: str, role: str, block_size: int, num_blocks: int, rank: int = 0):
+    def __init__(
+        self, cfg: KVPathConfig, engine_id: str, role: str, block_size: int, num_blocks: int, rank: int = 0,
+        compat: dict | None = None,
+    ):
         self.cfg = cfg
         self.engine_id = engine_id
         self.role = role  # kv_producer | kv_consumer | kv_both
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.rank = rank
+        self.compat_fields = compat or {}  # model, dtype, tp_size (the layout adds the rest)
         self.stats = Stats()
         self.trace = TraceWriter(cfg.trace_path)
         self.sender: PushSender | None = None
@@ -37,13 +42,15 @@ class KVPathWorker:
             "kvpath: %d KV tensors -> %d regions, %d B per block, %d blocks (%s)",
             len(kv_caches), len(layout.regions), layout.bytes_per_block(), layout.num_blocks, self.role,
         )
+        compat = Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=self.rank, **self.compat_fields)
+        logger.info("kvpath: compatibility %s (digest %s)", compat, compat.digest())
         if self.role in ("kv_producer", "kv_both"):
             self.sender = PushSender(
-                self.cfg, layout, spans, f"{self.engine_id}-p", self.rank, self.stats, self.trace
+                self.cfg, layout, spans, f"{self.engine_id}-p", self.rank, self.stats, self.trace, compat=compat
             ).start()
         if self.role in ("kv_consumer", "kv_both"):
             self.receiver = PushReceiver(
-                self.cfg, layout, spans, f"{self.engine_id}-d", self.rank, self.stats, self.trace
+                self.cfg, layout, spans, f"{self.engine_id}-d", self.rank, self.stats, self.trace, compat=compat
             ).start()
 
     def process_metadata(self, meta: KVPathMetadata) -> None:
@@ -61,9 +68,10 @@ class KVPathWorker:
                 self.sender.abort(tid)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(P requests whose blocks may be freed, D requests released, of which failed)."""
         sending = self.sender.take_finished() if self.sender else set()
-        recving, failed = self.receiver.take() if self.receiver else (set(), set())
-        return sending, recving, failed
+        released, failed = self.receiver.take() if self.receiver else (set(), set())
+        return sending, released, failed
 
     def shutdown(self) -> None:
         for part in (self.sender, self.receiver):

@@ -18,7 +18,8 @@ _port = [5900]
 
 def cfg(**kw) -> KVPathConfig:
     _port[0] += 3
-    base = dict(side_channel_port=_port[0], ucx_net_devices="lo", lease_timeout_s=3.0, registration_timeout_s=4.0)
+    base = dict(side_channel_port=_port[0], ucx_net_devices="lo", lease_timeout_s=3.0, registration_timeout_s=4.0,
+                max_wait_s=6.0, fence_grace_s=0.3)
     base.update(kw)
     return KVPathConfig(**base)
 
@@ -82,8 +83,10 @@ def test_fragmented_pushes_arrive_byte_exact(pair, order):
     assert stats["pushes_ok"] == 6 and stats["pushes_failed"] == 0
     lanes = next(iter(p.sender.lanes().values()))
     assert len(lanes) == p.sender.cfg.lanes
-    ports = [l.src_ports[0] for l in lanes]
+    ports = [l.src_port for l in lanes]
     assert all(ports) and len(set(ports)) == len(ports), "each lane has its own source port"
+    # the 5-tuple is the lane's own connection: to D's UCX listening port, from ours
+    assert all(l.dst_port and l.dst_port != p.sender.cfg.side_channel_port for l in lanes)
 
 
 def test_lane_choice_is_honoured_and_skip_blocks_respected():
@@ -104,30 +107,57 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
         kv = [r for r in records if getattr(r, "transfer_id", "").startswith("lane-")]
         assert [r.lane for r in kv] == [2, 0, 1, default_lane("lane-3", 3)]
         lanes = next(iter(p.sender.lanes().values()))
-        assert [r.src_port for r in kv[:3]] == [lanes[2].src_ports[0], lanes[0].src_ports[0], lanes[1].src_ports[0]]
+        assert [r.src_port for r in kv[:3]] == [lanes[2].src_port, lanes[0].src_port, lanes[1].src_port]
         assert all(r.descriptors == SPEC.regions and r.bytes == SPEC.regions * SPEC.block_len for r in kv)
     p.sender.close()
 
 
-def test_malformed_and_duplicate_registrations_are_dropped_and_counted():
+def test_malformed_messages_are_dropped_and_counted():
     c = cfg(lanes=1)
     p = PSide(c)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.connect(f"tcp://{p.sender.address}")
+    s.send(b"\x00garbage")
+    s.send_multipart([b"a", b"b"])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and p.sender.stats.snapshot()["messages_malformed"] < 2:
+        time.sleep(0.05)
+    assert p.sender.stats.snapshot()["messages_malformed"] == 2
+    s.close(0)
+    p.sender.close()
+
+
+def test_reused_transfer_id_fails_the_second_request_fast_and_frees_its_blocks_on_both_sides():
+    c = cfg(lanes=1, registration_timeout_s=20.0, max_wait_s=30.0)
+    p = PSide(c)
     with PeerProcess(c, SPEC) as d:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.connect(f"tcp://{p.sender.address}")
-        s.send(b"\x00garbage")
-        s.send_multipart([b"a", b"b"])
-        time.sleep(0.3)
-        assert p.sender.stats.snapshot()["messages_malformed"] == 2
         d.call("register", "d1", "dup", p.sender.address, [5], 0)
-        d.call("register", "d1", "dup", p.sender.address, [5], 0)  # D-side dedupe
+        d.call("register", "d2", "dup", p.sender.address, [6], 0)  # same id, another request
+        _, done, failed = d.call("wait", ["d2"], 5)
+        assert done == ["d2"] and failed == ["d2"], "the second D request must end at once, not hang"
         p.sender.submit_finished("p1", "dup", [9])
-        p.sender.submit_finished("p1", "dup", [9])  # P-side dedupe
+        p.sender.submit_finished("p2", "dup", [10])  # same id, another P request
+        assert p.wait_released(["p1", "p2"], timeout=5) >= {"p1", "p2"}, "p2's blocks must not leak"
         _, done, failed = d.call("wait", ["d1"], 10)
         assert done == ["d1"] and not failed
-        time.sleep(0.2)
-        assert p.sender.stats.snapshot()["pushes_ok"] == 1
-        s.close(0)
+        assert d.call("read", [5])[1] == p.expect([9])  # the holder's KV, not the duplicate's
+        st = p.sender.stats.snapshot()
+        assert st["pushes_ok"] == 1 and st["prefills_duplicate"] == 1
+        assert d.call("stats")[1]["registrations_duplicate"] == 1
+    p.sender.close()
+
+
+def test_registration_held_past_the_liveness_timeout_is_kept_alive_by_heartbeats():
+    # P's prefill comes 3x the liveness timeout after D registered (P busy): not a failure.
+    c = cfg(lanes=1, registration_timeout_s=0.8, max_wait_s=10.0)
+    p = PSide(c)
+    with PeerProcess(c, SPEC) as d:
+        d.call("register", "d1", "slow", p.sender.address, [7], 0)
+        time.sleep(2.5)
+        p.sender.submit_finished("p1", "slow", [8])
+        _, done, failed = d.call("wait", ["d1"], 10)
+        assert done == ["d1"] and not failed
+        assert d.call("read", [7])[1] == p.expect([8])
     p.sender.close()
 
 
@@ -142,10 +172,11 @@ def test_p_lease_frees_blocks_when_d_never_registers():
     p.sender.close()
 
 
-def test_d_watchdog_fails_request_when_p_is_dead_or_silent():
+def test_d_fails_a_request_whose_p_never_answers_and_frees_it_at_once():
     c = cfg(lanes=1, registration_timeout_s=1.0)
     with PeerProcess(c, SPEC) as d:
-        # nobody listens on this port: the registration goes nowhere
+        # nobody listens on this port: the handshake is never answered, so the
+        # registration never left D and its blocks can be freed when it fails
         t0 = time.monotonic()
         d.call("register", "d-orphan", "t-orphan", "127.0.0.1:1", [3], 0)
         _, done, failed = d.call("wait", ["d-orphan"], 10)
@@ -174,15 +205,100 @@ def test_aborted_prefill_fails_d_fast_and_cancel_releases_d():
     p.sender.close()
 
 
-def test_killed_d_during_push_ends_cleanly_on_p():
-    c = cfg(lanes=1, lease_timeout_s=1.0, transfer_timeout_s=3.0)
+def test_push_to_a_killed_d_fails_on_p_tears_the_lane_down_and_frees_blocks():
+    c = cfg(lanes=1, lease_timeout_s=5.0, transfer_timeout_s=2.0)
     p = PSide(c)
     with PeerProcess(c, SPEC) as d:
         d.call("register", "d1", "k1", p.sender.address, [1], 0)
         p.sender.submit_finished("p1", "k1", [2])
-        d.call("wait", ["d1"], 10)
+        assert d.call("wait", ["d1"], 10)[1] == ["d1"]
+        d.call("register", "d2", "k2", p.sender.address, list(range(10, 60)), 0)
+        time.sleep(0.3)  # P accepted the registration
         d.kill()
-        # after D died: a new push to it fails or expires, and P frees the blocks
-        p.sender.submit_finished("p2", "k2", [3])
-        assert "p2" in p.wait_released(["p2"], timeout=6)
+        # the push to the dead D is posted, fails or times out; P frees its blocks
+        p.sender.submit_finished("p2", "k2", list(range(10, 60)))
+        assert "p2" in p.wait_released(["p2"], timeout=8)
+        st = p.sender.stats.snapshot()
+        assert st["pushes_failed"] == 1 and st["pushes_expired"] == 0, st
+        assert st["lanes_torn_down"] == 1
     p.sender.close()
+
+
+def test_a_mismatched_peer_is_refused_at_the_handshake_naming_the_field(caplog):
+    from connector.messages import Compat
+
+    c = cfg(lanes=1)
+    p = PSide(c)
+    p_compat = p.sender.compat
+    p.sender.compat = Compat(model="tiny", dtype="float32", block_size=SPEC.block_size, kv_layout=p_compat.kv_layout)
+    d_compat = Compat(model="tiny", dtype="bfloat16", block_size=SPEC.block_size, kv_layout=p_compat.kv_layout)
+    with PeerProcess(c, SPEC, compat=d_compat) as d:
+        d.call("register", "d1", "m1", p.sender.address, [1], 0)
+        _, done, failed = d.call("wait", ["d1"], 5)
+        assert failed == ["d1"]
+        assert d.call("stats")[1]["handshakes_refused"] == 1
+        assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lanes()
+    assert any("dtype differs: P has 'float32', D has 'bfloat16'" in r.getMessage() for r in caplog.records)
+    p.sender.close()
+
+
+def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():
+    c = cfg(lanes=2)
+    p = PSide(c)
+    with PeerProcess(c, SPEC) as d:
+        d.call("register", "d1", "r1", p.sender.address, [1], 0)
+        p.sender.submit_finished("p1", "r1", [2])
+        assert d.call("wait", ["d1"], 10)[1] == ["d1"]
+        p.sender.close()
+        p2 = PSide(c)  # a new writer (new instance, new agents) on the same port
+        d.call("register", "d2", "r2", p2.sender.address, [3], 0)
+        p2.sender.submit_finished("p2", "r2", [4])
+        _, done, failed = d.call("wait", ["d2"], 10)
+        assert done == ["d2"] and not failed
+        assert d.call("read", [3])[1] == p2.expect([4])
+        assert d.call("stats")[1]["peer_restarts"] == 1
+        p2.sender.close()
+
+
+@pytest.mark.parametrize("side", ["writer", "receiver"])
+def test_an_exception_in_an_engine_loop_is_counted_and_the_loop_keeps_serving(side, caplog):
+    from connector.receiver import PushReceiver
+
+    c = cfg(lanes=1)
+    p = PSide(c)
+    bufs = make_buffers(SPEC)
+    spans = [(b.ctypes.data, b.nbytes) for b in bufs]
+    rx = PushReceiver(c, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans).start()
+    target = p.sender if side == "writer" else rx
+    real = target._drain_cmds
+    boom = {"n": 0}
+
+    def flaky():
+        if boom["n"] == 0:
+            boom["n"] += 1
+            raise RuntimeError("injected fault")
+        real()
+
+    target._drain_cmds = flaky
+    try:
+        rx.register("d1", "x1", p.sender.address, [1], 0)
+        p.sender.submit_finished("p1", "x1", [2])
+        got, deadline = set(), time.monotonic() + 10
+        while "d1" not in got and time.monotonic() < deadline:
+            got |= rx.take()[0]
+            time.sleep(0.01)
+        assert boom["n"] == 1 and target.stats.snapshot()["engine_thread_errors"] == 1
+        if "d1" not in got:  # the injected fault ate a command: that request ends by its deadline
+            assert side == "receiver"
+        rx.register("d2", "x2", p.sender.address, [3], 0)
+        p.sender.submit_finished("p2", "x2", [4])
+        deadline = time.monotonic() + 10
+        while "d2" not in got and time.monotonic() < deadline:
+            got |= rx.take()[0]
+            time.sleep(0.01)
+        assert "d2" in got, "the loop must keep serving after the fault"
+        assert bufs[0].reshape(SPEC.num_blocks, SPEC.block_len)[3].tobytes() == p.expect([4])[0]
+        assert any("injected fault" in (r.exc_text or "") or "unexpected error" in r.getMessage() for r in caplog.records)
+    finally:
+        rx.close()
+        p.sender.close()

@@ -75,6 +75,19 @@ def test_layout_from_vllm_like_tensors():
         layout_from_tensors([torch.zeros(3, 4)], nb, 16)
 
 
-def test_merge_spans():
+def test_merge_spans_registers_each_byte_exactly_once():
     assert merge_spans([(100, 10), (0, 50), (50, 10), (105, 20)]) == [(0, 60), (100, 25)]
-    assert np.all(True)
+    assert merge_spans([(0, 100), (10, 5)]) == [(0, 100)]  # contained
+    assert merge_spans([]) == []
+    rng = random.Random(5)
+    for _ in range(200):
+        spans = [(rng.randrange(0, 500), rng.randrange(1, 40)) for _ in range(rng.randrange(1, 8))]
+        merged = merge_spans(spans)
+        covered = np.zeros(600, dtype=bool)
+        for a, n in spans:
+            covered[a : a + n] = True
+        got = np.zeros(600, dtype=int)
+        for a, n in merged:
+            got[a : a + n] += 1
+        assert (got == covered).all()  # same bytes, none twice
+        assert all(a1 + n1 < a2 for (a1, n1), (a2, _) in zip(merged, merged[1:]))  # disjoint, not adjacent

@@ -3,19 +3,30 @@ import pytest
 
 from connector import messages as M
 
+LAY = M.BlockLayout([M.Region(4096, 64, 64)], 16, 16)
+
 
 def good(**kw):
-    lay = M.BlockLayout([M.Region(4096, 64, 64)], 16, 16)
-    base = dict(transfer_id="t", request_id="r", engine_id="e", agent_name="a", agent_metadata=b"m", layout=lay, block_ids=[1, 2])
+    base = dict(transfer_id="t", request_id="r", agent_name="a", block_ids=[1, 2])
     base.update(kw)
     return M.Register(**base)
 
 
+def hello(**kw):
+    base = dict(engine_id="e", agent_name="a", agent_metadata=b"m", layout=LAY, compat=M.Compat(), instance="i",
+                heartbeat_s=1.0)
+    base.update(kw)
+    return M.Hello(**base)
+
+
 def test_roundtrip():
-    msg = M.decode_to_prefill(M.encode(good()))
-    assert msg == good()
+    assert M.decode_to_prefill(M.encode(good())) == good()
+    assert M.decode_to_prefill(M.encode(hello())) == hello()
     assert isinstance(M.decode_to_prefill(M.encode(M.Cancel("t"))), M.Cancel)
-    assert M.decode_ack(M.encode(M.Ack("t", "failed", "x"))).detail == "x"
+    ack = M.decode_to_decode(M.encode(M.Ack("t", "failed", "x", posted=True)))
+    assert ack.detail == "x" and ack.posted
+    assert M.decode_to_decode(M.encode(M.Pending(["a", "b"]))).transfer_ids == ["a", "b"]
+    assert M.decode_to_decode(M.encode(M.Welcome("i", False, "dtype", "d"))).field == "dtype"
     assert M.parse_notif(M.make_notif("abc")) == "abc" and M.parse_notif(b"other") is None
 
 
@@ -26,15 +37,28 @@ def test_roundtrip():
         b"\xff\x00garbage",
         msgspec.msgpack.encode({"type": "register"}),
         msgspec.msgpack.encode({"type": "nope", "transfer_id": "t"}),
-        M.encode(good(block_ids=[99])),
+        M.encode(good(block_ids=[-1])),
         M.encode(good(block_ids=[1, 1])),
         M.encode(good(transfer_id="")),
-        M.encode(good(version=99)),
+        M.encode(good(agent_name="")),
         M.encode(good(skip_blocks=-1)),
-        M.encode(good(agent_metadata=b"")),
+        M.encode(good(post_by_s=0)),
+        M.encode(hello(version=99)),
+        M.encode(hello(agent_metadata=b"")),
+        M.encode(hello(layout=M.BlockLayout([], 16, 16))),
+        M.encode(hello(heartbeat_s=0)),
         M.encode(M.Cancel("")),
     ],
 )
 def test_malformed_is_rejected_with_a_reason(data):
     with pytest.raises(M.MalformedMessage):
         M.decode_to_prefill(data)
+
+
+def test_compat_names_the_first_differing_field():
+    p = M.Compat(model="tiny", dtype="float32", block_size=32, kv_layout="4x[8192]")
+    assert p.mismatch(p) is None and p.digest() == M.Compat(**{f: getattr(p, f) for f in p.__struct_fields__}).digest()
+    field, msg = p.mismatch(M.Compat(model="tiny", dtype="bfloat16", block_size=32, kv_layout="4x[8192]"))
+    assert field == "dtype" and "float32" in msg and "bfloat16" in msg
+    assert p.mismatch(M.Compat(model="tiny", dtype="float32", block_size=32, kv_layout="4x[8192]", tp_size=2))[0] == "tp_size"
+    assert p.digest() != M.Compat(model="other").digest()

@@ -1,6 +1,6 @@
 """The writer's state machine: both orders, duplicates, leases, cancels, aborts."""
 
-from connector.messages import BlockLayout, Region, Register
+from connector.messages import Register
 from connector.push_state import FinishedPrefill, WriterState
 from connector.recv_state import ReceiverState
 
@@ -14,8 +14,11 @@ class Clock:
 
 
 def reg(tid, blocks=(1, 2)):
-    lay = BlockLayout([Region(4096, 64, 64)], 16, 16)
-    return Register(tid, "d-" + tid, "eng", "agent", b"meta", lay, list(blocks))
+    return Register(tid, "d-" + tid, "agent", list(blocks))
+
+
+def add_reg(s, tid, ident=b"id", post_by=5.0):
+    return s.add_registration(reg(tid), ident, post_by)
 
 
 def fp(tid, rid=None):
@@ -24,7 +27,7 @@ def fp(tid, rid=None):
 
 def test_registration_first_then_prefill_matches_once():
     s = WriterState(lease_s=5)
-    assert s.add_registration(reg("t1"), b"id") == ("waiting", None)
+    assert add_reg(s, "t1") == ("waiting", None)
     status, m = s.add_prefill(fp("t1"))
     assert status == "matched" and m.prefill.transfer_id == "t1" and m.registration.reg.transfer_id == "t1"
     assert s.complete("t1").prefill.request_id == "p-t1"
@@ -34,29 +37,29 @@ def test_registration_first_then_prefill_matches_once():
 def test_prefill_first_then_registration_matches_once():
     s = WriterState(lease_s=5)
     assert s.add_prefill(fp("t1")) == ("waiting", None)
-    status, m = s.add_registration(reg("t1"), b"id")
+    status, m = add_reg(s, "t1")
     assert status == "matched" and m.registration.reply_to == b"id"
 
 
 def test_duplicates_are_reported_never_rematched():
     s = WriterState(lease_s=5)
-    s.add_registration(reg("t1"), b"id")
-    assert s.add_registration(reg("t1"), b"id")[0] == "duplicate"
+    add_reg(s, "t1")
+    assert add_reg(s, "t1")[0] == "duplicate"
     s.add_prefill(fp("t1"))
     assert s.add_prefill(fp("t1"))[0] == "duplicate"
-    assert s.add_registration(reg("t1"), b"id")[0] == "duplicate"
+    assert add_reg(s, "t1")[0] == "duplicate"
     s.complete("t1")
     # after completion, a late duplicate is still recognised
-    assert s.add_registration(reg("t1"), b"id")[0] == "duplicate"
+    assert add_reg(s, "t1")[0] == "duplicate"
     assert s.add_prefill(fp("t1"))[0] == "dead"  # the caller frees it (and dedupes by request id)
     assert s.status_of("t1") == "ok"
 
 
-def test_lease_expiry_frees_unmatched_prefill_and_registration():
+def test_lease_expiry_frees_unmatched_prefill_and_post_by_expires_registration():
     c = Clock()
     s = WriterState(lease_s=2, clock=c)
     s.add_prefill(fp("a"))
-    s.add_registration(reg("b"), b"id")
+    add_reg(s, "b", post_by=2.0)
     c.t = 1.9
     ex = s.expire()
     assert not ex.prefills and not ex.registrations
@@ -66,7 +69,7 @@ def test_lease_expiry_frees_unmatched_prefill_and_registration():
     assert [r.reg.transfer_id for r in ex.registrations] == ["b"]
     assert s.idle() and s.status_of("a") == "expired"
     # a registration arriving after the prefill's lease expired is a duplicate of a dead transfer
-    assert s.add_registration(reg("a"), b"id")[0] == "duplicate"
+    assert add_reg(s, "a")[0] == "duplicate"
 
 
 def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
@@ -74,7 +77,7 @@ def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
     s.add_prefill(fp("a"))
     status, freed, _ = s.cancel("a")
     assert status == "cancelled" and freed.request_id == "p-a"
-    s.add_registration(reg("b"), b"id")
+    add_reg(s, "b")
     s.add_prefill(fp("b"))
     assert s.cancel("b")[0] == "in_flight"
     # the prefill of a cancelled transfer finishing later is dead on arrival
@@ -83,35 +86,149 @@ def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
 
 def test_aborted_prefill_rejects_registration_in_either_order():
     s = WriterState(lease_s=5)
-    s.add_registration(reg("a"), b"id")
+    add_reg(s, "a")
     assert s.abort_prefill("a").reg.transfer_id == "a"
     assert s.abort_prefill("b") is None
-    assert s.add_registration(reg("b"), b"id")[0] == "aborted"
+    assert add_reg(s, "b")[0] == "aborted"
 
 
-def test_receiver_watchdog_and_cancel():
-    c = Clock()
-    r = ReceiverState(timeout_s=3, clock=c)
-    assert r.add("d1", "t1", "h:1")
-    assert not r.add("d1", "t1", "h:1")
-    r.add("d2", "t2", "h:1")
-    r.add("d3", "t3", "h:1")
+def test_duplicate_prefill_is_told_apart_from_its_holder():
+    s = WriterState(lease_s=5)
+    s.add_prefill(fp("t", rid="p1"))
+    assert s.add_prefill(fp("t", rid="p2"))[0] == "duplicate"
+    assert s.holder("t") == "p1"  # the writer frees p2's blocks, never p1's
+    add_reg(s, "t")
+    assert s.holder("t") == "p1" and [r.reg.transfer_id for r in s.held_registrations()] == ["t"]
+
+
+def rstate(c, live=3.0, wait=10.0, grace=1.0):
+    return ReceiverState(live, wait, grace, clock=c)
+
+
+def sent(r, rid, tid, instance="i1"):
+    assert r.add(rid, tid, "h:1")
+    r.on_sent(tid, instance)
+
+
+class Drained:
+    """The fence's view of P's connections: open until the test closes them."""
+
+    def __init__(self):
+        self.closed: set[str] = set()
+        self.asked: list[tuple[str, str]] = []
+
+    def __call__(self, peer, instance):
+        self.asked.append((peer, instance))
+        return instance in self.closed
+
+
+def test_receiver_success_releases_once_without_failure():
+    r = rstate(Clock())
+    sent(r, "d1", "t1")
     r.on_done("t1")
-    r.cancel_request("d3")
-    c.t = 3.0
-    expired = r.expire()
-    assert {w.transfer_id for w in expired} == {"t2", "t3"}
-    finished, failed = r.take()
-    assert finished == {"d1", "d2", "d3"}
-    assert failed == {"d2"}  # d3 was given up by D itself: released, not failed
+    assert r.take() == ({"d1"}, set())
     assert r.take() == (set(), set())
 
 
-def test_receiver_failure_ack_and_early_notification():
-    r = ReceiverState(timeout_s=3)
-    r.add("d1", "t1", "h:1")
-    r.on_failed("t1")
+def test_giving_up_never_frees_blocks_while_ps_connections_can_still_deliver():
+    c, drained = Clock(), Drained()
+    r = rstate(c)
+    sent(r, "d1", "t1")
+    c.t = 3.0  # P silent for the liveness timeout: D gives up (Cancel) but holds the blocks
+    gave_up, released = r.expire(drained)
+    assert [w.request_id for w in gave_up] == ["d1"] and not released
+    assert [w.transfer_id for w in r.to_cancel()] == ["t1"]
+    for t in (10.0, 100.0, 1000.0):  # no timer ever frees them
+        c.t = t
+        r.expire(drained)
+        assert r.take() == (set(), set())
+    drained.closed.add("i1")  # P's process is gone: its connections closed and were read
+    c.t = 1000.5
+    r.expire(drained)
+    assert r.take() == (set(), set())  # keep progressing for the grace
+    c.t = 1001.5
+    r.expire(drained)
     assert r.take() == ({"d1"}, {"d1"})
+    assert ("h:1", "i1") in drained.asked
+
+
+def test_a_push_that_completes_after_d_gave_up_is_a_success():
+    c = Clock()
+    r = rstate(c)
+    sent(r, "d1", "t1")
+    c.t = 10.0  # max_wait passed (P alive, busy writing)
+    r.on_alive("t1")
+    assert [w.why for w in r.expire(Drained())[0]] == ["max_wait_s passed"]
+    r.on_done("t1")  # the WRITE went on and finished: the KV is there
+    assert r.take() == ({"d1"}, set())
+
+
+def test_heartbeats_keep_a_registration_alive_until_max_wait():
+    c = Clock()
+    r = rstate(c)
+    sent(r, "d1", "t1")
+    for t in (2.0, 4.0, 6.0, 8.0):
+        c.t = t
+        r.on_alive("t1")
+        assert r.expire(Drained()) == ([], [])
+    c.t = 10.0
+    assert [w.why for w in r.expire(Drained())[0]] == ["max_wait_s passed"]
+    assert r.take() == (set(), set())  # P alive: its answer to the Cancel decides
+
+
+def test_p_saying_never_posted_releases_at_once_and_a_broken_write_after_the_grace():
+    c = Clock()
+    r = rstate(c)
+    sent(r, "d1", "t1")
+    sent(r, "d2", "t2")
+    r.on_ended("t1", posted=False)
+    assert r.take() == ({"d1"}, {"d1"})
+    c.t = 1.0
+    r.on_ended("t2", posted=True)  # UCX failed the WRITE: its connection is broken
+    assert r.take() == (set(), set()) and not r.to_cancel()
+    c.t = 1.99
+    r.expire(Drained())
+    assert r.take() == (set(), set())
+    c.t = 2.0
+    r.expire(Drained())
+    assert r.take() == ({"d2"}, {"d2"})
+
+
+def test_cancelled_request_is_released_not_failed_and_unsent_ones_at_once():
+    c = Clock()
+    r = rstate(c)
+    sent(r, "d1", "t1")
+    r.cancel_request("d1")
+    assert r.take() == (set(), set()) and [w.transfer_id for w in r.to_cancel()] == ["t1"]
+    r.on_ended("t1", posted=False)  # P confirmed the cancel
+    assert r.take() == ({"d1"}, set())
+    r.add("d2", "t2", "h:1")  # queued behind a handshake: P cannot know it
+    r.cancel_request("d2")
+    assert r.take() == ({"d2"}, set())
+
+
+def test_duplicate_transfer_id_is_rejected_at_once_and_a_restart_waits_for_the_old_connections():
+    c, drained = Clock(), Drained()
+    r = rstate(c)
+    sent(r, "d1", "t1", instance="old")
+    assert not r.add("d2", "t1", "h:1")
+    r.reject_new("d2")
+    assert r.take() == ({"d2"}, {"d2"})
+    r.add("d3", "t3", "h:1")  # not sent yet: goes to the new P process
+    assert [w.request_id for w in r.peer_restarted("h:1")] == ["d1"]
+    r.expire(drained)
+    assert r.take() == (set(), set())
+    drained.closed.add("old")
+    r.expire(drained)
+    c.t = 1.0
+    r.expire(drained)
+    assert r.take() == ({"d1"}, {"d1"}) and r.pending() == 1
+
+
+def test_unknown_peer_answer_unsends_and_early_notification():
+    r = rstate(Clock())
+    sent(r, "d1", "t1")
+    assert r.on_unknown_peer("t1").sent is False  # re-sent after the new handshake
     assert r.on_done("t9") is None  # notification before the registration was recorded
     r.add("d9", "t9", "h:1")
     assert r.take() == ({"d9"}, set())

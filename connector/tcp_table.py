@@ -1,0 +1,69 @@
+"""This network namespace's TCP sockets, from /proc/net/tcp and tcp6 (Linux).
+
+D's fence uses it to tell that P's lane connections are closed and drained: the
+kernel saw P's FIN or RST (sent after P's last byte) and D's UCX read everything
+before it, so no byte of P's can land in D's memory any more.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from dataclasses import dataclass
+
+ESTABLISHED = 0x01
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: int
+    rx_queue: int  # bytes received and not yet read by the application
+
+    def drained(self) -> bool:
+        """The peer closed the connection and everything it sent was read."""
+        return self.state != ESTABLISHED and self.rx_queue == 0
+
+
+def _addr(hexaddr: str) -> tuple[str, int]:
+    ip_hex, port_hex = hexaddr.split(":")
+    raw = bytes.fromhex(ip_hex)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(ip_hex, 16)))
+    else:  # four little-endian 32-bit words
+        ip6 = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+        ip = str(ip6.ipv4_mapped or ip6)
+    return ip, int(port_hex, 16)
+
+
+def sockets(local_ports: set[int] | None = None) -> list[TcpSocket]:
+    """TCP sockets of this namespace (optionally only those on ``local_ports``)."""
+    out: list[TcpSocket] = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            local = _addr(parts[1])
+            if local_ports is not None and local[1] not in local_ports:
+                continue
+            rx = int(parts[4].split(":")[1], 16)
+            out.append(TcpSocket(local, _addr(parts[2]), int(parts[3], 16), rx))
+    return out
+
+
+def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]], peer_ip: str) -> bool:
+    """Are all connections of ``lanes`` (remote ip, port) into ``local_ports`` closed and
+    drained? Without known lanes, every connection from ``peer_ip`` counts (conservative)."""
+    for s in sockets(local_ports):
+        if s.remote[1] == 0:
+            continue  # the listening socket
+        ours = s.remote in lanes if lanes else s.remote[0] == peer_ip
+        if ours and not s.drained():
+            return False
+    return True

@@ -1,0 +1,121 @@
+"""Safety: no WRITE ever lands in a block after it was freed (real NIXL, two processes).
+
+D runs in its own network namespace behind a veth pair shaped by tbf to 4 Mbit/s,
+so a 4 MB push lasts about 8 s, far longer than D's wait bounds (1-1.5 s). As soon
+as D reports a request's blocks free it writes a canary byte into all of them (as
+vLLM would reuse them); the canary must still be intact seconds later, while D
+keeps progressing. P's source bytes never take the canary's value, and P rewrites
+its source blocks with it as soon as it frees them: D must never see it.
+"""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from connector.config import KVPathConfig
+from connector.peer_process import BufferSpec, PeerProcess
+
+SPEC = BufferSpec(regions=2, num_blocks=48, block_len=64 * 1024, block_size=16)
+CANARY = 0xCD
+BLOCKS = list(range(32))  # 32 x 2 x 64 KB = 4 MB: ~8 s at 4 Mbit/s
+NS = f"kvpt-fence-{os.getpid()}"
+VP, VD = f"kvpf{os.getpid() % 100000}p", f"kvpf{os.getpid() % 100000}d"
+P_IP, D_IP = "10.213.7.1", "10.213.7.2"
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def slow_link():
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs root and iproute2 (ip, tc) to build a network namespace")
+    try:
+        sh("ip", "netns", "add", NS)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace here: {e.stderr.strip()}")
+    try:
+        sh("ip", "link", "add", VP, "type", "veth", "peer", "name", VD)
+        sh("ip", "link", "set", VD, "netns", NS)
+        sh("ip", "addr", "add", f"{P_IP}/30", "dev", VP)
+        sh("ip", "link", "set", VP, "up")
+        sh("ip", "-n", NS, "addr", "add", f"{D_IP}/30", "dev", VD)
+        sh("ip", "-n", NS, "link", "set", VD, "up")
+        sh("ip", "-n", NS, "link", "set", "lo", "up")
+        # P -> D is where the KV flows: shape P's end (a deep queue: 2 s of bytes in flight)
+        sh("tc", "qdisc", "add", "dev", VP, "root", "tbf", "rate", "4mbit", "burst", "64kb", "latency", "2s")
+        yield
+    finally:
+        subprocess.run(["ip", "link", "del", VP], capture_output=True)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+def configs(port):
+    p = KVPathConfig(lanes=1, side_channel_host=P_IP, side_channel_port=port, lease_timeout_s=30.0,
+                     transfer_timeout_s=2.0, ucx_net_devices=VP)
+    # D: liveness 1 s, P must post within 1.5 s
+    d = dataclasses.replace(p, ucx_net_devices=VD, registration_timeout_s=1.0, max_wait_s=1.5, fence_grace_s=0.3)
+    return p, d
+
+
+def check_canary(d, rid):
+    time.sleep(4.0)  # D keeps progressing its UCX worker: a late WRITE would land now
+    _, since, seen = d.call("released_at")
+    assert seen[rid] == 0, "P's reused source bytes reached D: P freed them while a WRITE was in flight"
+    for region in d.call("read", BLOCKS)[1]:
+        arr = np.frombuffer(region, dtype=np.uint8)
+        assert (arr == CANARY).all(), f"{int((arr != CANARY).sum())} bytes written into freed blocks"
+
+
+def warm_up(d, p, addr):
+    """A small push first: the lane opens and works through the shaped link."""
+    d.call("register", "d0", "warm", addr, [40], 0)
+    p.call("submit", "p0", "warm", [41])
+    assert d.call("wait", ["d0"], 20)[1] == ["d0"]
+
+
+def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
+    p_cfg, d_cfg = configs(6950)
+    addr = p_cfg.side_channel_addr()
+    with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
+            PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
+        warm_up(d, p, addr)
+        t0 = time.monotonic()
+        d.call("register", "d1", "slow", addr, BLOCKS, 0)
+        p.call("submit", "p1", "slow", BLOCKS)
+        _, done, failed = d.call("wait", ["d1"], 30)
+        elapsed = time.monotonic() - t0
+        # D gave up at 1.5 s (Cancel) but P had posted: the blocks stay D's until
+        # the WRITE ends, and the KV that arrived is used
+        assert done == ["d1"] and failed == [], (done, failed)
+        assert elapsed > 3.0, f"released after {elapsed:.1f}s: the 4 MB push cannot have finished"
+        assert d.call("stats")[1]["recv_timeout"] == 1
+        check_canary(d, "d1")
+        st = p.call("stats")[1]
+        assert st["pushes_ok"] == 2 and st["pushes_slow"] == 1, st
+
+
+def test_a_prefill_killed_mid_write_frees_ds_blocks_only_after_its_bytes_drained(slow_link):
+    p_cfg, d_cfg = configs(6960)
+    addr = p_cfg.side_channel_addr()
+    with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
+            PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
+        warm_up(d, p, addr)
+        d.call("register", "d1", "doomed", addr, BLOCKS, 0)
+        p.call("submit", "p1", "doomed", BLOCKS)
+        time.sleep(1.0)  # the WRITE is moving; the link's queue holds up to 2 s of it
+        p.kill()
+        t_kill = time.monotonic()
+        _, done, failed = d.call("wait", ["d1"], 30)
+        assert done == ["d1"] and failed == ["d1"], "a dead P's push fails, and the request ends"
+        since_kill = time.monotonic() - t_kill - d.call("released_at")[1]["d1"]
+        st = d.call("stats")[1]
+        assert st["fence_drain_releases"] == 1, st
+        check_canary(d, "d1")
+    assert since_kill < 25, since_kill

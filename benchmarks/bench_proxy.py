@@ -1,11 +1,15 @@
 """Proxy overhead: latency added by `kvpath proxy` against stub engines.
 
     .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--rounds 3] [--pin] [--plot PNG]
+                                               [--reservation inproc|none]
 
 Stub P and D engines (testbed/stub_engine.py) and the proxy each run in their own
 process; an aiohttp client keeps N streaming requests open at once, their start times
 spread over one request's duration so that they stay out of phase. For each N,
-rounds straight to the stub D and through the proxy (push mode, both legs) alternate;
+rounds straight to the stub D and through the proxy (push mode, both legs) alternate.
+Each proxied request also reserves a lane (and releases it) in the reservation
+service running inside the proxy (``--reservation inproc``; 8 lanes registered for
+the P->D host pair), so the overhead includes the reservation;
 the table gives time to first byte, what the proxy adds (the p99 gap per round, its
 median the headline; target < 5 ms at 64 streams) and the proxy's own CPU time per
 request, a number that does not depend on how busy the machine is. With ``--pin`` the
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -34,6 +39,8 @@ from rich.progress import track as progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from testbed.readiness import free_port, wait_http  # noqa: E402
+
+LANES = 8
 
 STUB = """
 import sys, uvicorn
@@ -113,6 +120,29 @@ def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, ti
     plt.close(fig)
 
 
+async def register_lanes(px_url: str, token: str) -> None:
+    """Lanes for the bench's P->D pair, as P's connector registers them: without
+    them every reservation would be a quick 'no_lanes' fallback, not a decision."""
+    lanes = [{"lane": i, "src_port": 41000 + i} for i in range(LANES)]
+    async with aiohttp.ClientSession() as c:
+        async with c.post(px_url + "/reservation/v1/lanes", headers={"Authorization": f"Bearer {token}"},
+                          json={"src_host": "l0h0", "dst_host": "l1h0", "lanes": lanes}) as r:
+            if r.status != 200:
+                raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
+
+
+async def reservation_counts(px_url: str) -> tuple[int, int]:
+    """(reservations decided, fallbacks) so far, from the proxy."""
+    async with aiohttp.ClientSession() as c:
+        async with c.get(px_url + "/reservation/v1/state") as r:
+            decided = (await r.json())["counters"].get("reservations", 0)
+        async with c.get(px_url + "/metrics") as r:
+            text = await r.text()
+    fallbacks = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("kvpath_proxy_reservation_fallbacks_total{"))
+    return decided, int(fallbacks)
+
+
 def pct(a: list[float], q: float) -> float:
     return float(np.percentile(np.array(a) * 1e3, q))
 
@@ -126,6 +156,8 @@ def main() -> int:
     ap.add_argument("--engine-delay-s", type=float, default=0.2, help="stub time before the first token (prefill)")
     ap.add_argument("--token-delay-s", type=float, default=0.01, help="stub time between tokens (decode)")
     ap.add_argument("--plot", default="runs/bench_proxy.png", help="where to save the TTFB CDFs ('' for none)")
+    ap.add_argument("--reservation", choices=("inproc", "none"), default="inproc",
+                    help="inproc: each proxied request reserves a lane in the proxy's reservation service")
     ap.add_argument("--pin", action="store_true",
                     help="give the proxy the last core to itself (on 2 cores this starves the client and stubs)")
     args = ap.parse_args()
@@ -137,6 +169,8 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     ports = {k: free_port() for k in ("p", "d", "proxy")}
+    token = secrets.token_hex(8)
+    res_args = ["--reservation", "inproc", "--admin-token", token] if args.reservation == "inproc" else []
     try:
         for name, port in (("P", ports["p"]), ("D", ports["d"])):
             code = STUB.format(root=str(ROOT), delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
@@ -144,16 +178,19 @@ def main() -> int:
         procs.append(subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:5600",
-             "--decode", f"http://127.0.0.1:{ports['d']}"], env=env))
+             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:5600,fabric_host=l0h0",
+             "--decode", f"http://127.0.0.1:{ports['d']},fabric_host=l1h0", *res_args], env=env))
         proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
         d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
         for u in (d_url, px_url + "/health"):
             wait_http(u)
+        if args.reservation == "inproc":
+            uvloop.run(register_lanes(px_url, token))
         con = Console(width=150)
         t = Table(title=f"proxy overhead{' (proxy on its own core)' if pin else ''}, stub engines "
                         f"({args.engine_delay_s * 1e3:.0f} ms to first token, "
                         f"{args.tokens} tokens {args.token_delay_s * 1e3:.0f} ms apart), "
+                        f"reservation: {args.reservation}, "
                         f"{args.requests_per_stream} requests per stream per round, {args.rounds} rounds")
         for col in ("streams", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms", "added p99 ms: median (range) of rounds",
                     "added e2e p99 ms", "proxy CPU ms/request", "errors direct/proxy"):
@@ -188,6 +225,9 @@ def main() -> int:
                       f"{add50:.1f}", f"{add99:.1f} ({min(add99s):.1f}..{max(add99s):.1f})",
                       f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{p_err}")
         con.print(t)
+        if args.reservation == "inproc":
+            decided, fallbacks = uvloop.run(reservation_counts(px_url))
+            con.print(f"reservations decided in the proxied path: {decided}, fallbacks: {fallbacks}")
         if args.plot:
             plot_ttfb(samples, args.plot, t.title or "")
             con.print(f"plot: {args.plot}")

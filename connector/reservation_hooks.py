@@ -19,10 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 class ReservationNotifier:
-    def __init__(self, base_url: str, stats: Stats | None = None, timeout_s: float = 1.0):
+    def __init__(self, base_url: str, stats: Stats | None = None, timeout_s: float = 1.0, token: str | None = None):
+        """``token``: the service's admin token, which lane registrations need when it has one."""
         self.base_url = base_url.rstrip("/")
         self.stats = stats or Stats()
         self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._q: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
         self._thread = threading.Thread(target=self._run, name="kvpath-reservation-notifier", daemon=True)
         self._thread.start()
@@ -47,7 +49,7 @@ class ReservationNotifier:
     def _run(self) -> None:
         import httpx
 
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
             while True:
                 item = self._q.get()
                 if item is None:

@@ -4,6 +4,11 @@ For each request it picks a P and a D instance, asks for a lane (push mode),
 runs the two legs and passes D's response through unchanged (streamed or not).
 The upstream legs use aiohttp: httpx's connection pool scans every connection for
 every queued request, which made the proxy CPU-bound at 64 concurrent streams.
+
+Each leg is bounded by the time to its first byte, D's stream by the gap between
+its chunks (never by its length); a stream that fails after it started ends with
+an error event (proxy/stream_guard.py). Instances failing health checks leave
+rotation (proxy/health.py).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -25,11 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy import legs
+from proxy.auth import bearer_ok
 from proxy.errors import describe_validation_errors, is_invalid_json
+from proxy.health import HealthChecker
 from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
 from proxy.metrics import ProxyMetrics
 from proxy.relay import RelayResponse, wait_for_disconnect
 from proxy.reservation_client import LaneGrant
+from proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
+from proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +48,18 @@ class ProxyConfig:
     mode: str = "push"
     policy: str = "round_robin"
     admin_token: str | None = None
-    upstream_timeout_s: float = 300.0
+    # Time to a leg's first byte (a non-streamed answer comes whole, so all of it);
+    # never the length of a stream, which only the gap between chunks bounds.
+    first_byte_timeout_s: float = 300.0
+    chunk_gap_timeout_s: float = 60.0
     # TCP connect only (not time queued for a pooled connection). Generous: on a
     # saturated machine the proxy's own event loop can be seconds late to see it.
     connect_timeout_s: float = 15.0
+    health_interval_s: float = 2.0  # 0: no health checks
+    # Generous for the same reason as connect_timeout_s: a late loop must not
+    # take healthy engines out of rotation.
+    health_timeout_s: float = 5.0
+    unhealthy_after: int = 2
     kv_bytes_per_token: int = 131072  # for the reservation's flow size estimate
     max_connections: int = 2048
 
@@ -51,14 +68,10 @@ class ProxyConfig:
             raise ValueError(f"mode must be one of {legs.MODES}, got {self.mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.upstream_timeout_s <= 0 or self.connect_timeout_s <= 0:
+        if min(self.first_byte_timeout_s, self.chunk_gap_timeout_s, self.connect_timeout_s, self.health_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
-
-
-class UpstreamError(Exception):
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        if self.health_interval_s < 0 or self.unhealthy_after < 1:
+            raise ValueError("health_interval_s must be >= 0 and unhealthy_after >= 1")
 
 
 class ClientGone(Exception):
@@ -92,8 +105,8 @@ class InstanceBody(BaseModel):
     engine_id: str = ""
 
 
-def _error(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status, **extra}}, status_code=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status, **extra}}, status_code=status, headers=headers)
 
 
 class Proxy:
@@ -105,18 +118,26 @@ class Proxy:
             self.pools[i.role].add(i)
         self.reserver = reserver
         self.metrics = ProxyMetrics()
+        for role, pool in self.pools.items():
+            self.metrics.healthy.labels(role).set_function(pool.healthy_count)
+        self.health = HealthChecker(self.pools, cfg.health_interval_s, cfg.health_timeout_s, cfg.unhealthy_after)
         self.session: aiohttp.ClientSession | None = None
+        # whole non-streamed answers (P's leg, D's when not streaming, /v1/models)
+        self.answer_timeout = aiohttp.ClientTimeout(total=cfg.first_byte_timeout_s, sock_connect=cfg.connect_timeout_s)
         self._background: set[asyncio.Task] = set()
 
     # ---- life cycle ------------------------------------------------------
     async def start(self) -> None:
+        # no total: a stream may last as long as it keeps sending (GapWatch bounds its gaps)
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=self.cfg.connect_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0),
             auto_decompress=False,
         )
+        self.health.start(self.session)
 
     async def stop(self) -> None:
+        await self.health.stop()
         for t in list(self._background):
             t.cancel()
         if self.session:
@@ -139,6 +160,9 @@ class Proxy:
         except ValidationError as e:
             msg, fields = describe_validation_errors(e.errors())
             return self._count(endpoint, _error(422, msg, fields=fields), "schema")
+        refused = legs.unsupported_field(body, self.cfg.mode)
+        if refused:
+            return self._count(endpoint, _error(422, refused[1], fields=[refused[0]]), "unsupported")
         body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
         try:
             p, d = self.pools["prefill"].pick(), self.pools["decode"].pick()
@@ -148,7 +172,7 @@ class Proxy:
             resp = await self._run(request, endpoint, body, p, d, t0)
         except UpstreamError as e:
             logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
-            return self._count(endpoint, _error(e.status, e.message), e.kind)
+            return self._count(endpoint, _error(e.status, e.message, e.headers), e.kind)
         except ClientGone:
             # nobody reads this answer; 499 (nginx's "client closed request") keeps the metrics honest
             return self._count(endpoint, _error(499, "client closed the request"), "client_disconnect")
@@ -182,14 +206,15 @@ class Proxy:
                 d_body = legs.decode_body(body, p_out.get("kv_transfer_params") or {})
             else:
                 p_task = asyncio.create_task(self._post_json(p.url + endpoint, p_body, headers, p))
-            d_resp, first, chunks = await self._watch(
-                request, self._open_decode(d, endpoint, d_body, headers, stream), p_task)
+            d_resp, first = await self._watch(
+                request, self._open_decode(d, endpoint, d_body, headers, stream), p_task,
+                self.cfg.first_byte_timeout_s, lambda: self._leg_timed_out(d))
             ttfb = time.perf_counter() - t0
             self.metrics.first_token.observe(ttfb)
             if stream:
                 handed_over = True
                 return RelayResponse(
-                    self._relay(d_resp, first, chunks, p, d, p_task, grant, endpoint, t0),
+                    self._relay(d_resp, first, p, d, p_task, grant, endpoint, t0),
                     status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
                 )
             content = first  # non-streaming: _open_decode read the whole body
@@ -206,15 +231,29 @@ class Proxy:
             if not handed_over:
                 await self._finish(p, d, p_task, grant, ok)
 
-    async def _relay(self, d_resp: aiohttp.ClientResponse, first: bytes, chunks: Any, p: Instance, d: Instance,
+    async def _relay(self, d_resp: aiohttp.ClientResponse, first: bytes, p: Instance, d: Instance,
                      p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float) -> AsyncIterator[bytes]:
         status = str(d_resp.status)
         ok = False
+        framer = EventFramer()
+        watch = GapWatch(d_resp.content, self.cfg.chunk_gap_timeout_s, f"decode {d.url}")
+        read = d_resp.content.readany
         try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                yield chunk
+            out = framer.feed(first)
+            if out:
+                yield out
+            while True:
+                watch.reading()
+                chunk = await read()
+                watch.got_chunk()
+                if not chunk:
+                    break
+                out = framer.feed(chunk)
+                if out:
+                    yield out
+            out = framer.flush()
+            if out:
+                yield out
             ok = True
             d.served += 1
             self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -222,11 +261,17 @@ class Proxy:
             status = "499"
             self.metrics.errors.labels("client_disconnect").inc()
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            status = "502"
-            self.metrics.errors.labels("upstream_error").inc()
-            logger.warning("decode stream from %s broke: %r", d.url, e)
+        except (aiohttp.ClientError, ChunkGapTimeout) as e:
+            # the client has its 200 already: say it in the stream, as vLLM does
+            code = 504 if isinstance(e, ChunkGapTimeout) else 502
+            message = str(e) if code == 504 else f"decode {d.url} stream broke: {e!r}"
+            status = str(code)
+            self._leg_failed(d, e)
+            self.metrics.errors.labels("upstream_stream_error").inc()
+            logger.warning("%s -> stream error %d: %s", endpoint, code, message)
+            yield error_event(message, code)
         finally:
+            watch.cancel()
             self.metrics.requests.labels(endpoint, status).inc()
             if ok:
                 d_resp.release()
@@ -234,9 +279,13 @@ class Proxy:
                 d_resp.close()  # drop the connection: the engine sees the client leave and aborts
             await self._finish(p, d, p_task, grant, ok)
 
-    async def _watch(self, request: Request, coro, p_task: asyncio.Task | None = None):
+    async def _watch(self, request: Request, coro, p_task: asyncio.Task | None = None,
+                     timeout_s: float | None = None, on_timeout: Callable[[], BaseException] | None = None):
         """Await ``coro`` (the D leg, or P in pull mode) while watching P's leg and the
-        client: a failed P leg or a gone client cancels it."""
+        client: a failed P leg or a gone client cancels it, and so does ``timeout_s``
+        passing (then ``on_timeout()`` is raised)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s if timeout_s else None
         main = asyncio.ensure_future(coro)
         watchers = {main}
         if p_task is not None:
@@ -245,7 +294,11 @@ class Proxy:
         watchers.add(gone)
         try:
             while True:
-                done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+                left = None if deadline is None else deadline - loop.time()
+                done, _ = await asyncio.wait(watchers, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    assert on_timeout is not None
+                    raise on_timeout()
                 if main in done:
                     return main.result()
                 if gone in done:
@@ -262,18 +315,17 @@ class Proxy:
                     with contextlib.suppress(BaseException):
                         await t
 
-
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
         assert self.session is not None
         try:
-            async with self.session.post(url, json=body, headers=headers) as r:
-                status, text = r.status, await r.text()
+            async with self.session.post(url, json=body, headers=headers, timeout=self.answer_timeout) as r:
+                status, text, r_headers = r.status, await r.text(), r.headers
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            inst.errors += 1
-            raise _transport_error(inst, e, "unreachable") from None
+            self._leg_failed(inst, e)
+            raise transport_error(inst, e, "unreachable") from None
         if status >= 400:
             inst.errors += 1
-            raise UpstreamError(*_upstream_status(status), f"{inst.role} {inst.url}: {_message(text)}")
+            raise engine_error(inst, status, text, r_headers)
         inst.served += 1
         try:
             return json.loads(text)
@@ -281,38 +333,41 @@ class Proxy:
             raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
 
     async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
-        """Send D's leg; return its response, its first bytes (they come once the KV
-        arrived) and, when streaming, the iterator over the rest."""
+        """Send D's leg; return its response and its first bytes (they come once the
+        KV arrived), or its whole body when not streaming. ``_watch`` bounds the time."""
         assert self.session is not None
         try:
             resp = await self.session.post(d.url + endpoint, json=body, headers=headers)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            d.errors += 1
-            raise _transport_error(d, e, "unreachable") from None
-        first = b""
-        chunks = None
+            self._leg_failed(d, e)
+            raise transport_error(d, e, "unreachable") from None
         try:
             if resp.status >= 400:
                 text = await resp.text()
                 resp.release()
                 d.errors += 1
-                raise UpstreamError(*_upstream_status(resp.status), f"decode {d.url}: {_message(text)}")
-            if stream:
-                # keep the iterator: the relay goes on from where the first chunk ended
-                chunks = resp.content.iter_any()
-                with contextlib.suppress(StopAsyncIteration):
-                    first = await chunks.__anext__()
-            else:
-                first = await resp.read()
+                raise engine_error(d, resp.status, text, resp.headers)
+            # streaming: the relay goes on reading where the first chunk ended
+            first = await (resp.content.readany() if stream else resp.read())
         except UpstreamError:
             raise
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             resp.close()
-            raise _transport_error(d, e, "failed") from None
+            self._leg_failed(d, e)
+            raise transport_error(d, e, "failed") from None
         except BaseException:
             resp.close()
             raise
-        return resp, first, chunks
+        return resp, first
+
+    def _leg_failed(self, inst: Instance, exc: BaseException) -> None:
+        inst.errors += 1
+        if is_transport_failure(exc):
+            self.health.failed(inst, f"leg failed: {exc!r}")
+
+    def _leg_timed_out(self, inst: Instance) -> UpstreamError:
+        inst.errors += 1
+        return first_byte_timeout(inst)
 
     async def _reserve(self, p: Instance, d: Instance, body: dict, tid: str) -> LaneGrant:
         if self.reserver is None:
@@ -356,9 +411,7 @@ class Proxy:
 
     # ---- admin -----------------------------------------------------------
     def authorized(self, request: Request) -> bool:
-        if not self.cfg.admin_token:
-            return False
-        return request.headers.get("authorization", "") == f"Bearer {self.cfg.admin_token}"
+        return bearer_ok(request.headers.get("authorization"), self.cfg.admin_token)
 
     def status(self) -> dict:
         return {
@@ -367,38 +420,6 @@ class Proxy:
             "prefill": [i.to_dict() for i in self.pools["prefill"].all()],
             "decode": [i.to_dict() for i in self.pools["decode"].all()],
         }
-
-
-def _transport_error(inst: Instance, exc: BaseException, what: str) -> UpstreamError:
-    """No HTTP answer from an engine: a timeout is 504, anything else 502."""
-    if isinstance(exc, aiohttp.ServerTimeoutError):  # sock_connect or sock_read
-        return UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out: {exc}")
-    if isinstance(exc, asyncio.TimeoutError):
-        return UpstreamError(504, "upstream_timeout",
-                             f"upstream {inst.role} {inst.url} timed out: no complete answer within --upstream-timeout-s")
-    return UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} {what}: {exc!r}")
-
-
-def _upstream_status(code: int) -> tuple[int, str]:
-    """A client error stays a client error; an engine failure becomes 502."""
-    if code in (400, 404, 413, 422):
-        return code, "upstream_rejected"
-    if code == 504:
-        return 504, "upstream_timeout"
-    return 502, "upstream_error"
-
-
-def _message(text: str) -> str:
-    try:
-        d = json.loads(text)
-        if isinstance(d, dict):
-            err = d.get("error", d.get("message", d))
-            if isinstance(err, dict):
-                return str(err.get("message", err))
-            return str(err)
-    except json.JSONDecodeError:
-        pass
-    return text[:500]
 
 
 _INFERENCE: dict[str, type[BaseModel]] = {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody}
@@ -455,12 +476,13 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
         ds = proxy.pools["decode"].all()
         if not ds:
             return _error(503, "no decode instance is configured")
+        d = next((i for i in ds if i.healthy), ds[0])
         assert proxy.session is not None
         try:
-            async with proxy.session.get(ds[0].url + "/v1/models") as r:
+            async with proxy.session.get(d.url + "/v1/models", timeout=proxy.answer_timeout) as r:
                 return Response(await r.read(), status_code=r.status, media_type="application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return _error(502, f"decode {ds[0].url} unreachable: {e!r}")
+            return _error(502, f"decode {d.url} unreachable: {e!r}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -37,6 +37,18 @@ def load_fabric(path: str | None) -> FabricSpec:
         raise SystemExit(f"kvpath: error: --fabric: {e}") from None
 
 
+class DeprecatedAlias(argparse.Action):
+    """An old option name kept working: stores into the new option's dest and warns."""
+
+    def __init__(self, *args, new: str, **kw):
+        self.new = new
+        super().__init__(*args, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        logger.warning("%s is deprecated: use %s", option_string, self.new)
+        setattr(namespace, self.dest, values)
+
+
 def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
     p.add_argument("--fabric", help="fabric spec JSON (default: 4 leaves x 4 spines x 4 hosts)")
     p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
@@ -58,7 +70,7 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 
     svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
-    uvicorn.run(create_app(svc), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(svc, admin_token=args.admin_token), host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -85,9 +97,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         elif args.reservation == "inproc":
             svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
             reserver = InProcessReserver(svc)
-            res_app = create_reservation_app(svc)
+            res_app = create_reservation_app(svc, admin_token=args.admin_token)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
-                      upstream_timeout_s=args.upstream_timeout_s, connect_timeout_s=args.connect_timeout_s,
+                      first_byte_timeout_s=args.first_byte_timeout_s, chunk_gap_timeout_s=args.chunk_gap_timeout_s,
+                      connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
+                      health_timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
                       kv_bytes_per_token=args.kv_bytes_per_token)
     try:
         proxy = Proxy(cfg, prefill, decode, reserver)
@@ -102,6 +116,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8900)
+    r.add_argument("--admin-token", help="POST /v1/lanes then needs 'Authorization: Bearer TOKEN' "
+                                         "(/v1/reserve, /v1/release and reads stay open)")
     add_reservation_args(r)
     r.set_defaults(func=cmd_reservation)
 
@@ -113,11 +129,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H]")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'")
-    p.add_argument("--upstream-timeout-s", type=float, default=300.0,
-                   help="a leg with no complete answer by then ends the request with 504")
+    p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
+                                         "--reservation inproc, POST /reservation/v1/lanes then needs it too")
+    p.add_argument("--first-byte-timeout-s", type=float, default=300.0,
+                   help="a leg with no first byte by then (a non-streamed answer: no answer) ends the request with 504")
+    p.add_argument("--upstream-timeout-s", type=float, dest="first_byte_timeout_s", action=DeprecatedAlias,
+                   new="--first-byte-timeout-s", help="deprecated alias of --first-byte-timeout-s")
+    p.add_argument("--chunk-gap-timeout-s", type=float, default=60.0,
+                   help="D's stream sending nothing for this long ends the client's stream with an error event")
     p.add_argument("--connect-timeout-s", type=float, default=15.0,
                    help="TCP connect to an engine; past it the request ends with 504")
+    p.add_argument("--health-interval-s", type=float, default=2.0,
+                   help="probe every instance's /health this often (0: no health checks)")
+    p.add_argument("--health-timeout-s", type=float, default=5.0, help="a probe with no answer by then failed")
+    p.add_argument("--unhealthy-after", type=int, default=2,
+                   help="failures in a row (probes, or legs whose connection failed) that take an instance out "
+                        "of rotation (one 200 from /health puts it back)")
     p.add_argument("--kv-bytes-per-token", type=int, default=131072, help="flow size estimate for reservations")
     p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",

@@ -23,11 +23,14 @@ class Instance:
     inflight: int = 0
     served: int = 0
     errors: int = 0
+    healthy: bool = True  # False: out of rotation (proxy/health.py)
+    health_failures: int = 0  # failed probes (or leg connections) in a row
     added_seq: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "fabric_host": self.fabric_host, "kv_addr": self.kv_addr,
-                "engine_id": self.engine_id, "inflight": self.inflight, "served": self.served, "errors": self.errors}
+                "engine_id": self.engine_id, "inflight": self.inflight, "served": self.served, "errors": self.errors,
+                "healthy": self.healthy, "health_failures": self.health_failures}
 
 
 class InstancePool:
@@ -48,6 +51,7 @@ class InstancePool:
         if not new:
             old = self._items[inst.url]
             inst.inflight, inst.served, inst.errors, inst.added_seq = old.inflight, old.served, old.errors, old.added_seq
+            inst.healthy, inst.health_failures = old.healthy, old.health_failures  # same engine, same health
         else:
             inst.added_seq = next(self._seq)
         self._items[inst.url] = inst
@@ -59,10 +63,18 @@ class InstancePool:
     def all(self) -> list[Instance]:
         return sorted(self._items.values(), key=lambda i: i.added_seq)
 
+    def healthy_count(self) -> int:
+        return sum(1 for i in self._items.values() if i.healthy)
+
     def pick(self) -> Instance:
+        """An instance in rotation (healthy), by the policy."""
         items = self.all()
         if not items:
             raise NoInstance(f"no {self.role} instance is configured")
+        items = [i for i in items if i.healthy]
+        if not items:
+            raise NoInstance(f"every {self.role} instance is unhealthy (failing /health or unreachable); "
+                             f"none is in rotation, retry later")
         n = next(self._rr)
         if self.policy == "round_robin":
             return items[n % len(items)]

@@ -66,6 +66,23 @@ def inproc_push_legs(body: dict[str, Any], p: Instance, request_id: str, endpoin
     )
 
 
+def unsupported_field(body: dict[str, Any], mode: str) -> tuple[str, str] | None:
+    """(field, message) when the request asks for what ``mode`` cannot serve, else None.
+
+    With ``n`` > 1 (or ``best_of`` > 1) vLLM fans one request out to child requests
+    that share its ``kv_transfer_params``: in the push modes each child would wait for
+    the one push, so the request could never be served. Pull mode has no such limit."""
+    if mode == "pull":
+        return None
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1:
+            return name, (f"{name}: {name}={v} is not supported in {mode} mode (the child requests of one vLLM request "
+                          f"share its kv_transfer_params, so one KV push cannot serve them); "
+                          f"send {v} separate requests with n=1 instead")
+    return None
+
+
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """Rough token count without a tokenizer (about 4 characters per token)."""
     if "messages" in body:

@@ -18,6 +18,8 @@ class ProxyMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("kvpath_proxy_first_token_seconds", "time to the first byte of D's response",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.healthy = Gauge("kvpath_proxy_healthy_instances", "instances in rotation (passing health checks) per role",
+                             ["role"], registry=r)
         self.inflight = Gauge("kvpath_proxy_inflight", "requests in flight per instance", ["role", "url"], registry=r)
         self.reservation = Histogram("kvpath_proxy_reservation_seconds", "time to get a lane from the reservation service",
                                      buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)

@@ -4,6 +4,13 @@ POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, pa
 POST /v1/release   {lease_id} -> {released}   (idempotent)
 POST /v1/lanes     {src_host, dst_host, lanes} (P connectors register the lanes they opened)
 GET  /v1/state, /health, /metrics
+
+With an admin token, POST /v1/lanes needs ``Authorization: Bearer <token>``: a
+forged registration would steer every later flow of that host pair (or point it at
+lanes P does not have). /v1/reserve and /v1/release stay open: the proxy and P
+connectors call them per request, and what a stranger could do with them (add load
+records, end others') only skews the loads decisions see until leases or pushes end.
+Reads stay open.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import contextlib
 import logging
 import time
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field
 
+from proxy.auth import bearer_ok
 from proxy.errors import describe_validation_errors, is_invalid_json
 from proxy.reservation import LaneInfo, ReservationError, ReservationService
 
@@ -58,7 +66,8 @@ def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"error": msg, "fields": fields}, status_code=422)
 
 
-def create_app(svc: ReservationService, expire_every_s: float = 0.5) -> FastAPI:
+def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token: str | None = None) -> FastAPI:
+    """``admin_token``: required by the calls that change the lane registry (see above)."""
     reg = CollectorRegistry()
     m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
     m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)
@@ -82,6 +91,11 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.state.svc = svc
 
+    def admin(request: Request) -> None:
+        if admin_token and not bearer_ok(request.headers.get("authorization"), admin_token):
+            raise HTTPException(401, "admin token required (Authorization: Bearer TOKEN)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
     # Handlers are async on purpose: the event loop serializes them, so the
     # in-process service needs no lock.
     @app.post("/v1/reserve")
@@ -103,7 +117,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5) -> FastAPI:
         m_rel.labels(str(ok).lower()).inc()
         return {"lease_id": body.lease_id, "released": ok}
 
-    @app.post("/v1/lanes")
+    @app.post("/v1/lanes", dependencies=[Depends(admin)])
     async def lanes(body: LanesBody) -> dict:
         try:
             svc.register_lanes(body.src_host, body.dst_host, [LaneInfo(x.lane, x.src_port, x.dst_port) for x in body.lanes])

@@ -2,8 +2,9 @@
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not) with
 a deterministic text derived from the prompt, echoes ``kv_transfer_params`` the way
-a P engine does, records what it received, and can be told to be slow, to fail or
-to hang. Not a product part: real runs use real vLLM.
+a P engine does, records what it received, and can be told to be slow, to fail (with
+a Retry-After), to hang, to break or stall a stream midway, or to fail its health
+check. Not a product part: real runs use real vLLM.
 """
 
 from __future__ import annotations
@@ -22,12 +23,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxy.relay import wait_for_disconnect
 
 
+class StubBroke(RuntimeError):
+    """Raised inside a stream to make the server drop the connection mid-answer."""
+
+
 @dataclass
 class StubBehaviour:
     delay_s: float = 0.0  # before answering
     token_delay_s: float = 0.0  # between streamed chunks
     fail_status: int = 0  # answer with this HTTP status
+    retry_after: str | None = None  # with fail_status: the Retry-After header
     hang: bool = False  # never answer
+    break_after: int = -1  # streams: after this many events, send half an event and drop the connection
+    stall_after: int = -1  # streams: after this many events, send nothing more (until the client leaves)
+    healthy: bool = True  # False: /health answers 503
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0  # requests whose client went away before the answer
     stream_cancelled: int = 0  # streams whose client went away mid-stream
@@ -60,7 +69,8 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
                 pass
         if b.fail_status:
             return JSONResponse({"error": {"message": f"{name} failed on purpose", "code": b.fail_status}},
-                                status_code=b.fail_status)
+                                status_code=b.fail_status,
+                                headers={"Retry-After": b.retry_after} if b.retry_after else None)
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         toks = _text(body, n)
         kvp = body.get("kv_transfer_params")
@@ -76,6 +86,11 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
 
             async def chunks():
                 for i, t in enumerate(toks):
+                    if i == b.break_after:
+                        yield b'data: {"id": "half an ev'
+                        raise StubBroke(f"{name} broke the stream on purpose")  # uvicorn drops the connection
+                    if i == b.stall_after:
+                        await asyncio.sleep(3600)  # cancelled when the client leaves
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
                     delta = {"delta": {"content": t}} if chat else {"text": t}
@@ -108,8 +123,8 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
         return {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": name}]}
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        return JSONResponse({"status": "ok" if b.healthy else "down"}, status_code=200 if b.healthy else 503)
 
     return app
 

@@ -1,6 +1,7 @@
 """The P/D proxy against stub engines: routing, legs, faults, bad input, admin."""
 
 import asyncio
+import hmac
 import json
 import time
 
@@ -23,8 +24,16 @@ def lanes():
     return [LaneInfo(i, 40000 + i, 0) for i in range(8)]
 
 
+def wait_until(cond, timeout_s=10.0):
+    """Poll ``cond`` until true; the bound is generous (a busy 2-core machine), never asserted."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
 class Setup:
-    def __init__(self, mode="push", n_p=1, n_d=1, policy="round_robin", reservation="http", token="s3cret"):
+    def __init__(self, mode="push", n_p=1, n_d=1, policy="round_robin", reservation="http", token="s3cret", **cfg):
         self.pb = [StubBehaviour() for _ in range(n_p)]
         self.db = [StubBehaviour() for _ in range(n_d)]
         self.servers = []
@@ -39,12 +48,13 @@ class Setup:
         elif reservation == "inproc":
             reserver = InProcessReserver(self.svc)
         self.proxy = Proxy(
-            ProxyConfig(mode=mode, policy=policy, admin_token=token, upstream_timeout_s=3.0),
+            ProxyConfig(mode=mode, policy=policy, admin_token=token, **{"first_byte_timeout_s": 3.0, **cfg}),
             [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{5600 + i}", f"eng{i}") for i, s in enumerate(self.p)],
             [Instance(s.url, "decode", "l1h0") for s in self.d],
             reserver,
         )
-        self.px = self._serve(create_app(self.proxy, create_reservation_app(self.svc) if reservation == "inproc" else None))
+        res_app = create_reservation_app(self.svc, admin_token=token) if reservation == "inproc" else None
+        self.px = self._serve(create_app(self.proxy, res_app))
         self.url = self.px.url
 
     def _serve(self, app):
@@ -55,6 +65,14 @@ class Setup:
     def close(self):
         for s in reversed(self.servers):
             s.stop()
+
+    def p_legs(self, n, i=0):
+        """P's records once ``n`` arrived: in the push modes D may answer before P's leg is logged."""
+        assert wait_until(lambda: len(self.pb[i].received) >= n), f"P{i} got {len(self.pb[i].received)} of {n} legs"
+        return self.pb[i].received
+
+    def metrics(self):
+        return httpx.get(self.url + "/metrics").text
 
 
 @pytest.fixture
@@ -76,7 +94,7 @@ def test_push_mode_sends_both_legs_with_transfer_id_lane_and_lease(setup):
     assert r.status_code == 200
     direct = httpx.post(setup.d[0].url + "/v1/completions", json=BODY).json()
     assert r.json()["choices"][0]["text"] == direct["choices"][0]["text"]
-    p_req, d_req = setup.pb[0].received[0], setup.db[0].received[0]
+    p_req, d_req = setup.p_legs(1)[0], setup.db[0].received[0]
     pk, dk = p_req["body"]["kv_transfer_params"]["kvpath"], d_req["body"]["kv_transfer_params"]["kvpath"]
     assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["stream"] is False
     assert pk["transfer_id"] == dk["transfer_id"] and dk["peer"] == "127.0.0.1:5600"
@@ -113,7 +131,7 @@ def test_pull_mode_is_sequential_and_forwards_p_params(setup):
 @pytest.mark.parametrize("setup", [{"mode": "inproc-push"}], indirect=True)
 def test_inproc_push_mode_uses_one_request_id_on_both_legs(setup):
     assert post(setup.url, BODY).status_code == 200
-    p_req, d_req = setup.pb[0].received[0], setup.db[0].received[0]
+    p_req, d_req = setup.p_legs(1)[0], setup.db[0].received[0]
     assert p_req["headers"]["x-request-id"] == d_req["headers"]["x-request-id"]
     dk = d_req["body"]["kv_transfer_params"]
     assert dk["remote_engine_id"] == "eng0" and dk["remote_port"] == 5600 and dk["do_remote_prefill"] is True
@@ -123,6 +141,7 @@ def test_inproc_push_mode_uses_one_request_id_on_both_legs(setup):
 def test_round_robin_spreads_requests(setup):
     for _ in range(6):
         assert post(setup.url, BODY).status_code == 200
+    setup.p_legs(3, 0), setup.p_legs(3, 1)
     assert [len(b.received) for b in setup.pb] == [3, 3]
     assert [len(b.received) for b in setup.db] == [2, 2, 2]
 
@@ -182,7 +201,7 @@ def test_upstream_error_is_502_with_its_message_and_proxy_stays_up(setup):
     assert setup.db[0].cancelled == 1  # the D leg was cancelled, not left waiting
     setup.pb[0].fail_status = 0
     setup.db[0].delay_s = 0
-    setup.db[0].fail_status = 503
+    setup.db[0].fail_status = 500
     r = post(setup.url, BODY)
     assert r.status_code == 502 and "D0 failed on purpose" in r.json()["error"]["message"]
     setup.db[0].fail_status = 0
@@ -251,7 +270,7 @@ def test_reservation_service_down_falls_back_and_counts(setup):
     setup.res.stop()
     for _ in range(3):
         assert post(setup.url, BODY).status_code == 200
-    lanes_sent = [r["body"]["kv_transfer_params"]["kvpath"].get("lane") for r in setup.pb[0].received]
+    lanes_sent = [r["body"]["kv_transfer_params"]["kvpath"].get("lane") for r in setup.p_legs(4)]
     assert lanes_sent[0] is not None and lanes_sent[1:] == [None, None, None]  # hash lane on P
     m = httpx.get(setup.url + "/metrics").text
     assert 'kvpath_proxy_reservation_fallbacks_total{reason="unreachable"} 3.0' in m
@@ -259,16 +278,25 @@ def test_reservation_service_down_falls_back_and_counts(setup):
 
 @pytest.mark.parametrize("setup", [{"reservation": "inproc"}], indirect=True)
 def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
-    """With the service in the proxy, connectors register lanes at /reservation."""
+    """With the service in the proxy, connectors register lanes at /reservation;
+    registering needs the proxy's admin token, reserving and releasing do not."""
     url = setup.url + "/reservation/v1/lanes"
-    r = httpx.post(url, json={"src_host": "l0h1", "dst_host": "l1h1", "lanes": [
-        {"lane": 0, "src_port": 41000}, {"lane": 1, "src_port": 41001}]})
+    lanes_body = {"src_host": "l0h1", "dst_host": "l1h1", "lanes": [
+        {"lane": 0, "src_port": 41000}, {"lane": 1, "src_port": 41001}]}
+    assert httpx.post(url, json=lanes_body).status_code == 401
+    assert httpx.post(url, json=lanes_body, headers={"Authorization": "Bearer s3cre"}).status_code == 401
+    h = {"Authorization": "Bearer s3cret"}
+    r = httpx.post(url, json=lanes_body, headers=h)
     assert r.status_code == 200, r.text
-    assert httpx.post(url, json={"src_host": "l0h1"}).status_code == 422
+    assert httpx.post(url, json={"src_host": "l0h1"}, headers=h).status_code == 422
     st = httpx.get(setup.url + "/reservation/v1/state").json()
     assert st["lanes_known"]["l0h1->l1h1"] == [[0, 41000], [1, 41001]]
+    res = httpx.post(setup.url + "/reservation/v1/reserve", json={"src_host": "l0h1", "dst_host": "l1h1", "bytes": 1})
+    assert res.status_code == 200 and res.json()["lane"] in (0, 1)
+    rel = httpx.post(setup.url + "/reservation/v1/release", json={"lease_id": res.json()["lease_id"]})
+    assert rel.status_code == 200 and rel.json()["released"] is True
     assert post(setup.url, BODY).status_code == 200  # l0h0 -> l1h0, lanes from the fixture
-    kvp = setup.pb[0].received[-1]["body"]["kv_transfer_params"]["kvpath"]
+    kvp = setup.p_legs(1)[-1]["body"]["kv_transfer_params"]["kvpath"]
     assert kvp["lane"] is not None and kvp["lease_id"]
 
 
@@ -310,3 +338,235 @@ def test_no_request_is_lost_or_duplicated_under_concurrency(setup):
     assert len(tids) == 64 == len(set(tids))
     assert sorted(tids) == sorted(r["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for r in setup.pb[0].received)
     assert setup.svc.state()["active"] == 0
+
+
+# ---- faults: timeouts, broken streams, busy engines, health, unsupported requests ----
+
+STREAM = {**BODY, "stream": True}
+
+
+def stream_body(url, body, path="/v1/completions"):
+    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+        return r.status_code, b"".join(r.iter_raw())
+
+
+def events(raw: bytes) -> list[str]:
+    """The data of each SSE event; every event must be whole (end in a blank line)."""
+    assert raw.endswith(b"\n\n")
+    out = []
+    for ev in raw.decode().split("\n\n")[:-1]:
+        assert ev.startswith("data: "), ev
+        out.append(ev[len("data: "):])
+    return out
+
+
+@pytest.mark.parametrize("setup", [{"first_byte_timeout_s": 1.5, "chunk_gap_timeout_s": 2.0}], indirect=True)
+def test_a_stream_longer_than_the_first_byte_timeout_completes(setup):
+    """The old total timeout cut any stream longer than it; now only the first byte
+    and the gaps between chunks are bounded."""
+    setup.db[0].token_delay_s = 0.1  # 30 tokens: about 3 s in all, at least twice the first-byte bound
+    status, raw = stream_body(setup.url, {**STREAM, "max_tokens": 30})
+    evs = events(raw)
+    assert status == 200 and len(evs) == 31 and evs[-1] == "[DONE]"
+    assert all("error" not in json.loads(e) for e in evs[:-1])
+    assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0' in setup.metrics()
+
+
+@pytest.mark.parametrize("setup", [{"chunk_gap_timeout_s": 1.0}], indirect=True)
+def test_a_stalled_stream_ends_with_an_error_event(setup):
+    setup.db[0].stall_after = 3
+    status, raw = stream_body(setup.url, {**STREAM, "max_tokens": 10})
+    evs = events(raw)
+    assert status == 200 and len(evs) == 5 and evs[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["index"] for e in evs[:3]] == [0, 0, 0]
+    err = json.loads(evs[3])["error"]
+    assert err["code"] == 504 and err["type"] == "GatewayTimeoutError" and err["param"] is None
+    assert "stalled" in err["message"] and setup.d[0].url in err["message"]
+    m = setup.metrics()
+    assert 'kvpath_proxy_errors_total{kind="upstream_stream_error"} 1.0' in m
+    assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="504"} 1.0' in m
+    assert wait_until(lambda: setup.db[0].stream_cancelled == 1)  # D's stalled stream was dropped
+    assert setup.svc.state()["active"] == 0
+    assert all(i["inflight"] == 0 for i in httpx.get(setup.url + "/status").json()["decode"])
+
+
+def test_a_broken_stream_ends_with_an_error_event_and_no_half_event(setup):
+    setup.db[0].break_after = 3  # three events, half of a fourth, then the connection drops
+    status, raw = stream_body(setup.url, {**STREAM, "max_tokens": 10})
+    assert b"half an ev" not in raw  # the half event never reached the client
+    evs = events(raw)
+    assert status == 200 and len(evs) == 5
+    assert all("choices" in json.loads(e) for e in evs[:3])
+    assert json.loads(evs[3]) == {"error": {"message": json.loads(evs[3])["error"]["message"],
+                                            "type": "BadGatewayError", "param": None, "code": 502}}
+    assert "stream broke" in json.loads(evs[3])["error"]["message"]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    m = setup.metrics()
+    assert 'kvpath_proxy_errors_total{kind="upstream_stream_error"} 1.0' in m
+    assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="502"} 1.0' in m
+    assert setup.svc.state()["active"] == 0
+    # the same request on a healthy stream still passes through unchanged
+    setup.db[0].break_after = -1
+    status, raw = stream_body(setup.url, {**STREAM, "max_tokens": 10})
+    assert status == 200 and len(events(raw)) == 11 and b"error" not in raw
+
+
+def test_engine_429_and_503_reach_the_client_with_retry_after(setup):
+    """From P's leg or D's, streamed or not: the engine's status and Retry-After, not 502."""
+    cases = [(leg, stream, code, retry) for leg in ("prefill", "decode") for stream in (False, True)
+             for code, retry in ((429, "7"), (503, None))]
+    for leg, stream, code, retry in cases:
+        b = setup.pb[0] if leg == "prefill" else setup.db[0]
+        b.fail_status, b.retry_after = code, retry
+        setup.db[0].delay_s = 1.0 if leg == "prefill" else 0.0  # a real D waits for P's push
+        r = post(setup.url, {**BODY, "stream": stream})
+        case = (leg, stream, code)
+        assert r.status_code == code, case
+        assert r.headers.get("retry-after") == retry, case
+        assert "failed on purpose" in r.json()["error"]["message"], case
+        b.fail_status, b.retry_after = 0, None
+    setup.db[0].delay_s = 0.0
+    assert post(setup.url, BODY).status_code == 200
+    assert 'kvpath_proxy_errors_total{kind="upstream_busy"} 8.0' in setup.metrics()
+
+
+@pytest.mark.parametrize("setup", [{"n_d": 2, "health_interval_s": 0.1}], indirect=True)
+def test_an_instance_failing_health_checks_leaves_rotation_and_rejoins(setup):
+    def healthy():
+        return [i["healthy"] for i in httpx.get(setup.url + "/status").json()["decode"]]
+
+    assert healthy() == [True, True] and 'kvpath_proxy_healthy_instances{role="decode"} 2.0' in setup.metrics()
+    setup.db[0].healthy = False
+    assert wait_until(lambda: healthy() == [False, True])
+    assert 'kvpath_proxy_healthy_instances{role="decode"} 1.0' in setup.metrics()
+    for _ in range(4):
+        assert post(setup.url, BODY).status_code == 200
+    assert [len(b.received) for b in setup.db] == [0, 4]  # all went to the healthy one
+    setup.db[0].healthy = True
+    assert wait_until(lambda: healthy() == [True, True])
+    assert 'kvpath_proxy_healthy_instances{role="decode"} 2.0' in setup.metrics()
+    for _ in range(4):
+        assert post(setup.url, BODY).status_code == 200
+    assert [len(b.received) for b in setup.db] == [2, 6]  # back in the round robin
+
+
+@pytest.mark.parametrize("setup", [{"health_interval_s": 0.1}], indirect=True)
+def test_every_instance_of_a_role_unhealthy_is_503_naming_the_role(setup):
+    setup.db[0].healthy = False
+    assert wait_until(lambda: not httpx.get(setup.url + "/status").json()["decode"][0]["healthy"])
+    r = post(setup.url, BODY)
+    assert r.status_code == 503
+    msg = r.json()["error"]["message"]
+    assert "decode" in msg and "unhealthy" in msg
+    assert not setup.db[0].received and not setup.pb[0].received  # nothing was sent
+    assert 'kvpath_proxy_healthy_instances{role="prefill"} 1.0' in setup.metrics()
+    setup.db[0].healthy = True
+    assert wait_until(lambda: httpx.get(setup.url + "/status").json()["decode"][0]["healthy"])
+    assert post(setup.url, BODY).status_code == 200
+
+
+@pytest.mark.parametrize("setup", [{"n_d": 2, "health_interval_s": 3600, "unhealthy_after": 2}], indirect=True)
+def test_a_dead_instance_leaves_rotation_after_failed_legs(setup):
+    """No probe runs here (an hour apart): refused connections on legs count as
+    failed probes, so the dead D is out after its second failed request."""
+    setup.d[0].stop()
+    codes = [post(setup.url, BODY).status_code for _ in range(6)]
+    assert codes == [502, 200, 502, 200, 200, 200]
+    dec = httpx.get(setup.url + "/status").json()["decode"]
+    assert [i["healthy"] for i in dec] == [False, True] and dec[0]["health_failures"] == 2
+    assert 'kvpath_proxy_healthy_instances{role="decode"} 1.0' in setup.metrics()
+
+
+@pytest.mark.parametrize("setup", [{"mode": "push"}, {"mode": "inproc-push"}, {"mode": "pull"}], indirect=True)
+def test_n_above_1_is_refused_in_the_push_modes(setup):
+    mode = setup.proxy.cfg.mode
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
+    asks = [("/v1/completions", {**BODY, "n": 2}, "n"), ("/v1/chat/completions", {**chat, "n": 3}, "n"),
+            ("/v1/completions", {**BODY, "best_of": 2}, "best_of"),
+            ("/v1/completions", {**BODY, "n": 2, "stream": True}, "n")]
+    for path, body, field in asks:
+        r = httpx.post(setup.url + path, json=body, timeout=10)
+        if mode == "pull":
+            assert r.status_code == 200, (path, body)  # pull mode passes n on, as before
+            continue
+        assert r.status_code == 422, (path, body)
+        err = r.json()["error"]
+        assert err["fields"] == [field] and "separate requests" in err["message"] and field in err["message"]
+    if mode == "pull":
+        assert setup.db[0].received[0]["body"]["n"] == 2
+    else:
+        assert not setup.db[0].received and not setup.pb[0].received
+        assert 'kvpath_proxy_errors_total{kind="unsupported"} 4.0' in setup.metrics()
+    assert post(setup.url, {**BODY, "n": 1}).status_code == 200
+
+
+def test_admin_token_is_compared_in_constant_time(setup, monkeypatch):
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    body = {"role": "decode", "url": "http://127.0.0.1:9", "fabric_host": "l1h1"}
+    r = httpx.post(setup.url + "/admin/instances", json=body, headers={"Authorization": "Bearer s3creT"})
+    assert r.status_code == 401
+    assert calls == [(b"Bearer s3creT", b"Bearer s3cret")]
+
+
+def test_upstream_timeout_s_is_a_deprecated_alias_of_first_byte_timeout_s(monkeypatch):
+    import uvicorn
+
+    from kvpath.cli import main
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    base = ["proxy", "--prefill", "http://127.0.0.1:1,kv_addr=127.0.0.1:2", "--decode", "http://127.0.0.1:3"]
+    assert main(base + ["--upstream-timeout-s", "7", "--chunk-gap-timeout-s", "9", "--health-interval-s", "0",
+                        "--unhealthy-after", "3"]) == 0
+    assert main(base) == 0
+    cfg, default = apps[0].proxy.cfg, apps[1].proxy.cfg
+    got = (cfg.first_byte_timeout_s, cfg.chunk_gap_timeout_s, cfg.health_interval_s, cfg.unhealthy_after)
+    assert got == (7, 9, 0, 3)
+    assert (default.first_byte_timeout_s, default.chunk_gap_timeout_s, default.health_interval_s,
+            default.unhealthy_after) == (300, 60, 2, 2)
+
+
+def test_event_framer_passes_whole_events_only_and_is_lossless():
+    from proxy.stream_guard import EventFramer
+
+    stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):  # every split of the stream into two chunks
+        f = EventFramer()
+        outs = [f.feed(stream[:cut]), f.feed(stream[cut:]), f.flush()]
+        assert b"".join(outs) == stream
+        assert all(o == b"" or o.endswith(b"\n\n") for o in outs[:2])
+    f = EventFramer()
+    assert f.feed(b'data: {"a": 1}\n\ndata: {"b"') == b'data: {"a": 1}\n\n'  # the half event is held
+
+
+def test_gap_watch_counts_only_time_spent_waiting_on_d():
+    from proxy.stream_guard import ChunkGapTimeout, GapWatch
+
+    class Reader:
+        exc = None
+
+        def set_exception(self, exc):
+            self.exc = exc
+
+    async def go():
+        r = Reader()
+        w = GapWatch(r, 0.05, "decode http://d")
+        await asyncio.sleep(0.3)  # not reading (sending to a slow client): no stall
+        assert r.exc is None
+        w.reading()
+        for _ in range(200):
+            if r.exc is not None:
+                break
+            await asyncio.sleep(0.05)
+        w.cancel()
+        return r.exc
+
+    exc = asyncio.run(go())
+    assert isinstance(exc, ChunkGapTimeout) and "stalled" in str(exc)

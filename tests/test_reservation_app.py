@@ -61,3 +61,57 @@ def test_bad_input_is_4xx_naming_the_field(client, path, body, status, field):
 def test_invalid_json_is_400(client):
     r = client.post("/v1/reserve", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]
+
+
+TOKEN = "t0ken"
+LANES_BODY = {"src_host": "l0h0", "dst_host": "l1h0", "lanes": LANES}
+
+
+@pytest.fixture
+def guarded():
+    with TestClient(create_app(ReservationService(SPEC, "cc", lease_s=5), admin_token=TOKEN)) as c:
+        yield c
+
+
+def test_with_a_token_lane_registration_needs_it_and_the_rest_stays_open(guarded):
+    assert guarded.post("/v1/lanes", json=LANES_BODY).status_code == 401
+    r = guarded.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}x"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert guarded.post("/v1/lanes", json={"src_host": "l0h0"}).status_code == 401  # before looking at the body
+    assert guarded.get("/v1/state").json()["lanes_known"] == {}
+    assert guarded.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    # the proxy and P connectors reserve and release per request, without the token
+    r = guarded.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5})
+    assert r.status_code == 200 and r.json()["lane"] is not None
+    assert guarded.post("/v1/release", json={"lease_id": r.json()["lease_id"]}).json()["released"] is True
+    assert guarded.get("/v1/state").status_code == 200 and guarded.get("/health").status_code == 200
+    assert guarded.get("/metrics").status_code == 200
+
+
+def test_reservation_command_takes_an_admin_token(monkeypatch):
+    import uvicorn
+
+    from kvpath.cli import main
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert main(["reservation", "--admin-token", TOKEN, "--port", "1"]) == 0
+    with TestClient(apps[0]) as c:
+        assert c.post("/v1/lanes", json=LANES_BODY).status_code == 401
+        assert c.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+def test_p_connector_notifier_sends_the_token():
+    from connector.reservation_hooks import ReservationNotifier
+    from testbed.readiness import free_port
+    from testbed.stub_engine import ServerThread
+
+    svc = ReservationService(SPEC, "cc", lease_s=5)
+    with ServerThread(create_app(svc, admin_token=TOKEN), free_port()) as srv:
+        for token in (None, TOKEN):
+            n = ReservationNotifier(srv.url, token=token)
+            n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)])
+            n.close()  # drains the queue first
+            ok = n.stats.totals["reservation_calls_ok"], n.stats.totals["reservation_calls_failed"]
+            assert ok == ((0, 1) if token is None else (1, 0))
+    assert svc.lanes("l0h1", "l1h1")[1].src_port == 41001

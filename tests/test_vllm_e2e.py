@@ -146,6 +146,40 @@ def test_client_disconnect_on_d_cancels_and_frees_blocks(servers):
     assert metric(p.url, "vllm:kvpath_pushes_cancelled_total") == cancelled_before
 
 
+def test_a_reused_transfer_id_ends_the_second_legs_fast_and_frees_every_block(servers):
+    # legs by hand, as docs/connector.md describes them: two D legs and two P legs share one id
+    p, d, _ = servers
+    prompt = make_prompts(1, seed=31)[0]
+    ref = asyncio.run(_direct(p.url, prompt, 6))
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            dl = {"do_remote_prefill": True, "kvpath": {"transfer_id": "reused", "peer": f"127.0.0.1:{P_SIDE}"}}
+            pl = {"do_remote_decode": True, "kvpath": {"transfer_id": "reused"}}
+            t0 = time.monotonic()
+            d1 = asyncio.create_task(c.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": dl}))
+            await asyncio.sleep(0.3)
+            d2 = asyncio.create_task(c.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": dl}))
+            p1 = await c.post(f"{p.url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": pl})
+            p2 = await c.post(f"{p.url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": pl})
+            r2 = await d2
+            t2 = time.monotonic() - t0
+            return await d1, r2, t2, p1, p2
+
+    r1, r2, t2, p1, p2 = asyncio.run(go())
+    assert p1.status_code == p2.status_code == 200
+    assert r1.status_code == 200 and r1.json()["choices"][0]["text"] == ref
+    # the second D leg ends at once with an error, not after a timeout, and not with garbage
+    assert r2.status_code >= 400 or r2.json()["choices"][0]["finish_reason"] == "error", r2.text[:200]
+    assert t2 < REG_TIMEOUT, f"the second D leg took {t2:.1f}s"
+    # caught by D (the first leg still waiting) or by P (the first push already done)
+    assert (metric(d.url, "vllm:kvpath_registrations_duplicate_total")
+            + metric(p.url, "vllm:kvpath_registrations_duplicate_total")) >= 1
+    assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0  # the second P leg's too
+
+
 def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_serving(servers):
     p, d, logs = servers
     prompts = make_prompts(6, seed=3)

@@ -57,6 +57,11 @@ class KVPathConfig:
     reservation_url: str | None = None
     # This engine's host in the fabric spec (e.g. "l0h1"); sent with lanes.
     fabric_host: str | None = None
+    # A fabric spec file (kvpath/fabric.py). With it and fabric_host, P's lanes to a
+    # D peer are picked to cover distinct paths by the spec's ECMP rule, trying up
+    # to lane_candidates connections per lane.
+    fabric_spec: str | None = None
+    lane_candidates: int = 4
     # Bearer token for the reservation service's lane registration, when it has one.
     reservation_token: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +106,10 @@ class KVPathConfig:
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port must be a TCP port, got {self.side_channel_port}"
             )
+        if not 1 <= self.lane_candidates <= 16:
+            raise ConfigError(f"kv_connector_extra_config.lane_candidates must be in [1, 16], got {self.lane_candidates}")
+        if self.fabric_spec and not self.fabric_host:
+            raise ConfigError("kv_connector_extra_config.fabric_spec needs fabric_host (this engine's host in the spec)")
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
 

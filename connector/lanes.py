@@ -1,17 +1,21 @@
-"""Lanes from one P worker to one D worker: open, learn each one's 5-tuple, tear down.
+"""Lanes from one P worker to one D worker: open, learn each one's 5-tuple, pick
+them to cover distinct paths, tear down.
 
 A lane is one NIXL agent of P's with its own UCX TCP connection to D, so its own
 source port and its own ECMP path. Lanes open on the first contact (the handshake)
-and are kept. A lane whose WRITE had to be abandoned is torn down (its remote
-agent removed, so UCX drops the connection and reads no more source memory) and
-reopened, with a new source port, when it is next used.
+and are kept. With a path oracle, P tries candidate connections (one per agent of
+a larger pool) until its lanes cover distinct paths: as many as the fabric has
+between the two hosts, up to ``lanes``. Four random ports cover four spines only
+about 9% of the time (4!/4^4); 16 candidates cover them about 96% of the time.
+A lane whose WRITE failed is torn down (its remote agent removed) and reopened on
+its next use.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -29,29 +33,84 @@ class Lane:
     dst_ip: str = ""
     dst_port: int = 0
     broken: bool = False
+    agent: int = 0  # index in the writer's agent pool
+    path: str = ""  # what the path oracle said ("" without one)
 
     def five_tuple(self) -> tuple[str, int, str, int, str]:
         return (self.src_ip, self.src_port, self.dst_ip, self.dst_port, "tcp")
 
 
+def pick_distinct(open_candidate: Callable[[int], Hashable], pool: int, want: int, distinct: int) -> list[int]:
+    """Choose ``want`` candidates out of ``pool``, opening them in order
+    (``open_candidate(i)`` returns its path), until ``distinct`` different paths are
+    covered; the remaining lanes are filled with the first duplicates. Returns the
+    chosen candidate indices, lane order."""
+    chosen: list[int] = []
+    dupes: list[int] = []
+    seen: set[Hashable] = set()
+    i = 0
+    while i < pool and len(chosen) < want and len(seen) < distinct:
+        key = open_candidate(i)
+        (dupes if key in seen else chosen).append(i)
+        seen.add(key)
+        i += 1
+    while len(chosen) < want and dupes:
+        chosen.append(dupes.pop(0))
+    while len(chosen) < want and i < pool:  # all paths covered: take the next ones as they come
+        open_candidate(i)
+        chosen.append(i)
+        i += 1
+    return chosen
+
+
 class LaneSet:
     """The lanes of one (P worker, D worker) pair. Writer thread only."""
 
-    def __init__(self, hello: M.Hello, agents: list[Any], probe_addr: int, own_port: int):
+    def __init__(
+        self, hello: M.Hello, agents: list[Any], probe_addr: int, own_port: int, n_lanes: int | None = None,
+        path_of: Callable[[Lane], str] | None = None, n_paths: int = 1,
+    ):
         self.hello = hello
-        self.agents = agents
+        self.agents = agents  # the writer's pool, shared by all peers
         self.probe_addr = probe_addr
         self.own_port = own_port
-        self.lanes: list[Lane] = [Lane(i, broken=True) for i in range(len(agents))]
+        self.n_lanes = n_lanes or len(agents)
+        self.path_of = path_of
+        self.n_paths = n_paths
+        self.lanes: list[Lane] = [Lane(i, broken=True, agent=i) for i in range(self.n_lanes)]
+        self.candidates_opened = 0
 
     def open_all(self) -> None:
-        for i in range(len(self.agents)):
-            self.open(i)
+        if self.path_of is None:
+            for i in range(self.n_lanes):
+                self.open(i)
+            return
+        opened: dict[int, Lane] = {}
+
+        def try_agent(a: int) -> str:
+            opened[a] = self._connect(a, a)
+            return opened[a].path
+
+        chosen = pick_distinct(try_agent, len(self.agents), self.n_lanes, min(self.n_lanes, self.n_paths))
+        self.candidates_opened = len(opened)
+        for lane_id, a in enumerate(chosen):
+            lane = opened[a]
+            lane.lane_id = lane_id
+            self.lanes[lane_id] = lane
+
+    def agent(self, i: int) -> Any:
+        return self.agents[self.lanes[i].agent]
 
     def open(self, i: int) -> Lane:
-        """(Re)open lane ``i``: add D's agent and push a tiny WRITE so the connection
+        """(Re)open lane ``i`` on its agent."""
+        lane = self._connect(self.lanes[i].agent, i)
+        self.lanes[i] = lane
+        return lane
+
+    def _connect(self, a: int, lane_id: int) -> Lane:
+        """Add D's agent to pool agent ``a`` and push a tiny WRITE so the connection
         exists now and its 5-tuple is known before the first real push is routed."""
-        agent, h = self.agents[i], self.hello
+        agent, h = self.agents[a], self.hello
         before = remote_endpoints()
         agent.add_remote_agent(h.agent_metadata)
         if h.probe_addr and h.probe_len:
@@ -62,15 +121,16 @@ class LaneSet:
             state = wait_xfer(agent, handle, timeout_s=5.0)
             agent.release_xfer_handle(handle)
             if state != "DONE":
-                raise RuntimeError(f"lane {i} probe ended in state {state}")
+                raise RuntimeError(f"lane {lane_id} probe ended in state {state}")
         conns = lane_connection(before, h.listen_ports, self.own_port)
         if len(conns) == 1:
             src_ip, src_port, dst_ip, dst_port = conns[0]
-            lane = Lane(i, src_ip, src_port, dst_ip, dst_port)
+            lane = Lane(lane_id, src_ip, src_port, dst_ip, dst_port, agent=a)
         else:  # 0: the connection predates the snapshot; >1: ambiguous. Never guess.
-            logger.warning("lane %d to %s: %d candidate connections, 5-tuple unknown", i, h.agent_name, len(conns))
-            lane = Lane(i)
-        self.lanes[i] = lane
+            logger.warning("lane %d to %s: %d candidate connections, 5-tuple unknown", lane_id, h.agent_name, len(conns))
+            lane = Lane(lane_id, agent=a)
+        if self.path_of is not None and lane.src_port:
+            lane.path = self.path_of(lane)
         return lane
 
     def ensure(self, i: int) -> Lane:
@@ -78,12 +138,12 @@ class LaneSet:
         return self.open(i) if lane.broken else lane
 
     def tear_down(self, i: int) -> None:
-        """Drop lane ``i``'s connection: after this UCX moves no more bytes on it."""
+        """Drop lane ``i``'s remote agent (after a failed WRITE); reopened on next use."""
         lane = self.lanes[i]
         if lane.broken:
             return
         lane.broken = True
         try:
-            self.agents[i].remove_remote_agent(self.hello.agent_name)
+            self.agent(i).remove_remote_agent(self.hello.agent_name)
         except Exception:
             logger.warning("removing %s from lane %d failed", self.hello.agent_name, i, exc_info=True)

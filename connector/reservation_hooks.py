@@ -29,9 +29,14 @@ class ReservationNotifier:
         self._thread = threading.Thread(target=self._run, name="kvpath-reservation-notifier", daemon=True)
         self._thread.start()
 
-    def register_lanes(self, src_host: str, dst_host: str, lanes: list[tuple[int, int]]) -> None:
-        self._post("/v1/lanes", {"src_host": src_host, "dst_host": dst_host,
-                                 "lanes": [{"lane": i, "src_port": p} for i, p in lanes]})
+    def register_lanes(
+        self, src_host: str, dst_host: str, lanes: list[tuple[int, int]] | list[dict[str, Any]], worker: str = ""
+    ) -> None:
+        """``lanes``: (lane id, source port) pairs, or dicts with the full 5-tuple
+        (lane, src_ip, src_port, dst_ip, dst_port, proto). ``worker`` names the
+        (P worker, D worker) pair, so pairs of one host pair never overwrite each other."""
+        rows = [x if isinstance(x, dict) else {"lane": x[0], "src_port": x[1]} for x in lanes]
+        self._post("/v1/lanes", {"src_host": src_host, "dst_host": dst_host, "worker": worker, "lanes": rows})
 
     def release(self, lease_id: str) -> None:
         self._post("/v1/release", {"lease_id": lease_id})

@@ -45,6 +45,7 @@ class _Peer:
 class _InFlight:
     match: Match
     lane: int
+    agent: Any
     handle: Any
     record: TransferRecord
     slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
@@ -88,7 +89,19 @@ class PushSender(EngineThread):
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port: cannot listen on {self.address}: {e}"
             ) from e
-        for i in range(self.cfg.lanes):
+        self.oracle = None
+        if self.cfg.fabric_spec:
+            from kvpath.fabric import FabricSpec, FabricSpecError
+            from kvpath.oracle import ModelOracle
+
+            try:
+                self.oracle = ModelOracle(FabricSpec.load(self.cfg.fabric_spec))
+            except (FabricSpecError, OSError) as e:
+                raise ConfigError(f"kv_connector_extra_config.fabric_spec: {e}") from e
+        # With a path oracle the pool holds lane_candidates agents per lane, so each
+        # D peer's lanes can be picked to cover distinct paths.
+        pool = self.cfg.lanes * (self.cfg.lane_candidates if self.oracle else 1)
+        for i in range(pool):
             agent = make_agent(f"{self.engine_id}-r{self.rank}-lane{i}")
             register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
             register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
@@ -119,6 +132,10 @@ class PushSender(EngineThread):
         with self._finished_lock:
             out, self._finished = self._finished, set()
         return out
+
+    def worker_pair(self, hello: M.Hello) -> str:
+        """The (P worker, D worker) pair's name in the reservation service."""
+        return f"{self.engine_id}/r{self.rank}>{hello.agent_name}"
 
     def lanes(self) -> dict[str, list[Lane]]:
         """D agent name -> its lanes (a snapshot; for tests and tools)."""
@@ -225,7 +242,8 @@ class PushSender(EngineThread):
             return
         peer = self._peers.get(hello.agent_name)
         if peer is None:
-            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]))
+            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
+                            self.cfg.lanes, *self._path_rule(hello))
             try:
                 lanes.open_all()
             except Exception as e:  # a peer we cannot reach: refuse, keep serving the others
@@ -243,22 +261,44 @@ class PushSender(EngineThread):
         lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]
         self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes))
 
+    def _path_rule(self, hello: M.Hello) -> tuple[Callable[[Lane], str] | None, int]:
+        """(lane -> its path, how many paths there are) between us and ``hello``'s
+        host, when a fabric spec names both hosts; else no rule."""
+        src, dst = self.cfg.fabric_host, hello.fabric_host
+        if self.oracle is None or not src or not dst:
+            return None, 1
+        spec = self.oracle.spec
+        n_paths = spec.spines if spec.locate(src)[0] != spec.locate(dst)[0] else 1
+
+        def path_of(lane: Lane) -> str:
+            p = self.oracle.path(src, dst, lane.src_port, lane.dst_port)
+            return p.spine or "->".join(p.nodes)
+
+        return path_of, n_paths
+
     def _lanes_opened(self, peer: _Peer) -> None:
         lanes, h = peer.lanes.lanes, peer.hello
         self.stats.inc("lanes_opened", len(lanes))
-        logger.info("opened %d lanes to %s: %s", len(lanes), h.agent_name,
-                    [f"{l.src_ip}:{l.src_port}->{l.dst_ip}:{l.dst_port}" for l in lanes])
+        logger.info("opened %d lanes to %s (%d candidates tried): %s", len(lanes), h.agent_name,
+                    peer.lanes.candidates_opened or len(lanes),
+                    [f"{l.src_ip}:{l.src_port}->{l.dst_ip}:{l.dst_port}{' via ' + l.path if l.path else ''}"
+                     for l in lanes])
         self.trace.write_event("lanes", peer=h.agent_name, engine=self.engine_id,
-                               lanes=[[l.lane_id, *l.five_tuple()] for l in lanes])
-        if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
-            self.notifier.register_lanes(
-                self.cfg.fabric_host, h.fabric_host, [(l.lane_id, l.src_port) for l in lanes if l.src_port]
-            )
+                               lanes=[[l.lane_id, *l.five_tuple(), l.path] for l in lanes])
+        self._register_lanes(peer)
         if self.on_lanes:
             try:
                 self.on_lanes(h.agent_name, list(lanes))
             except Exception:  # a telemetry callback must never break pushes
                 logger.exception("on_lanes callback failed")
+
+    def _register_lanes(self, peer: _Peer) -> None:
+        """Tell the reservation service this worker pair's lanes (full 5-tuples)."""
+        h = peer.hello
+        if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
+            rows = [{"lane": l.lane_id, "src_ip": l.src_ip, "src_port": l.src_port, "dst_ip": l.dst_ip,
+                     "dst_port": l.dst_port, "proto": "tcp"} for l in peer.lanes.lanes if l.src_port]
+            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, self.worker_pair(h))
 
     def _on_register(self, ident: bytes, reg: M.Register) -> None:
         self.stats.inc("registrations")
@@ -320,7 +360,7 @@ class PushSender(EngineThread):
     def _start_write(self, m: Match) -> None:
         fp, pr = m.prefill, m.registration
         reg = pr.reg
-        n_lanes = len(self.lane_agents)
+        n_lanes = self.cfg.lanes
         lane = fp.lane if fp.lane is not None and 0 <= fp.lane < n_lanes else default_lane(fp.transfer_id, n_lanes)
         peer = self._peers[reg.agent_name]
         rec = TransferRecord(
@@ -335,11 +375,12 @@ class PushSender(EngineThread):
         if len(src) < len(reg.block_ids):
             self._fail(m, f"P has {len(fp.block_ids)} blocks, D expects {reg.skip_blocks + len(reg.block_ids)}", rec)
             return
-        agent = self.lane_agents[lane]
+        agent = peer.lanes.agent(lane)
         try:
             if peer.lanes.lanes[lane].broken:
                 peer.lanes.ensure(lane)
                 self._welcome(peer)  # D learns the new connection before any byte moves on it
+                self._register_lanes(peer)
             rec.src_port = peer.lanes.lanes[lane].src_port
             loc, rem, nbytes = build_descs(self.layout, peer.hello.layout, src, reg.block_ids)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
@@ -360,7 +401,7 @@ class PushSender(EngineThread):
         except Exception as e:
             state = "ERR"
             logger.warning("posting the WRITE of %s raised: %s", fp.transfer_id, e)
-        f = _InFlight(m, lane, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
+        f = _InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
         if state == "ERR":
             self._failed_write(f, "NIXL refused the WRITE")
             return
@@ -372,7 +413,7 @@ class PushSender(EngineThread):
         now = time.monotonic()
         for tid, f in list(self._inflight.items()):
             try:
-                state = self.lane_agents[f.lane].check_xfer_state(f.handle)
+                state = f.agent.check_xfer_state(f.handle)
             except Exception as e:  # the peer vanished under the transfer
                 state, why = "ERR", str(e)
             else:
@@ -394,7 +435,7 @@ class PushSender(EngineThread):
 
     def _release_handle(self, f: _InFlight) -> None:
         try:
-            self.lane_agents[f.lane].release_xfer_handle(f.handle)
+            f.agent.release_xfer_handle(f.handle)
         except Exception:
             logger.debug("releasing handle of %s failed", f.match.prefill.transfer_id, exc_info=True)
 

@@ -12,6 +12,13 @@ Modes:
   (their broadcast delay). Zero delay reproduces ``cc``; a long delay leaves
   each agent blind to the others, drifting toward ``ecmp``-like collisions.
 
+Lanes are registered per (P worker, D worker) pair of a host pair: TP ranks, and
+several engines on one host, each have their own lanes (their own 5-tuples and
+paths) and never overwrite each other. Lane *i* of a transfer is used by every
+worker pair of the host pair at once (each TP rank pushes its shard on its own lane
+*i*), so a reservation of lane *i* loads the paths of lane *i* of every registered
+pair, the bytes split evenly among them.
+
 Leases end a reservation when its release never comes. Loads are integer flow
 counts and byte sums per directed link, so they return exactly to zero.
 """
@@ -27,10 +34,16 @@ from typing import Callable
 
 from connector.params import default_lane
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
-from proxy.oracle import ModelOracle, PathOracle
+from kvpath.oracle import ModelOracle, PathOracle
 
 MODES = ("ecmp", "cc", "dc")
 Link = tuple[str, str]
+
+
+def _core_links(paths: tuple[Path, ...]) -> tuple[Link, ...]:
+    if len(paths) == 1:
+        return paths[0].core_links
+    return tuple(dict.fromkeys(link for p in paths for link in p.core_links))
 
 
 class ReservationError(ValueError):
@@ -39,9 +52,14 @@ class ReservationError(ValueError):
 
 @dataclass(frozen=True)
 class LaneInfo:
+    """One lane's 5-tuple as its P worker learned it from the connection."""
+
     lane: int
     src_port: int
     dst_port: int = 0
+    src_ip: str = ""
+    dst_ip: str = ""
+    proto: str = "tcp"
 
 
 @dataclass
@@ -57,6 +75,8 @@ class Reservation:
     expires_at: float
     mode: str
     fallback: str = ""  # why no decision was made ("no_lanes"), else ""
+    # every worker pair's path of the chosen lane (``path`` is the first)
+    paths: tuple[Path, ...] = ()
 
     def to_dict(self, now: float) -> dict:
         """``now`` on the service's clock (the lease's expiry is on it too)."""
@@ -64,6 +84,7 @@ class Reservation:
             "lease_id": self.lease_id, "transfer_id": self.transfer_id, "src_host": self.src_host,
             "dst_host": self.dst_host, "bytes": self.bytes, "lane": self.lane, "src_port": self.src_port,
             "path": list(self.path.nodes) if self.path else None, "spine": self.path.spine if self.path else None,
+            "spines": [p.spine for p in self.paths],
             "expires_in_s": round(self.expires_at - now, 3) if self.expires_at else None,
             "mode": self.mode, "fallback": self.fallback,
         }
@@ -179,23 +200,28 @@ class ReservationService:
         self.active: dict[str, Reservation] = {}
         self._expiry: list[tuple[float, str]] = []
         self._ids = itertools.count(1)
-        self._lanes: dict[tuple[str, str], list[LaneInfo]] = {}
+        # (src, dst) -> worker pair -> its lanes, as P connectors register them
+        self._lanes: dict[tuple[str, str], dict[str, list[LaneInfo]]] = {}
         self._unheard = _Unheard()  # dc: changes younger than the broadcast delay
-        # per (src, dst): the registered lanes with their paths (lanes are long-lived)
-        self._cands: dict[tuple[str, str], list[tuple[LaneInfo, Path]]] = {}
+        # per (src, dst): lane id -> its paths over the worker pairs (lanes are long-lived)
+        self._cands: dict[tuple[str, str], list[tuple[LaneInfo, tuple[Path, ...]]]] = {}
         self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
-    def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo]) -> None:
+    def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo], worker: str = "") -> None:
+        """(Re)register the lanes of one (P worker, D worker) pair, e.g. after a lane reopened."""
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         self._check_lanes(lanes)
-        self._lanes[(src, dst)] = sorted(lanes, key=lambda x: x.lane)
+        if not isinstance(worker, str) or len(worker) > 512:
+            raise ReservationError("worker must be a string of at most 512 characters")
+        self._lanes.setdefault((src, dst), {})[worker] = sorted(lanes, key=lambda x: x.lane)
         self._cands.pop((src, dst), None)
         self.counters["lane_registrations"] += 1
 
-    def lanes(self, src_host: str, dst_host: str) -> list[LaneInfo]:
-        return list(self._lanes.get((self._host(src_host, "src_host"), self._host(dst_host, "dst_host")), []))
+    def lanes(self, src_host: str, dst_host: str, worker: str = "") -> list[LaneInfo]:
+        key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
+        return list(self._lanes.get(key, {}).get(worker, []))
 
     # ---- decisions -------------------------------------------------------
     def reserve(
@@ -210,27 +236,30 @@ class ReservationService:
             self._check_lanes(lanes)
         lease_id = f"r{next(self._ids)}"
         tid = transfer_id or lease_id
-        if not (lanes or self._lanes.get((src, dst))):
+        if not (lanes or any(self._lanes.get((src, dst), {}).values())):
+            self.counters["fallback_no_lanes"] += 1
+            return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
+        cands = self._candidates(src, dst, lanes)
+        if not cands:  # worker pairs with no lane id in common
             self.counters["fallback_no_lanes"] += 1
             return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
         if self.mode == "ecmp":
             # exactly the lane the connector takes by itself (crc32 of the transfer id)
-            cands = sorted(lanes, key=lambda x: x.lane) if lanes else self._lanes[(src, dst)]
-            want = default_lane(tid, max(c.lane for c in cands) + 1)
-            lane = next((c for c in cands if c.lane == want), cands[0])
-            path = self.oracle.path(src, dst, lane.src_port, lane.dst_port)
+            want = default_lane(tid, max(c.lane for c, _ in cands) + 1)
+            lane, paths = next(((c, ps) for c, ps in cands if c.lane == want), cands[0])
         else:
             view = self.loads if self.mode == "cc" else self._view(src, now)
             # Global-First-Fit: the least-loaded path; ties go to the lowest lane id
             best = None
-            for lane_c, path_c in self._candidates(src, dst, lanes):
-                worst, total = view.cost(path_c.core_links)
+            for lane_c, paths_c in cands:
+                worst, total = view.cost(_core_links(paths_c))
                 key = (worst, total, lane_c.lane)
                 if best is None or key < best[0]:
-                    best = (key, lane_c, path_c)
+                    best = (key, lane_c, paths_c)
             assert best is not None
-            _, lane, path = best
-        r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, path, now + self.lease_s, self.mode)
+            _, lane, paths = best
+        r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, paths[0], now + self.lease_s,
+                        self.mode, paths=paths)
         self._apply(r, +1, now)
         self.active[lease_id] = r
         heapq.heappush(self._expiry, (r.expires_at, lease_id))
@@ -267,7 +296,8 @@ class ReservationService:
             "reserved_flows": self.loads.total_flows(),
             "links": {f"{a}->{b}": {"flows": f, "bytes": self.loads.bytes.get((a, b), 0)}
                       for (a, b), f in sorted(self.loads.flows.items())},
-            "lanes_known": {f"{s}->{d}": [[l.lane, l.src_port] for l in ls] for (s, d), ls in self._lanes.items()},
+            "lanes_known": {f"{s}->{d}": {w: [[l.lane, l.src_port, l.dst_port] for l in ls] for w, ls in ws.items()}
+                            for (s, d), ws in self._lanes.items()},
             "counters": dict(self.counters),
         }
 
@@ -286,12 +316,21 @@ class ReservationService:
             self._canon[host] = c
         return c
 
-    def _candidates(self, src: str, dst: str, lanes: list[LaneInfo] | None) -> list[tuple[LaneInfo, Path]]:
-        if lanes:  # given with the request: not cached
-            return [(c, self.oracle.path(src, dst, c.src_port, c.dst_port)) for c in sorted(lanes, key=lambda x: x.lane)]
+    def _candidates(
+        self, src: str, dst: str, lanes: list[LaneInfo] | None
+    ) -> list[tuple[LaneInfo, tuple[Path, ...]]]:
+        """Per lane id: the lane (of the first worker pair) and its path for every pair.
+        Only lane ids that every worker pair has are candidates."""
+        if lanes:  # given with the request: one worker pair, not cached
+            return [(c, (self.oracle.path(src, dst, c.src_port, c.dst_port),)) for c in sorted(lanes, key=lambda x: x.lane)]
         got = self._cands.get((src, dst))
         if got is None:
-            got = [(c, self.oracle.path(src, dst, c.src_port, c.dst_port)) for c in self._lanes[(src, dst)]]
+            workers = [ls for _, ls in sorted(self._lanes[(src, dst)].items())]
+            common = set.intersection(*({c.lane for c in ls} for ls in workers))
+            got = []
+            for lane_id in sorted(common):
+                per = [next(c for c in ls if c.lane == lane_id) for ls in workers]
+                got.append((per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto) for c in per)))
             self._cands[(src, dst)] = got
         return got
 
@@ -306,10 +345,13 @@ class ReservationService:
             seen.add(ln.lane)
 
     def _apply(self, r: Reservation, sign: int, now: float) -> None:
-        links = r.path.links if r.path else ()
-        self.loads.add(links, r.bytes, sign)
-        if self.mode == "dc" and self.dc_delay_s > 0 and links:
-            self._unheard.push(_Event(now, r.src_host, links, r.bytes, sign))
+        n = len(r.paths)
+        for i, path in enumerate(r.paths):
+            # the bytes split evenly among the worker pairs (the remainder on the first)
+            nbytes = r.bytes // n + (r.bytes % n if i == 0 else 0)
+            self.loads.add(path.links, nbytes, sign)
+            if self.mode == "dc" and self.dc_delay_s > 0 and path.links:
+                self._unheard.push(_Event(now, r.src_host, path.links, nbytes, sign))
 
     def _view(self, host: str, now: float) -> "_DelayedView | LinkLoads":
         self._unheard.age_out(now - self.dc_delay_s)

@@ -2,7 +2,8 @@
 
 POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, path, lease
 POST /v1/release   {lease_id} -> {released}   (idempotent)
-POST /v1/lanes     {src_host, dst_host, lanes} (P connectors register the lanes they opened)
+POST /v1/lanes     {src_host, dst_host, worker?, lanes} (P connectors register the lanes they
+                   opened: per (P worker, D worker) pair, each lane's full 5-tuple)
 GET  /v1/state, /health, /metrics
 
 With an admin token, POST /v1/lanes needs ``Authorization: Bearer <token>``: a
@@ -37,6 +38,12 @@ class LaneModel(BaseModel):
     lane: int = Field(ge=0, le=1023)
     src_port: int = Field(ge=0, le=65535)
     dst_port: int = Field(default=0, ge=0, le=65535)
+    src_ip: str = Field(default="", max_length=64)
+    dst_ip: str = Field(default="", max_length=64)
+    proto: str = Field(default="tcp", pattern="^(tcp|udp)$")
+
+    def info(self) -> LaneInfo:
+        return LaneInfo(self.lane, self.src_port, self.dst_port, self.src_ip, self.dst_ip, self.proto)
 
 
 class ReserveBody(BaseModel):
@@ -54,6 +61,8 @@ class ReleaseBody(BaseModel):
 class LanesBody(BaseModel):
     src_host: str = Field(min_length=1, max_length=64)
     dst_host: str = Field(min_length=1, max_length=64)
+    # which (P worker, D worker) pair these lanes belong to; pairs never overwrite each other
+    worker: str = Field(default="", max_length=512)
     lanes: list[LaneModel] = Field(min_length=1, max_length=1024)
 
 
@@ -101,7 +110,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     @app.post("/v1/reserve")
     async def reserve(body: ReserveBody) -> dict:
         t0 = time.perf_counter()
-        lanes = [LaneInfo(x.lane, x.src_port, x.dst_port) for x in body.lanes] if body.lanes else None
+        lanes = [x.info() for x in body.lanes] if body.lanes else None
         try:
             r = svc.reserve(body.src_host, body.dst_host, body.bytes, lanes, body.transfer_id)
         except ReservationError as e:
@@ -120,7 +129,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     @app.post("/v1/lanes", dependencies=[Depends(admin)])
     async def lanes(body: LanesBody) -> dict:
         try:
-            svc.register_lanes(body.src_host, body.dst_host, [LaneInfo(x.lane, x.src_port, x.dst_port) for x in body.lanes])
+            svc.register_lanes(body.src_host, body.dst_host, [x.info() for x in body.lanes], body.worker)
         except ReservationError as e:
             raise HTTPException(422, str(e)) from None
         return {"ok": True, "lanes": len(body.lanes)}

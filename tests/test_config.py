@@ -26,6 +26,11 @@ def test_known_knobs_are_parsed_and_coerced():
         ({"side_channel_port": 70000}, "side_channel_port"),
         ({"trace_path": 5}, "trace_path"),
         ({"ucx_transport": ""}, "ucx_transport"),
+        ({"max_wait_s": 5, "registration_timeout_s": 10}, "max_wait_s"),
+        ({"registration_timeout_s": 0.05}, "registration_timeout_s"),
+        ({"fabric_spec": "/tmp/f.json"}, "fabric_host"),
+        ({"lane_candidates": 0}, "lane_candidates"),
+        ({"fence_grace_s": 0}, "fence_grace_s"),
     ],
 )
 def test_bad_config_names_the_field(extra, field):

@@ -112,6 +112,33 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
     p.sender.close()
 
 
+def test_lanes_are_picked_to_cover_distinct_paths_by_the_fabric_spec(tmp_path):
+    import dataclasses
+    import json as _json
+
+    from kvpath.fabric import FabricSpec
+    from kvpath.oracle import ModelOracle
+
+    spec = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2, ecmp_seed=11)
+    path = tmp_path / "fabric.json"
+    path.write_text(_json.dumps(spec.to_dict()))
+    c = cfg(lanes=2, lane_candidates=8, fabric_spec=str(path), fabric_host="l0h0")
+    p = PSide(c)
+    assert len(p.sender.lane_agents) == 16
+    with PeerProcess(dataclasses.replace(c, fabric_host="l1h0"), SPEC) as d:
+        d.call("register", "d1", "paths", p.sender.address, [5], 0)
+        p.sender.submit_finished("p1", "paths", [6])
+        assert d.call("wait", ["d1"], 20)[1] == ["d1"]
+        assert d.call("read", [5])[1] == p.expect([6])
+    lanes = next(iter(p.sender.lanes().values()))
+    oracle = ModelOracle(spec)
+    spines = [oracle.path("l0h0", "l1h0", l.src_port, l.dst_port).spine for l in lanes]
+    # 16 candidates miss one of 2 spines with probability 2 x 2^-16
+    assert sorted(spines) == ["spine0", "spine1"] and [l.path for l in lanes] == spines
+    assert len({l.agent for l in lanes}) == 2
+    p.sender.close()
+
+
 def test_malformed_messages_are_dropped_and_counted():
     c = cfg(lanes=1)
     p = PSide(c)

@@ -91,3 +91,25 @@ def test_merge_spans_registers_each_byte_exactly_once():
             got[a : a + n] += 1
         assert (got == covered).all()  # same bytes, none twice
         assert all(a1 + n1 < a2 for (a1, n1), (a2, _) in zip(merged, merged[1:]))  # disjoint, not adjacent
+
+
+def test_pick_distinct_covers_every_path_then_fills_with_duplicates():
+    from connector.lanes import pick_distinct
+
+    paths = ["s0", "s0", "s1", "s0", "s2", "s3", "s1"]
+    opened = []
+
+    def open_(i):
+        opened.append(i)
+        return paths[i]
+
+    assert pick_distinct(open_, len(paths), want=3, distinct=3) == [0, 2, 4]
+    assert opened == [0, 1, 2, 3, 4]  # stops as soon as the paths are covered
+    opened.clear()
+    # more lanes than paths: every path once, then duplicates in the order they came
+    assert pick_distinct(open_, 4, want=3, distinct=2) == [0, 2, 1]
+    # a pool too small to cover them all still gives `want` lanes
+    assert pick_distinct(lambda i: "s0", 5, want=3, distinct=3) == [0, 1, 2]
+    # one path (same leaf): the first `want` candidates, no extra connections
+    opened.clear()
+    assert pick_distinct(open_, 7, want=2, distinct=1) == [0, 1] and opened == [0, 1]

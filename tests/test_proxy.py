@@ -290,7 +290,7 @@ def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
     assert r.status_code == 200, r.text
     assert httpx.post(url, json={"src_host": "l0h1"}, headers=h).status_code == 422
     st = httpx.get(setup.url + "/reservation/v1/state").json()
-    assert st["lanes_known"]["l0h1->l1h1"] == [[0, 41000], [1, 41001]]
+    assert st["lanes_known"]["l0h1->l1h1"] == {"": [[0, 41000, 0], [1, 41001, 0]]}
     res = httpx.post(setup.url + "/reservation/v1/reserve", json={"src_host": "l0h1", "dst_host": "l1h1", "bytes": 1})
     assert res.status_code == 200 and res.json()["lane"] in (0, 1)
     rel = httpx.post(setup.url + "/reservation/v1/release", json={"lease_id": res.json()["lease_id"]})

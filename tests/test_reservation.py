@@ -210,3 +210,30 @@ def test_bad_input_names_the_field(kwargs, field):
 def test_bad_mode():
     with pytest.raises(ReservationError, match="mode"):
         ReservationService(SPEC, "random")
+
+
+def test_worker_pairs_of_one_host_pair_never_overwrite_each_other_and_share_a_lane_id():
+    # two TP ranks (or two engines on one host) register their own lanes: both stay,
+    # and a reservation of lane i loads lane i's path of every pair
+    svc = ReservationService(SPEC, mode="cc")
+    a = lanes_covering_spines("l0h0", "l1h0")
+    b = [LaneInfo(i, ln.src_port, ln.dst_port) for i, ln in enumerate(reversed(a))]
+    svc.register_lanes("l0h0", "l1h0", a, worker="p/r0>d0")
+    svc.register_lanes("l0h0", "l1h0", b, worker="p/r1>d1")
+    assert svc.lanes("l0h0", "l1h0", "p/r0>d0") == sorted(a, key=lambda x: x.lane)
+    assert svc.lanes("l0h0", "l1h0", "p/r1>d1") == b
+    r = svc.reserve("l0h0", "l1h0", 1000)
+    spines = {p.spine for p in r.paths}
+    assert len(r.paths) == 2 and r.path == r.paths[0]
+    want = {svc.oracle.path("l0h0", "l1h0", a[r.lane].src_port, a[r.lane].dst_port).spine,
+            svc.oracle.path("l0h0", "l1h0", b[r.lane].src_port, b[r.lane].dst_port).spine}
+    assert spines == want
+    # the bytes are split between the two pairs: each host uplink carries 500 per pair
+    assert svc.loads.bytes[("l0h0", "leaf0")] == 1000 and svc.loads.flows[("l0h0", "leaf0")] == 2
+    svc.release(r.lease_id)
+    assert svc.loads.total_flows() == 0 and not any(svc.loads.bytes.values())
+    # a pair that re-registers (a lane reopened) replaces only its own lanes
+    svc.register_lanes("l0h0", "l1h0", a[:1], worker="p/r1>d1")
+    assert len(svc.lanes("l0h0", "l1h0", "p/r0>d0")) == len(a)
+    r = svc.reserve("l0h0", "l1h0", 10)  # only lane 0 is common to both pairs now
+    assert r.lane == 0

@@ -20,7 +20,8 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from connector import messages as M
-from connector.nixl_io import lane_connection, remote_endpoints, wait_xfer
+from connector.entropy import PathEntropyProvider, TcpSocketEntropy
+from connector.nixl_io import wait_xfer
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class LaneSet:
     def __init__(
         self, hello: M.Hello, agents: list[Any], probe_addr: int, own_port: int, n_lanes: int | None = None,
         path_of: Callable[[Lane], str] | None = None, n_paths: int = 1,
+        entropy: PathEntropyProvider | None = None,
     ):
         self.hello = hello
         self.agents = agents  # the writer's pool, shared by all peers
@@ -77,6 +79,7 @@ class LaneSet:
         self.n_lanes = n_lanes or len(agents)
         self.path_of = path_of
         self.n_paths = n_paths
+        self.entropy = entropy or TcpSocketEntropy()
         self.lanes: list[Lane] = [Lane(i, broken=True, agent=i) for i in range(self.n_lanes)]
         self.candidates_opened = 0
 
@@ -111,7 +114,7 @@ class LaneSet:
         """Add D's agent to pool agent ``a`` and push a tiny WRITE so the connection
         exists now and its 5-tuple is known before the first real push is routed."""
         agent, h = self.agents[a], self.hello
-        before = remote_endpoints()
+        before = self.entropy.snapshot()
         agent.add_remote_agent(h.agent_metadata)
         if h.probe_addr and h.probe_len:
             n = min(8, h.probe_len)
@@ -122,7 +125,7 @@ class LaneSet:
             agent.release_xfer_handle(handle)
             if state != "DONE":
                 raise RuntimeError(f"lane {lane_id} probe ended in state {state}")
-        conns = lane_connection(before, h.listen_ports, self.own_port)
+        conns = self.entropy.learn(before, h.listen_ports, self.own_port)
         if len(conns) == 1:
             src_ip, src_port, dst_ip, dst_port = conns[0]
             lane = Lane(lane_id, src_ip, src_port, dst_ip, dst_port, agent=a)

@@ -1,4 +1,4 @@
-"""Thin helpers around NIXL agents: creation, memory registration, source ports.
+"""Thin helpers around NIXL agents: creation, memory registration, probe transfers.
 
 Agents never run NIXL's own progress thread (it busy-spins a core); the engine
 threads drive progress by polling ``check_xfer_state``/``get_new_notifs``.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any, Iterable
 
@@ -57,52 +56,6 @@ def register(agent: Any, spans: Iterable[tuple[int, int]], mem_type: str, device
 
 def xfer_descs(agent: Any, rows: np.ndarray, mem_type: str) -> Any:
     return agent.get_xfer_descs(rows, mem_type)
-
-
-def remote_endpoints() -> set[tuple[str, int, str, int]]:
-    """This process's TCP connections whose far end is another process."""
-    import psutil
-
-    conns = psutil.Process().net_connections("tcp")
-    local = {(c.laddr.ip, c.laddr.port) for c in conns if c.laddr}
-    out = set()
-    for c in conns:
-        if c.raddr and c.status == "ESTABLISHED" and (c.raddr.ip, c.raddr.port) not in local:
-            out.add((c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port))
-    return out
-
-
-def _listening_ports() -> set[int]:
-    """TCP ports this process listens on."""
-    import psutil
-
-    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr}
-
-
-class _ListeningPorts:
-    """``listening_ports()``, with a lock that serialises agent creation around it, so
-    the listening port a new agent opened is not confused with another's."""
-
-    lock = threading.Lock()
-
-    def __call__(self) -> set[int]:
-        return _listening_ports()
-
-
-listening_ports = _ListeningPorts()
-
-
-def lane_connection(
-    before: set[tuple[str, int, str, int]], peer_ports: Iterable[int], own_port: int
-) -> list[tuple[str, int, str, int]]:
-    """The connections opened since ``before`` snapshot: to one of the peer's UCX
-    listening ports when it told us them (exact), else any new one except our own
-    control socket's (the fallback for peers that do not send them)."""
-    new = remote_endpoints() - before
-    ports = set(peer_ports)
-    if ports:
-        return sorted(c for c in new if c[3] in ports)
-    return sorted(c for c in new if c[1] != own_port)
 
 
 def wait_xfer(agent: Any, handle: Any, timeout_s: float) -> str:

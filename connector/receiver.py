@@ -22,7 +22,8 @@ import zmq
 from connector import messages as M
 from connector.config import KVPathConfig, parse_host_port
 from connector.engine_thread import EngineThread
-from connector.nixl_io import PROBE_BYTES, configure_ucx, listening_ports, make_agent, register
+from connector.entropy import listening_ports
+from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from connector.recv_state import ReceiverState
 from connector.tcp_table import lanes_drained
 from connector.telemetry import Stats, TraceWriter

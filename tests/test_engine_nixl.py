@@ -139,6 +139,43 @@ def test_lanes_are_picked_to_cover_distinct_paths_by_the_fabric_spec(tmp_path):
     p.sender.close()
 
 
+def test_two_tp_ranks_push_their_own_shards_and_a_crossed_rank_is_refused():
+    # TP=2 emulated: rank r of D registers with rank r of P (side channel port + r);
+    # each rank pair has its own lanes and moves its own shard of the KV
+    from connector.messages import Compat
+
+    c = cfg(lanes=2)
+    ps, ds = [], []
+    try:
+        for r in range(2):
+            side = PSide.__new__(PSide)
+            side.bufs = make_buffers(SPEC, "random", seed=100 + r)
+            spans = [(b.ctypes.data, b.nbytes) for b in side.bufs]
+            lay = layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size)
+            compat = Compat(model="m", dtype="float32", block_size=SPEC.block_size, kv_layout=lay.shape(), tp_size=2, tp_rank=r)
+            side.sender = PushSender(c, lay, spans, rank=r, compat=compat).start()
+            ps.append(side)
+        for r in range(2):
+            ds.append(PeerProcess(c, SPEC, compat=ps[r].sender.compat).__enter__())  # D's rank r: same record
+        assert ps[1].sender.address.endswith(str(c.side_channel_port + 1))
+        for r in range(2):
+            ds[r].call("register", f"d-r{r}", "tp", ps[r].sender.address, [3, 4], 0)
+            ps[r].sender.submit_finished(f"p-r{r}", "tp", [7, 8])
+        for r in range(2):
+            assert ds[r].call("wait", [f"d-r{r}"], 20)[1] == [f"d-r{r}"]
+            assert ds[r].call("read", [3, 4])[1] == ps[r].expect([7, 8])  # rank r's own shard
+        assert ps[0].expect([7, 8]) != ps[1].expect([7, 8])
+        # D rank 1 contacting P rank 0 (a wrong rank mapping) is refused at the handshake
+        ds[1].call("register", "d-x", "crossed", ps[0].sender.address, [5], 0)
+        _, done, failed = ds[1].call("wait", ["d-x"], 10)
+        assert failed == ["d-x"] and ps[0].sender.stats.snapshot()["handshakes_refused"] == 1
+    finally:
+        for d in ds:
+            d.__exit__(None, None, None)
+        for side in ps:
+            side.sender.close()
+
+
 def test_malformed_messages_are_dropped_and_counted():
     c = cfg(lanes=1)
     p = PSide(c)

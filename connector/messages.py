@@ -109,12 +109,14 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     transfer_id: str
-    # accepted | rejected | failed | cancelled | expired | unknown_peer
+    # accepted | posted | rejected | failed | cancelled | expired | unknown_peer
+    # ("posted": P is about to post the WRITE, so D progresses UCX fast from now on)
     status: str
     detail: str = ""
     # A WRITE had been posted and failed (its connection broke): D lets what its
     # socket still holds drain before it reuses the blocks.
     posted: bool = False
+    bytes: int = 0  # with "posted": the push's size, for how long D should spin
 
 
 class Pending(msgspec.Struct, tag="pending", frozen=True):

@@ -132,9 +132,14 @@ class PushReceiver(EngineThread):
         self._loop(self._step)
 
     def _step(self) -> None:
-        busy = self.pending() > 0
-        # Expected pushes need UCX progress on this side: poll fast.
-        timeout_ms = 1 if busy else int(self.cfg.idle_poll_s * 1000)
+        with self._lock:
+            need = self.state.progress_need()
+        # Over TCP a WRITE moves only while the target progresses UCX: while a posted
+        # push should be moving, progress without pause (yielding the GIL); while one
+        # is slow or a handshake's lane probes may come, every millisecond; else
+        # (nothing posted: P's control messages wake the poll) at the idle pace.
+        spinning = need == "spin"
+        timeout_ms = 0 if spinning else 1 if need == "fast" else int(self.cfg.idle_poll_s * 1000)
         try:
             events = dict(self._poller.poll(timeout_ms))
         except zmq.ZMQError:
@@ -147,6 +152,11 @@ class PushReceiver(EngineThread):
             if link.sock in events:
                 self._drain_replies(link)
         self._poll_notifs()
+        if spinning:
+            burst_end = time.monotonic() + 0.001
+            while time.monotonic() < burst_end:
+                time.sleep(0)  # let the engine thread take the GIL between progress calls
+                self._poll_notifs()
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()
@@ -259,6 +269,10 @@ class PushReceiver(EngineThread):
         if ack.status == "accepted":
             with self._lock:
                 self.state.on_alive(ack.transfer_id)
+            return
+        if ack.status == "posted":
+            with self._lock:
+                self.state.on_posted(ack.transfer_id, ack.bytes)
             return
         if ack.status == "unknown_peer":
             # P does not know us (it restarted): handshake again, then re-send.

@@ -47,6 +47,8 @@ class Waiting:
     cancelled: bool = False  # D's own request ended: release, never report a failure
     failed: bool = False  # will be reported failed when released
     drained_since: float | None = None  # case 3/4 above: released grace_s after this
+    posted: bool = False  # P said it is posting the WRITE: bytes are (or will be) moving
+    spin_until: float = 0.0  # D progresses without pause until then
     why: str = ""
 
 
@@ -105,6 +107,28 @@ class ReceiverState:
         if w is not None:
             w.live_deadline = self.clock() + self.liveness_s
             w.drained_since = None
+
+    def on_posted(self, transfer_id: str, nbytes: int, rate_bps: float = 1e9, margin_s: float = 0.005) -> None:
+        """P is posting the WRITE now: D should progress continuously for about as long
+        as the bytes take at ``rate_bps`` (after that, its regular fast polls)."""
+        w = self.by_tid.get(transfer_id)
+        if w is not None:
+            now = self.clock()
+            w.posted = True
+            w.live_deadline = now + self.liveness_s
+            w.spin_until = now + margin_s + nbytes / rate_bps
+
+    def progress_need(self) -> str:
+        """How fast D must progress UCX: "spin" (a posted push should be moving now),
+        "fast" (a posted push is slow, or a handshake's probes may be), or "idle"."""
+        now = self.clock()
+        need = "idle"
+        for w in self.by_tid.values():
+            if w.spin_until > now:
+                return "spin"
+            if w.posted or not w.sent:
+                need = "fast"
+        return need
 
     def on_done(self, transfer_id: str) -> Waiting | None:
         """The push completed: the KV is there, even if D had given up meanwhile."""

@@ -386,6 +386,7 @@ class PushSender(EngineThread):
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
             rec.submit_at = time.time()
             if len(loc) == 0:
+                self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted"))
                 agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
                 rec.completed_at = time.time()
                 self._succeed(m, rec)
@@ -396,6 +397,7 @@ class PushSender(EngineThread):
         except Exception as e:  # nothing was posted
             self._fail(m, f"preparing the WRITE failed: {e}", rec)
             return
+        self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes))  # D: progress fast now
         try:
             state = agent.transfer(h)
         except Exception as e:

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import zmq
 
-from connector.config import KVPathConfig
+from connector.config import ConfigError, KVPathConfig
 from connector.layout import layout_from_buffers
 from connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from connector.sender import PushSender
@@ -314,7 +314,17 @@ def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():
         p.sender.submit_finished("p1", "r1", [2])
         assert d.call("wait", ["d1"], 10)[1] == ["d1"]
         p.sender.close()
-        p2 = PSide(c)  # a new writer (new instance, new agents) on the same port
+        # a new writer (new instance, new agents) on the same port; ZMQ unbinds the
+        # old socket asynchronously, so the port may take a moment to be free
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                p2 = PSide(c)
+                break
+            except ConfigError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         d.call("register", "d2", "r2", p2.sender.address, [3], 0)
         p2.sender.submit_finished("p2", "r2", [4])
         _, done, failed = d.call("wait", ["d2"], 10)

@@ -232,3 +232,19 @@ def test_unknown_peer_answer_unsends_and_early_notification():
     assert r.on_done("t9") is None  # notification before the registration was recorded
     r.add("d9", "t9", "h:1")
     assert r.take() == ({"d9"}, set())
+
+
+def test_d_spins_only_while_a_posted_push_should_be_moving():
+    c = Clock()
+    r = rstate(c)
+    assert r.progress_need() == "idle"
+    r.add("d1", "t1", "h:1")
+    assert r.progress_need() == "fast"  # queued behind the handshake: P probes our lanes
+    r.on_sent("t1")
+    assert r.progress_need() == "idle"  # waiting for P's prefill: nothing moves
+    r.on_posted("t1", nbytes=10_000_000)  # ~10 ms at 1 GB/s, plus 5 ms
+    assert r.progress_need() == "spin"
+    c.t = 0.016
+    assert r.progress_need() == "fast"  # slower than expected: keep progressing, not spinning
+    r.on_done("t1")
+    assert r.progress_need() == "idle"

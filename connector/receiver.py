@@ -155,7 +155,7 @@ class PushReceiver(EngineThread):
         if spinning:
             burst_end = time.monotonic() + 0.001
             while time.monotonic() < burst_end:
-                time.sleep(0)  # let the engine thread take the GIL between progress calls
+                time.sleep(0.00005)  # hand the GIL (and the CPU) to the engine thread between calls
                 self._poll_notifs()
         now = time.monotonic()
         if now >= self._next_expire:

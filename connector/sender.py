@@ -163,12 +163,14 @@ class PushSender(EngineThread):
         self._drain_cmds()
         if self._inflight:
             # Without NIXL's progress thread, UCX moves bytes only while we poll:
-            # spin on the in-flight WRITEs for a short burst, then look at the
-            # sockets again. CPU is spent only while a push is in flight.
+            # progress the in-flight WRITEs for a short burst, then look at the
+            # sockets again. CPU is spent only while a push is in flight. The short
+            # sleeps hand the GIL to the engine thread (the NIXL calls release it, the
+            # loop around them does not), and a new push ends the burst at once.
             burst_end = time.monotonic() + 0.002
-            while self._inflight and time.monotonic() < burst_end:
+            while self._inflight and time.monotonic() < burst_end and self._cmds.empty():
                 self._progress()
-            time.sleep(0)  # let the engine thread take the GIL
+                time.sleep(0.00005)
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()

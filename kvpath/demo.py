@@ -65,7 +65,9 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
                    str(r["src_port"]), f"{wait:.1f}", f"{dur:.2f}")
     console.print(tt)
     for ev in lanes_ev:
-        console.print(f"lanes to {ev['peer']}: " + ", ".join(f"lane {l} -> sport {ps}" for l, ps in ev["lanes"]))
+        # each lane: [lane id, src ip, src port, dst ip, dst port, proto, path]
+        console.print(f"lanes to {ev['peer']}: " + ", ".join(
+            f"lane {ln[0]} {ln[1]}:{ln[2]}->{ln[3]}:{ln[4]}" + (f" via {ln[6]}" if ln[6] else "") for ln in ev["lanes"]))
     failed = [r for r in results if r.error]
     console.print(f"{len(results) - len(failed)}/{len(results)} requests ok, {len(pushes)} pushes; logs in {wd}")
     return 1 if failed or len(pushes) != len(results) else 0

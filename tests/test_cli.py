@@ -36,3 +36,12 @@ def test_model_tiny_builds_a_loadable_model(tmp_path):
     mtime = (out / "model.safetensors").stat().st_mtime
     main(["model", "tiny", "--out", str(out), "--layers", "1", "--head-dim", "32"])
     assert (out / "model.safetensors").stat().st_mtime == mtime
+
+
+@pytest.mark.e2e
+def test_connector_demo_the_readme_runs_ends_with_every_request_pushed(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvpath.cli", "connector", "demo", "--workdir", str(tmp_path),
+                          "--base-port", "8700"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "8/8 requests ok, 8 pushes" in out.stdout
+    assert "lanes to " in out.stdout and "->" in out.stdout

@@ -26,6 +26,7 @@ counts and byte sums per directed link, so they return exactly to zero.
 from __future__ import annotations
 
 import heapq
+import secrets
 import itertools
 import time
 from collections import defaultdict, deque
@@ -234,7 +235,9 @@ class ReservationService:
             raise ReservationError(f"bytes must be a non-negative integer, got {nbytes!r}")
         if lanes:
             self._check_lanes(lanes)
-        lease_id = f"r{next(self._ids)}"
+        # a sequence number for logs, and a random part so that a stranger cannot end
+        # other clients' reservations by guessing their ids (release is unauthenticated)
+        lease_id = f"r{next(self._ids)}-{secrets.token_hex(6)}"
         tid = transfer_id or lease_id
         if not (lanes or any(self._lanes.get((src, dst), {}).values())):
             self.counters["fallback_no_lanes"] += 1

@@ -76,7 +76,7 @@ def test_cc_ties_are_broken_by_lowest_lane():
     svc = ReservationService(SPEC, "cc")
     lanes = lanes_covering_spines("l0h0", "l1h0")
     assert svc.reserve("l0h0", "l1h0", 1, lanes).lane == 0
-    assert svc.reserve("l0h0", "l1h0", 1, lanes).path.spine != svc.active["r1"].path.spine
+    assert svc.reserve("l0h0", "l1h0", 1, lanes).path.spine != next(iter(svc.active.values())).path.spine
 
 
 def _sequence(svc, clock, rng, steps=300):
@@ -237,3 +237,12 @@ def test_worker_pairs_of_one_host_pair_never_overwrite_each_other_and_share_a_la
     assert len(svc.lanes("l0h0", "l1h0", "p/r0>d0")) == len(a)
     r = svc.reserve("l0h0", "l1h0", 10)  # only lane 0 is common to both pairs now
     assert r.lane == 0
+
+
+def test_lease_ids_cannot_be_guessed_from_one_another():
+    svc = ReservationService(SPEC, "cc")
+    lanes = lanes_covering_spines("l0h0", "l1h0")
+    a, b = (svc.reserve("l0h0", "l1h0", 1, lanes).lease_id for _ in range(2))
+    assert a.startswith("r1-") and b.startswith("r2-") and a[3:] != b[3:]
+    assert not svc.release("r2") and not svc.release(b[:-1] + ("0" if b[-1] != "0" else "1"))
+    assert svc.release(b)

@@ -213,9 +213,16 @@ class Proxy:
             self.metrics.first_token.observe(ttfb)
             if stream:
                 handed_over = True
+                async def never_relayed() -> None:
+                    d_resp.close()
+                    self.metrics.requests.labels(endpoint, "499").inc()
+                    self.metrics.errors.labels("client_disconnect").inc()
+                    await self._finish(p, d, p_task, grant, False)
+
                 return RelayResponse(
                     self._relay(d_resp, first, p, d, p_task, grant, endpoint, t0),
                     status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
+                    on_unstarted=never_relayed,
                 )
             content = first  # non-streaming: _open_decode read the whole body
             d_resp.release()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -28,8 +28,16 @@ async def wait_for_disconnect(receive: Receive) -> None:
 class RelayResponse(Response):
     # A Response subclass so FastAPI passes it through; Response.__init__ is not
     # called because there is no body to render.
-    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, media_type: str):
+    def __init__(
+        self, chunks: AsyncIterator[bytes], status_code: int, media_type: str,
+        on_unstarted: Callable[[], Awaitable[None]] | None = None,
+    ):
+        # ``on_unstarted``: the clean-up of a relay whose generator never ran (the
+        # client left while the response started, or it was never sent): closing a
+        # generator that never started skips its ``finally``.
         self.chunks = chunks
+        self.on_unstarted = on_unstarted
+        self.started = False
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -46,6 +54,7 @@ class RelayResponse(Response):
         watcher = asyncio.ensure_future(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.started = True  # from the first __anext__ on, the generator cleans up after itself
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -57,6 +66,13 @@ class RelayResponse(Response):
             watcher.cancel()
             with contextlib.suppress(BaseException):
                 await watcher
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self.abandon()
+
+    async def abandon(self) -> None:
+        """Close the relay; run ``on_unstarted`` when its generator never ran."""
+        aclose = getattr(self.chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if not self.started and self.on_unstarted is not None:
+            self.started = True  # once
+            await self.on_unstarted()

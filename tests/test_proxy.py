@@ -570,3 +570,41 @@ def test_gap_watch_counts_only_time_spent_waiting_on_d():
 
     exc = asyncio.run(go())
     assert isinstance(exc, ChunkGapTimeout) and "stalled" in str(exc)
+
+
+def test_a_relay_whose_stream_never_started_still_releases_everything():
+    # the client leaves while the response starts: closing a generator that never
+    # ran skips its `finally`, so the relay's own clean-up must run instead
+    from proxy.relay import RelayResponse
+
+    ran: list[str] = []
+
+    def relay():
+        async def gen():
+            try:
+                yield b"data: x\n\n"
+            finally:
+                ran.append("relay finally")
+        return gen()
+
+    async def cleanup():
+        ran.append("cleanup")
+
+    async def never(*_):
+        await asyncio.sleep(60)
+
+    async def fails(msg):
+        raise OSError("client gone")
+
+    async def swallows(msg):
+        pass
+
+    async def go():
+        with pytest.raises(OSError):
+            await RelayResponse(relay(), 200, "text/event-stream", on_unstarted=cleanup)({"type": "http"}, never, fails)
+        assert ran == ["cleanup"]
+        ran.clear()
+        await RelayResponse(relay(), 200, "text/event-stream", on_unstarted=cleanup)({"type": "http"}, never, swallows)
+        assert ran == ["relay finally"]  # a relay that ran cleans up by itself, once
+
+    asyncio.run(go())

@@ -170,7 +170,7 @@ class PushSender(EngineThread):
             burst_end = time.monotonic() + 0.002
             while self._inflight and time.monotonic() < burst_end and self._cmds.empty():
                 self._progress()
-                time.sleep(0.00005)
+                time.sleep(0.0002)
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()

@@ -77,6 +77,18 @@ class EngineThread:
                 logger.exception("%s: unexpected error (loop continues)", threading.current_thread().name)
                 time.sleep(0.01)  # a persistent fault must not spin a core
 
+    def _poll(self, timeout_ms: int) -> dict | None:
+        """Wait up to ``timeout_ms`` for socket events (a wake-up is consumed here);
+        None when the sockets were closed under us: the thread then stops."""
+        try:
+            events = dict(self._poller.poll(timeout_ms))
+        except zmq.ZMQError:
+            self._stop.set()
+            return None
+        if self._wake_rx in events:
+            self._drain_wake()
+        return events
+
     def _put(self, kind: str, arg: Any) -> None:
         """Called from the engine thread: queue work and wake the engine thread."""
         self._cmds.put((kind, arg))

@@ -140,13 +140,9 @@ class PushReceiver(EngineThread):
         # (nothing posted: P's control messages wake the poll) at the idle pace.
         spinning = need == "spin"
         timeout_ms = 0 if spinning else 1 if need == "fast" else int(self.cfg.idle_poll_s * 1000)
-        try:
-            events = dict(self._poller.poll(timeout_ms))
-        except zmq.ZMQError:
-            self._stop.set()
+        events = self._poll(timeout_ms)
+        if events is None:
             return
-        if self._wake_rx in events:
-            self._drain_wake()
         self._drain_cmds()
         for link in list(self._links.values()):
             if link.sock in events:

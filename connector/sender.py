@@ -151,13 +151,9 @@ class PushSender(EngineThread):
 
     def _step(self) -> None:
         timeout_ms = 0 if self._inflight else int(self.cfg.idle_poll_s * 1000)
-        try:
-            events = dict(self._poller.poll(timeout_ms))
-        except zmq.ZMQError:
-            self._stop.set()
+        events = self._poll(timeout_ms)
+        if events is None:
             return
-        if self._wake_rx in events:
-            self._drain_wake()
         if self._router in events:
             self._drain_router()
         self._drain_cmds()

@@ -1,7 +1,8 @@
 """Path oracles: which path does a lane (a flow's 5-tuple) take?
 
-The model oracle answers from the fabric spec's hash. The testbed's kernel oracle
-(``ip route get``) and a probing oracle on real fabrics implement the same method.
+The model oracle answers from the fabric spec's hash; it is the only one so far.
+A kernel oracle for the testbed (``ip route get``) and a probing oracle for real
+fabrics are to implement the same ``PathOracle`` method; neither exists yet.
 """
 
 from __future__ import annotations

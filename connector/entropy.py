@@ -57,24 +57,16 @@ def remote_endpoints() -> set[tuple[str, int, str, int]]:
     return out
 
 
-def _listening_ports() -> set[int]:
+# Held around creating an agent and diffing listening_ports(), so the listening
+# port a new agent opened is not confused with another's.
+LISTEN_LOCK = threading.Lock()
+
+
+def listening_ports() -> set[int]:
     """TCP ports this process listens on."""
     import psutil
 
     return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr}
-
-
-class _ListeningPorts:
-    """``listening_ports()``, with a lock that serialises agent creation around it, so
-    the listening port a new agent opened is not confused with another's."""
-
-    lock = threading.Lock()
-
-    def __call__(self) -> set[int]:
-        return _listening_ports()
-
-
-listening_ports = _ListeningPorts()
 
 
 def lane_connection(

@@ -22,7 +22,7 @@ import zmq
 from connector import messages as M
 from connector.config import KVPathConfig, parse_host_port
 from connector.engine_thread import EngineThread
-from connector.entropy import listening_ports
+from connector.entropy import LISTEN_LOCK, listening_ports
 from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from connector.recv_state import ReceiverState
 from connector.tcp_table import lanes_drained
@@ -44,9 +44,10 @@ class _PeerLink:
     refused_until: float = 0.0
     refusal: str = ""
     queued: list[M.Register] = field(default_factory=list)
-    # P's lane connections into us, (source ip, port), as P's Welcomes listed them;
-    # kept until drained, so the fence can tell when P's bytes can no longer arrive.
-    lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # per P instance
+    # P's lane connections into us, (source ip, port), per P process (instance), as
+    # its Welcomes listed them: the fence watches them to tell when P's bytes can no
+    # longer arrive.
+    lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
 
 
 class PushReceiver(EngineThread):
@@ -73,7 +74,7 @@ class PushReceiver(EngineThread):
         configure_ucx(self.cfg)
         # UCX opens its listening socket when the agent is created: the new listening
         # ports are where P's lanes connect, so P can tell its lane's connection exactly.
-        with listening_ports.lock:
+        with LISTEN_LOCK:
             before = listening_ports()
             self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
             self.listen_ports = sorted(listening_ports() - before)
@@ -108,10 +109,6 @@ class PushReceiver(EngineThread):
         """(released, failed): see :mod:`connector.recv_state`."""
         with self._lock:
             return self.state.take()
-
-    def pending(self) -> int:
-        with self._lock:
-            return self.state.pending()
 
     # -- receiver thread ----------------------------------------------------------
     def _link(self, peer: str) -> _PeerLink:
@@ -304,8 +301,13 @@ class PushReceiver(EngineThread):
         return lanes_drained(set(self.listen_ports), lanes, parse_host_port(peer)[0])
 
     def _expire(self) -> None:
+        # The socket table is read outside the lock (the engine thread takes it every
+        # step) and once per P process that has requests fenced, not once per request.
         with self._lock:
-            gave_up, released = self.state.expire(self._drained)
+            fenced = {(w.peer, w.instance) for w in self.state.fencing()}
+        drained = {key: self._drained(*key) for key in fenced}
+        with self._lock:
+            gave_up, released = self.state.expire(lambda peer, instance: drained.get((peer, instance), False))
         for w in gave_up:
             if w.cancelled:
                 continue

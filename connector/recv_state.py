@@ -218,11 +218,12 @@ class ReceiverState:
     def pending(self) -> int:
         return len(self.by_tid)
 
-    def fencing(self, peer: str | None = None) -> list[Waiting]:
-        """Given up, P silent: waiting for P's lane connections to drain."""
+    def fencing(self) -> list[Waiting]:
+        """Given up, P silent: waiting for P's lane connections to drain (what
+        ``expire`` asks ``drained`` about; newly given-up ones are asked next time)."""
         now = self.clock()
         return [w for w in self.by_tid.values()
-                if w.gave_up and w.sent and now >= w.live_deadline and (peer is None or w.peer == peer)]
+                if w.gave_up and w.sent and now >= w.live_deadline and w.drained_since is None]
 
     def to_cancel(self) -> list[Waiting]:
         """Given up, sent to P, P not yet told."""

@@ -186,12 +186,13 @@ class PushSender(EngineThread):
     def _on_finished(self, fp: FinishedPrefill) -> None:
         status, m = self.state.add_prefill(fp)
         if status == "duplicate":
-            if self.state.holder(fp.transfer_id) != fp.request_id:
+            holder = self.state.holder(fp.transfer_id)
+            if holder != fp.request_id:
                 # Another P request already holds this transfer id (a reused id, n > 1):
                 # this one's KV goes nowhere, so its blocks are freed now, not leaked.
                 self.stats.inc("prefills_duplicate")
                 logger.warning("request %s reuses transfer id %s held by request %s: its blocks are freed",
-                               fp.request_id, fp.transfer_id, self.state.holder(fp.transfer_id))
+                               fp.request_id, fp.transfer_id, holder)
                 self._release(fp)
         elif status == "dead":
             logger.info("transfer %s already ended (%s): blocks freed", fp.transfer_id,

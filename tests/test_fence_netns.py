@@ -8,6 +8,7 @@ keeps progressing. P's source bytes never take the canary's value, and P rewrite
 its source blocks with it as soon as it frees them: D must never see it.
 """
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -73,19 +74,22 @@ def check_canary(d, rid):
         assert (arr == CANARY).all(), f"{int((arr != CANARY).sum())} bytes written into freed blocks"
 
 
-def warm_up(d, p, addr):
-    """A small push first: the lane opens and works through the shaped link."""
-    d.call("register", "d0", "warm", addr, [40], 0)
-    p.call("submit", "p0", "warm", [41])
-    assert d.call("wait", ["d0"], 20)[1] == ["d0"]
-
-
-def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
-    p_cfg, d_cfg = configs(6950)
+@contextlib.contextmanager
+def prefill_and_decode(port):
+    """P in this namespace, D behind the shaped link, and a small push first: the
+    lane opens and works through the link. Yields (P, D, P's side-channel address)."""
+    p_cfg, d_cfg = configs(port)
     addr = p_cfg.side_channel_addr()
     with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
             PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
-        warm_up(d, p, addr)
+        d.call("register", "d0", "warm", addr, [40], 0)
+        p.call("submit", "p0", "warm", [41])
+        assert d.call("wait", ["d0"], 20)[1] == ["d0"]
+        yield p, d, addr
+
+
+def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
+    with prefill_and_decode(6950) as (p, d, addr):
         t0 = time.monotonic()
         d.call("register", "d1", "slow", addr, BLOCKS, 0)
         p.call("submit", "p1", "slow", BLOCKS)
@@ -102,11 +106,7 @@ def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
 
 
 def test_a_prefill_killed_mid_write_frees_ds_blocks_only_after_its_bytes_drained(slow_link):
-    p_cfg, d_cfg = configs(6960)
-    addr = p_cfg.side_channel_addr()
-    with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
-            PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
-        warm_up(d, p, addr)
+    with prefill_and_decode(6960) as (p, d, addr):
         d.call("register", "d1", "doomed", addr, BLOCKS, 0)
         p.call("submit", "p1", "doomed", BLOCKS)
         time.sleep(1.0)  # the WRITE is moving; the link's queue holds up to 2 s of it

@@ -245,7 +245,8 @@ def main() -> int:
         pre = bench_prefill(console, args.prefill_rounds, args.prefill_window_s, args.prefill_push_mib,
                             args.prefill_depth, args.samples, not args.no_pin)
         parts.append(f"prefill slowdown with pushes {pre['slowdown']:.1f}% (< 3%: "
-                     f"{'yes' if pre['slowdown'] < 3 else 'NO'}; GIL waits alone {pre['gil_pct']:.1f}%)")
+                     f"{'yes' if pre['slowdown'] < 3 else 'NO'}; GIL waits alone {pre['gil_pct']:.1f}%; "
+                     f"A/A noise {pre['aa']:+.1f}% ({pre['aa_range'][0]:+.1f} to {pre['aa_range'][1]:+.1f}%))")
     if 3 in args.sections:
         tp = bench_throughput(console, args.mib, args.reps)
         parts.append(f"throughput engine/raw {tp['ratio']:.2f} (>= 0.9: {'yes' if tp['ratio'] >= 0.9 else 'NO'})")

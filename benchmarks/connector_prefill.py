@@ -267,16 +267,19 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
         all_cpus = os.sched_getaffinity(0)
         placed = pin(d.proc.pid) if pinned else None
         try:
+            # Each round runs a no-push window twice (A/A): how far two identical windows
+            # differ is this machine's noise floor, printed beside the slowdown.
+            orders = (("off", "on", "aa"), ("on", "aa", "off"), ("aa", "off", "on"))
             for i in range(rounds):
-                for stream in ((False, True) if i % 2 == 0 else (True, False)):
-                    res["on" if stream else "off"].append(window(stream, n_reg))
+                for kind in orders[i % 3]:
+                    res.setdefault(kind, []).append(window(kind == "on", n_reg))
         finally:
             if placed is not None:
                 unpin(all_cpus)
     sender.close()
-    off, on = res["off"], res["on"]
-    ratios = [b["rate"] / a["rate"] for a, b in zip(off, on)]
-    slowdown = [100 * (1 - x) for x in ratios]
+    off, on, aa = res["off"], res["on"], res["aa"]
+    slowdown = [100 * (1 - b["rate"] / a["rate"]) for a, b in zip(off, on)]
+    noise = [100 * (1 - b["rate"] / a["rate"]) for a, b in zip(off, aa)]
 
     def col(rows: list[dict], key: str, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
         v = [r[key] * scale for r in rows]
@@ -287,15 +290,16 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
     t.add_column("")
     t.add_column("no pushes")
     t.add_column(f"{fmt_bytes(nbytes)} pushes, {depth} in flight")
-    t.add_row("prefill steps / s", col(off, "rate", 1), col(on, "rate", 1))
-    t.add_row("engine thread on a CPU, ms per s", col(off, "on_cpu"), col(on, "on_cpu"))
-    t.add_row("engine thread runnable, waiting for a CPU, ms per s", col(off, "runq"), col(on, "runq"))
-    t.add_row("engine thread blocked (waiting for the GIL), ms per s", col(off, "blocked"), col(on, "blocked"))
-    t.add_row("hypervisor steal on its CPU, ms per s (10 ms ticks)", col(off, "steal"), col(on, "steal"))
-    t.add_row("writer thread CPU, % of a core", col(off, "writer", 100), col(on, "writer", 100))
-    t.add_row("D process CPU (same machine here), % of a core", col(off, "d_cpu", 100), col(on, "d_cpu", 100))
+    t.add_column("no pushes again (A/A)")
+    t.add_row("prefill steps / s", col(off, "rate", 1), col(on, "rate", 1), col(aa, "rate", 1))
+    t.add_row("engine thread on a CPU, ms per s", col(off, "on_cpu"), col(on, "on_cpu"), col(aa, "on_cpu"))
+    t.add_row("engine thread runnable, waiting for a CPU, ms per s", col(off, "runq"), col(on, "runq"), col(aa, "runq"))
+    t.add_row("engine thread blocked (waiting for the GIL), ms per s", col(off, "blocked"), col(on, "blocked"), col(aa, "blocked"))
+    t.add_row("hypervisor steal on its CPU, ms per s (10 ms ticks)", col(off, "steal"), col(on, "steal"), col(aa, "steal"))
+    t.add_row("writer thread CPU, % of a core", col(off, "writer", 100), col(on, "writer", 100), col(aa, "writer", 100))
+    t.add_row("D process CPU (same machine here), % of a core", col(off, "d_cpu", 100), col(on, "d_cpu", 100), col(aa, "d_cpu", 100))
     t.add_row("everything else on this machine (other processes, kernel), % of a core", col(off, "others", 100),
-              col(on, "others", 100))
+              col(on, "others", 100), col(aa, "others", 100))
     t.add_row("pushes completed / s", "-", col(on, "pushes", 1, "{:.0f}") +
               f"\n= {med([r['pushes'] for r in on]) * nbytes / 1e9:.2f} GB/s")
     t.add_row("time with a push in flight, %", "-", col(on, "busy", 100))
@@ -322,11 +326,13 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
         f"  prefill slowdown with pushes in flight: [bold]{sd:.1f}%[/bold] ({min(slowdown):.1f} to {max(slowdown):.1f}%) "
         f"(target < 3%: {'yes' if sd < 3 else '[red]NO[/red]'}); per step the engine thread gained "
         f"{delta[2] * 1e6:+.0f} us blocked (GIL), {delta[1] * 1e6:+.0f} us waiting for a CPU, "
-        f"{delta[0] * 1e6:+.0f} us on a CPU, {delta[3] * 1e6:+.0f} us stolen by the hypervisor; the GIL waits alone cost {gil_pct:.1f}% of a step"
+        f"{delta[0] * 1e6:+.0f} us on a CPU, {delta[3] * 1e6:+.0f} us stolen by the hypervisor; the GIL waits alone cost {gil_pct:.1f}% of a step. "
+        f"A/A (the no-push window run twice): {med(noise):+.1f}% ({min(noise):+.1f} to {max(noise):+.1f}%), this machine's "
+        f"noise floor: a slowdown inside it is not resolved here"
         + ("; [red]the push stream ran dry in some windows[/red]" if any(r["starved"] for r in on) else "")
     )
     if samples and lat["hand"]:
         for key in ("hand", "wire"):
             console.print(f"  section 2 push {key} (ms bins: count): {histogram(lat[key])}", soft_wrap=True)
     return {"slowdown": sd, "slowdown_range": (min(slowdown), max(slowdown)), "delta_us": [x * 1e6 for x in delta],
-            "gil_pct": gil_pct}
+            "gil_pct": gil_pct, "aa": med(noise), "aa_range": (min(noise), max(noise))}

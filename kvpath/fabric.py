@@ -1,7 +1,10 @@
 """The fabric spec: one declarative leaf-spine description shared by every part.
 
 Addressing is hierarchical: host ``h`` under leaf ``l`` is ``l{l}h{h}`` with IP
-``<base>.<l>.<h+2>.1`` (one /16 of the /8 per leaf). Paths follow the up-down rule and are
+``<base>.<l>.<h+2>.1`` (one /16 of the /8 per leaf); its leaf's side of the host
+link is ``<base>.<l>.<h+2>.2`` (a /30). The link between leaf ``l`` and spine ``s``
+is ``<base>.<l>.1.<4s>/30``: the leaf is ``.4s+1``, the spine ``.4s+2``. So every
+address names its place, and routes are one /16 per leaf. Paths follow the up-down rule and are
 computed by rule, never by routing tables: hosts under one leaf talk through the
 leaf; otherwise the packet goes host -> leaf -> spine -> leaf -> host, the spine
 picked by the ECMP hash of the flow's 5-tuple (or by a reservation pinning it).
@@ -73,6 +76,8 @@ class FabricSpec:
                 raise FabricSpecError(f"fabric.{name} must be a positive integer, got {v!r}")
         if self.leaves > 250 or self.hosts_per_leaf > 250:
             raise FabricSpecError("fabric.leaves and fabric.hosts_per_leaf must be <= 250 (one /24 per leaf)")
+        if self.spines > 63:
+            raise FabricSpecError("fabric.spines must be <= 63 (one /30 per leaf-spine link in <base>.<leaf>.1.0/24)")
         for name in ("host_link_gbps", "spine_link_gbps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -105,11 +110,28 @@ class FabricSpec:
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "FabricSpec":
+        """A spec file: JSON, or YAML when the name ends in .yaml/.yml."""
+        p = pathlib.Path(path)
         try:
-            data = json.loads(pathlib.Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            text = p.read_text()
+            if p.suffix.lower() in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as e:  # OSError, JSON or YAML syntax: all mean "cannot read it"
             raise FabricSpecError(f"cannot read fabric spec {path}: {e}") from None
         return cls.from_dict(data)
+
+    @classmethod
+    def resolve(cls, name_or_path: str) -> "FabricSpec":
+        """A preset's name (``small``, ``rack4``, ``rack8``) or a spec file."""
+        if name_or_path in PRESETS:
+            return PRESETS[name_or_path]
+        if not pathlib.Path(name_or_path).exists():
+            raise FabricSpecError(f"fabric {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+        return cls.load(name_or_path)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -159,6 +181,22 @@ class FabricSpec:
     def canonical(self, host: str) -> str:
         return self.host_name(*self.locate(host))
 
+    def _base_octet(self) -> int:
+        return ipaddress.ip_network(self.base_net).network_address.packed[0]
+
+    def host_gateway_ip(self, host: str) -> str:
+        """The leaf's address on the link to ``host``."""
+        leaf, idx = self.locate(host)
+        return f"{self._base_octet()}.{leaf}.{idx + 2}.2"
+
+    def uplink_ips(self, leaf: int, spine: int) -> tuple[str, str]:
+        """(leaf side, spine side) addresses of the leaf-spine link, each in a /30."""
+        b = self._base_octet()
+        return f"{b}.{leaf}.1.{4 * spine + 1}", f"{b}.{leaf}.1.{4 * spine + 2}"
+
+    def leaf_prefix(self, leaf: int) -> str:
+        return f"{self._base_octet()}.{leaf}.0.0/16"
+
     # ---- paths by rule ---------------------------------------------------
     def ecmp_hash(self, key: FlowKey) -> int:
         parts = {
@@ -194,3 +232,12 @@ class FabricSpec:
     def link_gbps(self, link: tuple[str, str]) -> float:
         a, b = link
         return self.spine_link_gbps if a.startswith("spine") or b.startswith("spine") else self.host_link_gbps
+
+
+# The testbed's presets. Link rates are the datacenter's: the testbed divides them by
+# its scale factor B (kvpath testbed up --scale-b).
+PRESETS: dict[str, FabricSpec] = {
+    "small": FabricSpec(leaves=2, spines=2, hosts_per_leaf=2),
+    "rack4": FabricSpec(leaves=4, spines=4, hosts_per_leaf=4),
+    "rack8": FabricSpec(leaves=8, spines=4, hosts_per_leaf=2),
+}

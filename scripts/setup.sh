@@ -11,11 +11,24 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOR=gpu; else FLAVOR=cpu; fi
 STAMP="$VENV/.kvpath-setup"
 WANT="$FLAVOR $(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# The testbed's spines count bytes per 5-tuple with nftables (a system package).
+if ! command -v nft >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing nftables (apt)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables >/dev/null; } \
+      || log "could not install nftables: the testbed's fabric tests will fail (install it by hand)"
+  else
+    log "nftables (nft) is missing and cannot be installed here: the testbed needs it (apt-get install nftables)"
+  fi
+fi
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
 
-log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 [[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
 PIP=(pipq)
 # pip's find-links configuration on these machines prints a warning per package; keep real errors.
@@ -47,8 +60,8 @@ else
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$DI/METADATA"
   printf 'vllm-0.32.0+cpu.dist-info/METADATA,,\nvllm-0.32.0+cpu.dist-info/RECORD,,\n' > "$DI/RECORD"
 fi
-log "installing plotting (matplotlib)"
-"${PIP[@]}" -r requirements/plots.txt
+log "installing plotting (matplotlib) and the testbed's netlink library (pyroute2)"
+"${PIP[@]}" -r requirements/plots.txt -r requirements/testbed.txt
 log "installing kvpath (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "$WANT" > "$STAMP"

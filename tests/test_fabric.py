@@ -54,3 +54,36 @@ def test_roundtrip(tmp_path):
 
     p.write_text(json.dumps(f.to_dict()))
     assert FabricSpec.load(p) == f
+
+
+def test_presets_and_spec_files(tmp_path):
+    assert (FabricSpec.resolve("small").leaves, FabricSpec.resolve("small").spines) == (2, 2)
+    r4, r8 = FabricSpec.resolve("rack4"), FabricSpec.resolve("rack8")
+    assert (r4.leaves, r4.spines, r4.hosts_per_leaf) == (4, 4, 4)
+    assert (r8.leaves, r8.spines, r8.hosts_per_leaf) == (8, 4, 2)
+    y = tmp_path / "f.yaml"
+    y.write_text("leaves: 3\nspines: 2\nhosts_per_leaf: 1\necmp_seed: 9\n")
+    assert FabricSpec.resolve(str(y)) == FabricSpec(leaves=3, spines=2, hosts_per_leaf=1, ecmp_seed=9)
+    y.write_text("leaves: 3\nspine_count: 2\n")
+    with pytest.raises(FabricSpecError, match="spine_count"):
+        FabricSpec.resolve(str(y))
+    y.write_text("leaves: [3\n")
+    with pytest.raises(FabricSpecError, match="cannot read"):
+        FabricSpec.resolve(str(y))
+    with pytest.raises(FabricSpecError, match="neither a preset"):
+        FabricSpec.resolve("rack5")
+    with pytest.raises(FabricSpecError, match="spines"):
+        FabricSpec(spines=64)
+
+
+def test_link_addresses_are_hierarchical_and_distinct():
+    f = FabricSpec(leaves=4, spines=4, hosts_per_leaf=4)
+    ips = [f.host_ip(h) for h in f.hosts()] + [f.host_gateway_ip(h) for h in f.hosts()]
+    ips += [ip for l in range(4) for s in range(4) for ip in f.uplink_ips(l, s)]
+    assert len(ips) == len(set(ips))
+    assert f.uplink_ips(2, 3) == ("10.2.1.13", "10.2.1.14")
+    import ipaddress
+
+    for l in range(4):
+        net = ipaddress.ip_network(f.leaf_prefix(l))
+        assert all(ipaddress.ip_address(f.host_ip(h)) in net for h in f.hosts() if h.startswith(f"l{l}h"))

@@ -1,0 +1,86 @@
+"""``kvpath testbed ...``: build, inspect and remove emulated fabrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def _spec(args: argparse.Namespace):
+    from kvpath.fabric import FabricSpec, FabricSpecError
+
+    try:
+        return FabricSpec.resolve(args.fabric)
+    except FabricSpecError as e:
+        raise SystemExit(f"kvpath testbed: error: --fabric: {e}") from None
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from testbed.netns_fabric import FabricBuildError, LinkShaping, NetnsFabric
+
+    spec = _spec(args)
+    try:
+        shaping = LinkShaping.scaled(spec, args.scale_b)
+        fabric = NetnsFabric(spec, shaping, **({"run_id": args.run_id} if args.run_id else {}))
+        with fabric:
+            sys.stdout.write(json.dumps({"prefix": fabric.prefix, "hosts": {h: [fabric.ns(h), spec.host_ip(h)]
+                                                                               for h in spec.hosts()}}) + "\n")
+            sys.stdout.flush()
+            if args.hold:
+                logger.info("fabric %s is up; Ctrl-C or SIGTERM tears it down", fabric.prefix)
+                signal.pause()
+    except FabricBuildError as e:
+        raise SystemExit(f"kvpath testbed up: error: {e}") from None
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from testbed.netns_fabric import down
+
+    n = down(args.prefix)
+    logger.info("removed %d namespace(s) starting with %r", n, args.prefix)
+    return 0
+
+
+def _cmd_path(args: argparse.Namespace) -> int:
+    from kvpath.fabric import FabricSpecError
+    from kvpath.oracle import KernelOracle
+    from testbed.netns_fabric import PREFIX
+
+    spec = _spec(args)
+    prefix = f"{PREFIX}-{args.run_id}"
+    oracle = KernelOracle(spec, lambda node: f"{prefix}-{node if node.startswith(('leaf', 'spine')) else spec.canonical(node)}")
+    try:
+        p = oracle.path(args.src, args.dst, args.sport, args.dport, args.proto)
+    except (FabricSpecError, RuntimeError) as e:
+        raise SystemExit(f"kvpath testbed path: error: {e}") from None
+    sys.stdout.write(json.dumps({"spine": p.spine, "nodes": list(p.nodes)}) + "\n")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    tb = sub.add_parser("testbed", help="the emulated leaf-spine fabric").add_subparsers(dest="testbed_cmd")
+    up = tb.add_parser("up", help="build a fabric (and hold it with --hold until Ctrl-C)")
+    up.add_argument("--fabric", default="small", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
+    up.add_argument("--scale-b", type=float, default=500.0,
+                    help="link rates are the spec's divided by B (100 Gbit/s / 500 = 200 Mbit/s)")
+    up.add_argument("--run-id", default="", help="namespace names are kvp-<run-id>-<node> (default: random)")
+    up.add_argument("--hold", action="store_true", help="keep the fabric until Ctrl-C or SIGTERM")
+    up.set_defaults(func=_cmd_up)
+    dn = tb.add_parser("down", help="remove every testbed namespace (the leftovers of a killed run)")
+    dn.add_argument("--prefix", default="kvp", help="remove namespaces named <prefix> or <prefix>-*")
+    dn.set_defaults(func=_cmd_down)
+    pa = tb.add_parser("path", help="which spine a 5-tuple takes in a running fabric (the kernel oracle)")
+    pa.add_argument("--fabric", default="small")
+    pa.add_argument("--run-id", required=True)
+    pa.add_argument("src")
+    pa.add_argument("dst")
+    pa.add_argument("sport", type=int)
+    pa.add_argument("dport", type=int)
+    pa.add_argument("--proto", default="tcp")
+    pa.set_defaults(func=_cmd_path)

@@ -1,0 +1,67 @@
+"""Byte counters of an emulated fabric: per link (the kernel's interface counters)
+and per 5-tuple per spine (the nftables dynamic set each spine keeps), so a flow's
+measured path is exact even while flows overlap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+
+from testbed.netns_fabric import NetnsFabric
+
+PROTO = {"tcp": "tcp", "udp": "udp", 6: "tcp", 17: "udp"}
+
+
+@dataclass(frozen=True)
+class FiveTuple:
+    src_ip: str
+    dst_ip: str
+    src_port: int
+    dst_port: int
+    proto: str = "tcp"
+
+    def reverse(self) -> "FiveTuple":
+        return FiveTuple(self.dst_ip, self.src_ip, self.dst_port, self.src_port, self.proto)
+
+
+def spine_flow_bytes(fabric: NetnsFabric) -> dict[FiveTuple, dict[str, int]]:
+    """5-tuple -> {spine name: bytes forwarded} since the fabric was built."""
+    out: dict[FiveTuple, dict[str, int]] = {}
+    for j in range(fabric.spec.spines):
+        spine = fabric.spec.spine_name(j)
+        r = subprocess.run(["ip", "netns", "exec", fabric.ns(spine), "nft", "-j", "list", "set", "inet", "kvpath",
+                            "flows"], capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"reading the flow counters of {spine} failed: {r.stderr.strip()}")
+        for obj in json.loads(r.stdout)["nftables"]:
+            for e in obj.get("set", {}).get("elem", []):
+                el = e["elem"]
+                sip, dip, proto, sport, dport = el["val"]["concat"]
+                key = FiveTuple(sip, dip, int(sport), int(dport), PROTO.get(proto, str(proto)))
+                out.setdefault(key, {})[spine] = int(el["counter"]["bytes"])
+    return out
+
+
+def measured_spine(counts: dict[FiveTuple, dict[str, int]], flow: FiveTuple, min_bytes: int = 1) -> str | None:
+    """The spine that carried a flow's data (the one with the most bytes); None if none did."""
+    per = counts.get(flow, {})
+    best = max(per.items(), key=lambda kv: kv[1], default=None)
+    return best[0] if best is not None and best[1] >= min_bytes else None
+
+
+def link_bytes(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
+    """(node, interface) -> bytes sent on that end of its link."""
+    out: dict[tuple[str, str], int] = {}
+    by_ns: dict[str, list] = {}
+    for port in fabric.ports():
+        by_ns.setdefault(port.ns, []).append(port)
+    for ns, ports in by_ns.items():
+        with IPRoute(netns=ns) as ip:
+            for port in ports:
+                link = ip.get_links(ip.link_lookup(ifname=port.ifname)[0])[0]
+                st = link.get("stats64") or link.get("stats")
+                out[(port.node, port.ifname)] = int(st["tx_bytes"]) if st else 0
+    return out

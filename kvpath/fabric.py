@@ -181,6 +181,13 @@ class FabricSpec:
     def canonical(self, host: str) -> str:
         return self.host_name(*self.locate(host))
 
+    def netns_name(self, prefix: str, node: str) -> str:
+        """The testbed namespace of a node (host name or IP, ``leaf<i>``, ``spine<j>``)
+        in the fabric whose namespaces are named ``<prefix>-<node>``."""
+        if not node.startswith(("leaf", "spine")):
+            node = self.canonical(node)
+        return f"{prefix}-{node}"
+
     def _base_octet(self) -> int:
         return ipaddress.ip_network(self.base_net).network_address.packed[0]
 

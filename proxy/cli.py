@@ -32,7 +32,7 @@ def parse_instance(spec: str, role: str) -> Instance:
 
 def load_fabric(path: str | None) -> FabricSpec:
     try:
-        return FabricSpec.load(path) if path else FabricSpec()
+        return FabricSpec.resolve(path) if path else FabricSpec()
     except FabricSpecError as e:
         raise SystemExit(f"kvpath: error: --fabric: {e}") from None
 
@@ -50,15 +50,26 @@ class DeprecatedAlias(argparse.Action):
 
 
 def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
-    p.add_argument("--fabric", help="fabric spec JSON (default: 4 leaves x 4 spines x 4 hosts)")
+    p.add_argument("--fabric", help="fabric preset (small, rack4, rack8) or spec file, JSON or YAML "
+                                    "(default: 4 leaves x 4 spines x 4 hosts)")
+    p.add_argument("--kernel-oracle", metavar="NETNS_PREFIX", default="",
+                   help="ask a running testbed's kernel which spine a lane takes (its namespaces are named "
+                        "NETNS_PREFIX-<node>, e.g. kvp-ab12) instead of the fabric model's hash")
     p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
     p.add_argument("--lease-s", type=float, default=10.0, help="a reservation ends after this without a release")
     p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
 
 
-def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float) -> ReservationService:
+def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,
+                  kernel_oracle: str = "") -> ReservationService:
+    spec = load_fabric(fabric)
+    oracle = None
+    if kernel_oracle:
+        from kvpath.oracle import KernelOracle
+
+        oracle = KernelOracle(spec, lambda node: spec.netns_name(kernel_oracle, node))
     try:
-        return ReservationService(load_fabric(fabric), mode, lease_s=lease_s, dc_delay_s=dc_delay_s)
+        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle)
     except ReservationError as e:
         raise SystemExit(f"kvpath: error: {e}") from None
 
@@ -68,7 +79,7 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 
     from proxy.reservation_app import create_app
 
-    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
+    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
     uvicorn.run(create_app(svc, admin_token=args.admin_token), host=args.host, port=args.port, log_level="warning")
     return 0
@@ -95,7 +106,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         if args.reservation_url:
             reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
         elif args.reservation == "inproc":
-            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s)
+            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle)
             reserver = InProcessReserver(svc)
             res_app = create_reservation_app(svc, admin_token=args.admin_token)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,

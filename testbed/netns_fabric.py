@@ -104,9 +104,7 @@ class NetnsFabric:
 
     def ns(self, node: str) -> str:
         """The namespace of a fabric node (host name or IP, ``leaf<i>``, ``spine<j>``)."""
-        if not node.startswith(("leaf", "spine")):
-            node = self.spec.canonical(node)
-        return f"{self.prefix}-{node}"
+        return self.spec.netns_name(self.prefix, node)
 
     def nodes(self) -> list[str]:
         s = self.spec

@@ -213,11 +213,12 @@ def test_reused_transfer_id_fails_the_second_request_fast_and_frees_its_blocks_o
 
 def test_registration_held_past_the_liveness_timeout_is_kept_alive_by_heartbeats():
     # P's prefill comes 3x the liveness timeout after D registered (P busy): not a failure.
-    c = cfg(lanes=1, registration_timeout_s=0.8, max_wait_s=10.0)
+    # (a liveness timeout of 2 s, heartbeats every 0.5 s: robust on a loaded 2-core machine)
+    c = cfg(lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
     p = PSide(c)
     with PeerProcess(c, SPEC) as d:
         d.call("register", "d1", "slow", p.sender.address, [7], 0)
-        time.sleep(2.5)
+        time.sleep(6.0)
         p.sender.submit_finished("p1", "slow", [8])
         _, done, failed = d.call("wait", ["d1"], 10)
         assert done == ["d1"] and not failed

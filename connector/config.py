@@ -62,6 +62,9 @@ class KVPathConfig:
     # to lane_candidates connections per lane.
     fabric_spec: str | None = None
     lane_candidates: int = 4
+    # In the testbed: the fabric's namespace prefix (e.g. "kvp-ab12"). Lanes are then
+    # picked by the kernel's own answer (ip route get) instead of the spec's hash.
+    kernel_oracle: str | None = None
     # Bearer token for the reservation service's lane registration, when it has one.
     reservation_token: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +111,8 @@ class KVPathConfig:
             )
         if not 1 <= self.lane_candidates <= 16:
             raise ConfigError(f"kv_connector_extra_config.lane_candidates must be in [1, 16], got {self.lane_candidates}")
+        if self.kernel_oracle and not self.fabric_spec:
+            raise ConfigError("kv_connector_extra_config.kernel_oracle needs fabric_spec (the testbed's fabric)")
         if self.fabric_spec and not self.fabric_host:
             raise ConfigError("kv_connector_extra_config.fabric_spec needs fabric_host (this engine's host in the spec)")
         if not self.ucx_transport:

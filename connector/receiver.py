@@ -99,6 +99,12 @@ class PushReceiver(EngineThread):
                 return
         self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks))
 
+    def connect(self, peer: str) -> None:
+        """Handshake with P at ``peer`` now (P opens its lanes to us on our Hello), so the
+        first request to it does not pay for that."""
+        parse_host_port(peer, "peer")
+        self._put("connect", peer)
+
     def cancel(self, request_id: str) -> None:
         """D's request ended while waiting: ask P not to push; release when safe."""
         with self._lock:
@@ -168,6 +174,8 @@ class PushReceiver(EngineThread):
                 link = self._link(peer)
                 link.queued.append(reg)
                 self._flush(link)
+            elif kind == "connect":
+                self._flush(self._link(arg))
 
     def _flush(self, link: _PeerLink) -> None:
         """Send what waits for ``link``: a Hello first, registrations once welcomed."""
@@ -338,3 +346,6 @@ class PushReceiver(EngineThread):
                     w = self.state.on_done(tid)
                 if w is not None and not w.failed:
                     self.stats.inc("recv_ok")
+                    # when the last byte is here: the push's end as D sees it
+                    self.trace.write_event("kv_received", transfer_id=tid, request_id=w.request_id,
+                                           engine=self.engine_id, at=time.time())

@@ -92,10 +92,13 @@ class PushSender(EngineThread):
         self.oracle = None
         if self.cfg.fabric_spec:
             from kvpath.fabric import FabricSpec, FabricSpecError
-            from kvpath.oracle import ModelOracle
+            from kvpath.oracle import KernelOracle, ModelOracle
 
             try:
-                self.oracle = ModelOracle(FabricSpec.load(self.cfg.fabric_spec))
+                spec = FabricSpec.resolve(self.cfg.fabric_spec)
+                prefix = self.cfg.kernel_oracle
+                self.oracle = (KernelOracle(spec, lambda node: spec.netns_name(prefix, node)) if prefix
+                               else ModelOracle(spec))
             except (FabricSpecError, OSError) as e:
                 raise ConfigError(f"kv_connector_extra_config.fabric_spec: {e}") from e
         # With a path oracle the pool holds lane_candidates agents per lane, so each

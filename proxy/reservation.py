@@ -208,6 +208,8 @@ class ReservationService:
         self._cands: dict[tuple[str, str], list[tuple[LaneInfo, tuple[Path, ...]]]] = {}
         self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
+        # the last decisions (transfer id, lane, spine...), for the testbed's trace
+        self.decisions: deque[dict] = deque(maxlen=100_000)
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
     def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo], worker: str = "") -> None:
@@ -267,6 +269,9 @@ class ReservationService:
         self.active[lease_id] = r
         heapq.heappush(self._expiry, (r.expires_at, lease_id))
         self.counters["reservations"] += 1
+        self.decisions.append({"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
+                               "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
+                               "spines": [p.spine for p in paths], "at": time.time(), "mode": self.mode})
         return r
 
     def release(self, lease_id: str) -> bool:

@@ -138,6 +138,11 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     async def state() -> dict:
         return svc.state()
 
+    @app.get("/v1/decisions")
+    async def decisions(since: float = 0.0) -> dict:
+        """The service's last decisions (up to 100,000), those made after ``since`` (unix s)."""
+        return {"decisions": [d for d in svc.decisions if d["at"] > since]}
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "mode": svc.mode}

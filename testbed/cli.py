@@ -63,6 +63,30 @@ def _cmd_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from testbed.orchestrator import RunConfig, RunConfigError
+    from testbed.run_session import run_modes
+
+    modes = [m for m in args.mode.split(",") if m]
+    cfgs = []
+    try:
+        for m in modes:
+            cfg = RunConfig(out=f"{args.out}/{m}", fabric=args.fabric, pools=args.pools, engine=args.engine,
+                            workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
+                            scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, model=args.model,
+                            accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                            pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s)
+            cfg.validate()
+            cfgs.append(cfg)
+    except RunConfigError as e:
+        raise SystemExit(f"kvpath testbed run: error: {e}") from None
+    if not cfgs:
+        raise SystemExit("kvpath testbed run: error: --mode: give at least one of ecmp, cc, dc")
+    return run_modes(cfgs, args.out, Console())
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     tb = sub.add_parser("testbed", help="the emulated leaf-spine fabric").add_subparsers(dest="testbed_cmd")
     up = tb.add_parser("up", help="build a fabric (and hold it with --hold until Ctrl-C)")
@@ -72,6 +96,27 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--run-id", default="", help="namespace names are kvp-<run-id>-<node> (default: random)")
     up.add_argument("--hold", action="store_true", help="keep the fabric until Ctrl-C or SIGTERM")
     up.set_defaults(func=_cmd_up)
+    rn = tb.add_parser("run", help="a whole P/D run on an emulated fabric: engines, proxy, workload, trace")
+    rn.add_argument("--fabric", default="small", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
+    rn.add_argument("--pools", default="1P1D", help="P and D engines, e.g. 8P8D")
+    rn.add_argument("--engine", default="emulated", choices=("emulated",))
+    rn.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
+    rn.add_argument("--qps", type=float, default=2.0)
+    rn.add_argument("--requests", type=int, default=40)
+    rn.add_argument("--mode", default="cc", help="ecmp, cc, dc or a comma-separated list (run one after another)")
+    rn.add_argument("--out", required=True, help="trace, summary and logs go here (one folder per mode)")
+    rn.add_argument("--seed", type=int, default=0)
+    rn.add_argument("--scale-b", type=float, default=500.0, help="link rates divided by B")
+    rn.add_argument("--scale-s", type=float, default=500.0, help="KV bytes divided by S")
+    rn.add_argument("--lanes", type=int, default=4)
+    rn.add_argument("--model", default="llama-3-8b")
+    rn.add_argument("--accelerator", default="h100")
+    rn.add_argument("--min-prompt", type=int, default=1024)
+    rn.add_argument("--max-prompt", type=int, default=4096)
+    rn.add_argument("--pd-ratio", type=float, default=20.0)
+    rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
+    rn.add_argument("--dc-delay-s", type=float, default=0.0)
+    rn.set_defaults(func=_cmd_run)
     dn = tb.add_parser("down", help="remove every testbed namespace (the leftovers of a killed run)")
     dn.add_argument("--prefix", default="kvp", help="remove namespaces named <prefix> or <prefix>-*")
     dn.set_defaults(func=_cmd_down)

@@ -93,6 +93,11 @@ class NetnsFabric:
     run_id: str = field(default_factory=lambda: secrets.token_hex(2))
     kernel_seed: int = 0
     counters: bool = True
+    # A management network (unshaped, off the fabric): a bridge in <prefix>-mgmt with
+    # every host's mgmt0 on it and one veth from the root namespace, so a proxy or
+    # client in the root namespace reaches the engines' HTTP ports without touching
+    # the fabric's links (as a datacenter's front-end network would).
+    mgmt: bool = False
     links: list[tuple[Port, Port]] = field(default_factory=list, init=False)
     built: bool = field(default=False, init=False)
     _old_handlers: dict[int, object] = field(default_factory=dict, init=False, repr=False)
@@ -163,6 +168,8 @@ class NetnsFabric:
                            self.shaping.spine_mbit)
         self._sysctls()
         self._routes()
+        if self.mgmt:
+            self._mgmt()
         if self.counters:
             for spine in range(s.spines):
                 _nft(self.ns(s.spine_name(spine)), NFT_FLOW_COUNTERS)
@@ -230,6 +237,46 @@ class NetnsFabric:
             with IPRoute(netns=self.ns(s.spine_name(spine))) as ip:
                 for leaf in range(s.leaves):
                     ip.route("add", dst=s.leaf_prefix(leaf), gateway=s.uplink_ips(leaf, spine)[0])
+
+    MGMT_NET = "172.30"
+    MGMT_ROOT_IP = "172.30.255.254"
+
+    def mgmt_ip(self, host: str) -> str:
+        leaf, idx = self.spec.locate(host)
+        return f"{self.MGMT_NET}.{leaf}.{idx + 2}"
+
+    @property
+    def mgmt_root_ifname(self) -> str:
+        return f"kvm{self.run_id}"[:15]
+
+    def _mgmt(self) -> None:
+        mns = f"{self.prefix}-mgmt"
+        netns.create(mns)
+        with IPRoute(netns=mns) as ip:
+            ip.link("add", ifname="br0", kind="bridge")
+            br = ip.link_lookup(ifname="br0")[0]
+            ip.link("set", index=br, state="up")
+            ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")
+        ends: list[tuple[str, str, str]] = [(h, self.ns(h), self.mgmt_ip(h)) for h in self.spec.hosts()]
+        for i, (host, ns, addr) in enumerate(ends):
+            with IPRoute(netns=mns) as ip:
+                ip.link("add", ifname=f"p{i}", kind="veth", peer={"ifname": "mgmt0", "net_ns_fd": ns})
+                ip.link("set", index=ip.link_lookup(ifname=f"p{i}")[0], master=br, state="up")
+            with IPRoute(netns=ns) as ip:
+                idx = ip.link_lookup(ifname="mgmt0")[0]
+                ip.link("set", index=idx, state="up")
+                ip.addr("add", index=idx, address=addr, prefixlen=16)
+        # the root namespace's end: deleting <prefix>-mgmt deletes it too (veth pairs die together)
+        with IPRoute(netns=mns) as ip:
+            ip.link("add", ifname="root", kind="veth",
+                    peer={"ifname": self.mgmt_root_ifname, "net_ns_pid": os.getpid()})
+            ip.link("set", index=ip.link_lookup(ifname="root")[0], master=br, state="up")
+        with IPRoute() as ip:
+            idx = ip.link_lookup(ifname=self.mgmt_root_ifname)
+            if not idx:
+                raise FabricBuildError("management veth not found in the root namespace")
+            ip.link("set", index=idx[0], state="up")
+            ip.addr("add", index=idx[0], address=self.MGMT_ROOT_IP, prefixlen=16)
 
     # -- use -----------------------------------------------------------------------------
     def exec_argv(self, host: str, argv: list[str]) -> list[str]:

@@ -1,0 +1,150 @@
+"""Joins what a testbed run collected (client, engines, connector transfers, reservation
+decisions, spine counters) into per-request and per-flow rows, checks the run's
+fidelity, and summarises it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from testbed.orchestrator import RunData
+
+
+@dataclass
+class Joined:
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    flows: list[dict[str, Any]] = field(default_factory=list)
+    lanes: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (P ip, D ip, sport) -> dport
+
+
+def _lane_dports(data: RunData, ip_of: Any) -> dict[tuple[str, str, int], int]:
+    out = {}
+    for pair, workers in data.lanes_known.items():
+        src, dst = pair.split("->")
+        for lanes in workers.values():
+            for _lane, sport, dport in lanes:
+                out[(ip_of(src), ip_of(dst), int(sport))] = int(dport)
+    return out
+
+
+def join(data: RunData, ip_of: Any) -> Joined:
+    j = Joined(lanes=_lane_dports(data, ip_of))
+    p_rec: dict[str, dict] = {}
+    d_rec: dict[str, dict] = {}
+    for host, rec in data.engine_records.items():
+        for r in rec["records"]:
+            if r.get("transfer_id"):
+                (p_rec if rec["role"] == "prefill" else d_rec)[r["transfer_id"]] = dict(r, host=host)
+    transfers = {t["transfer_id"]: t for t in data.transfers}
+    decisions = {d["transfer_id"]: d for d in data.decisions}
+    counts = {tuple(json.loads(k).values()): v for k, v in data.flow_bytes.items()}
+    by_tuple_prefix: dict[tuple[str, str, int], dict[str, int]] = {}
+    for (sip, dip, sport, _dport, _proto), per in counts.items():
+        agg = by_tuple_prefix.setdefault((sip, dip, int(sport)), {})
+        for spine, b in per.items():
+            agg[spine] = agg.get(spine, 0) + b
+    for c in data.client:
+        tid = c.get("transfer_id", "")
+        p, d, t, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), transfers.get(tid), decisions.get(tid)
+        row: dict[str, Any] = {
+            "request_id": c["request_id"], "transfer_id": tid, "status": c["status"],
+            "arrival": c["arrival"], "prompt_tokens": c["prompt_tokens"], "output_tokens": c["tokens"],
+            "p_host": p.get("host"), "d_host": d.get("host"), "prefill_start": p.get("prefill_start"),
+            "prefill_end": p.get("prefill_end"), "kv_ready": d.get("kv_ready"), "decode_start": d.get("decode_start"),
+            "first_token": c.get("first_token"), "completion": c.get("completion"),
+            "recomputed": bool(d.get("recomputed")),
+        }
+        if row["first_token"] is not None:
+            row["ttft"] = row["first_token"] - row["arrival"]
+            n = c["tokens"]
+            row["tpot"] = (row["completion"] - row["first_token"]) / (n - 1) if n > 1 else None
+        if t is not None:
+            p_ip, d_ip = ip_of(p.get("host") or t["p_host"]), ip_of(d.get("host")) if d.get("host") else None
+            sport = int(t.get("src_port") or 0)
+            measured = by_tuple_prefix.get((p_ip, d_ip, sport), {}) if d_ip else {}
+            spine = max(measured.items(), key=lambda kv: kv[1])[0] if measured else None
+            # the push ends when D has the last byte (its notification), not when UCX on P says DONE
+            end = t.get("received_at") or t.get("completed_at")
+            row.update({"kv_bytes": t["bytes"], "push_start": t.get("submit_at"), "push_end": end,
+                        "push_status": t["status"], "lane": t["lane"], "src_ip": p_ip, "dst_ip": d_ip,
+                        "src_port": sport, "dst_port": j.lanes.get((p_ip, d_ip, sport)),
+                        "path_predicted": dec.get("spine") if dec else None, "path_measured": spine,
+                        "reserved_lane": dec.get("lane") if dec else None})
+            if t.get("submit_at") and end and t["status"] == "ok":
+                fct = end - t["submit_at"]
+                standalone = standalone_fct(t["bytes"], data.link_mbit, data.burst_bytes)
+                j.flows.append({"flow_id": tid, "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip,
+                                "src_port": sport, "dst_port": row["dst_port"], "bytes": t["bytes"],
+                                "start": t["submit_at"], "end": end, "path": spine, "fct": fct,
+                                "standalone_fct": standalone, "slowdown": fct / standalone if standalone else None})
+        j.requests.append(row)
+    return j
+
+
+def standalone_fct(nbytes: int, link_mbit: float, burst_bytes: int) -> float:
+    """A flow's FCT alone on its path: tbf lets the first ``burst`` bytes through at once,
+    the rest at the link rate."""
+    return max(nbytes - burst_bytes, 0) * 8 / (link_mbit * 1e6)
+
+
+def _stats(vals: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    v = np.array([x for x in vals if x is not None], dtype=float) * scale
+    if v.size == 0:
+        return {"mean": None, "p50": None, "p99": None, "n": 0}
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)),
+            "n": int(v.size)}
+
+
+def fidelity(data: RunData, j: Joined, lone_flow_ratio: float | None) -> dict[str, Any]:
+    """Did the machine keep up? CPU idle during the run, a lone flow's rate against the
+    configured link rate, and the spines' counters against the pushes' bytes."""
+    idle = data.cpu_idle
+    checks: dict[str, Any] = {"cpu_idle_min": min(idle) if idle else None,
+                              "cpu_idle_median": statistics.median(idle) if idle else None,
+                              "lone_flow_rate_ratio": lone_flow_ratio}
+    pushed = sum(f["bytes"] for f in j.flows)
+    lanes_used = {(f["src_ip"], f["src_port"]) for f in j.flows}
+    counted = 0
+    for k, per in data.flow_bytes.items():
+        ft = json.loads(k)
+        if (ft["src_ip"], ft["src_port"]) in lanes_used:  # P -> D direction of a lane that carried pushes
+            counted += sum(per.values())
+    checks["spine_bytes_over_push_bytes"] = counted / pushed if pushed else None
+    problems = []
+    if idle and statistics.median(idle) < 10:
+        problems.append(f"CPU idle median {statistics.median(idle):.0f}% < 10%: the machine was saturated")
+    if lone_flow_ratio is not None and not 0.9 <= lone_flow_ratio <= 1.1:
+        problems.append(f"a lone flow ran at {lone_flow_ratio:.2f} of the link rate (outside 0.9-1.1)")
+    ratio = checks["spine_bytes_over_push_bytes"]
+    # lanes also carry the connector's probes and TCP/IP headers: a few % above 1.0 is expected
+    if ratio is not None and not 0.98 <= ratio <= 1.15:
+        problems.append(f"spine counters saw {ratio:.3f} x the pushed bytes (outside 0.98-1.15)")
+    checks["problems"] = problems
+    checks["valid"] = not problems
+    return checks
+
+
+def summarize(data: RunData, j: Joined, fid: dict[str, Any]) -> dict[str, Any]:
+    scale = data.config["scale_b"] / data.config["scale_s"]  # testbed seconds per datacenter second
+    ok = [r for r in j.requests if r["status"] == "ok"]
+    pushes = [r for r in j.requests if r.get("push_status")]
+    judged = [r for r in pushes if r.get("path_predicted") and r.get("path_measured")]
+    agree = sum(r["path_predicted"] == r["path_measured"] for r in judged)
+    out: dict[str, Any] = {
+        "mode": data.config["mode"], "requests": len(j.requests), "ok": len(ok),
+        "failed": len(j.requests) - len(ok), "recomputed": sum(r["recomputed"] for r in j.requests),
+        "pushes": len(pushes), "pushes_with_path": len(judged), "path_agreement": agree / len(judged) if judged else None,
+        "fidelity": fid, "time_scale_testbed_per_dc": scale,
+    }
+    for unit, k in (("testbed", 1.0), ("datacenter", 1.0 / scale)):
+        out[unit] = {
+            "fct_s": _stats([f["fct"] for f in j.flows], k),
+            "slowdown": _stats([f["slowdown"] for f in j.flows]),
+            "ttft_s": _stats([r.get("ttft") for r in ok], k),
+            "tpot_s": _stats([r.get("tpot") for r in ok], k),
+        }
+    return out

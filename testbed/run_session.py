@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpath.fabric import FabricSpec
+from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
+from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
 from testbed.orchestrator import RunConfig, run
 from testbed.run_report import fidelity, join, summarize
 
@@ -26,13 +28,49 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     fid = fidelity(data, j, data.lone_flow_ratio)
     summary = summarize(data, j, fid)
     out = Path(cfg.out)
-    (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in j.requests))
-    (out / "flows.jsonl").write_text("".join(json.dumps(f) + "\n" for f in j.flows))
+    write_trace(out / "trace.jsonl", data, j, spec)
+    trace = read_trace(out / "trace.jsonl")  # validated on read too
+    to_simai_csv(trace, out / "flows_simai.csv")
+    to_fct_txt(trace, out / "fct.txt")
+    to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "collected.json").write_text(json.dumps({k: v for k, v in asdict(data).items()
                                                     if k in ("decisions", "lanes_known", "flow_bytes", "link_bytes",
                                                              "cpu_idle", "lone_flow_ratio", "config")}, indent=1))
     return summary
+
+
+def write_trace(path: Path, data: Any, j: Any, spec: FabricSpec) -> None:
+    t0 = data.started
+
+    def rel(x: float | None) -> float | None:
+        return None if x is None else x - t0
+
+    header = Header(t0_unix=t0, mode=data.config["mode"], fabric=spec.to_dict(), scale_b=data.config["scale_b"],
+                    scale_s=data.config["scale_s"], link_mbit=data.link_mbit,
+                    meta={"pools": data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
+                          "seed": data.config["seed"], "engine": data.config["engine"], "netns_prefix": data.prefix})
+    with TraceWriter(path, header) as w:
+        for r in j.requests:
+            ft = (FiveTuple(r["src_ip"], r["dst_ip"], r["src_port"], r["dst_port"] or 0)
+                  if r.get("src_ip") and r.get("dst_ip") and r.get("src_port") else None)
+            ttft = r.get("ttft")
+            w.write(RequestRecord(
+                request_id=r["request_id"], arrival_s=rel(r["arrival"]), prompt_tokens=r["prompt_tokens"],
+                output_tokens=r["output_tokens"], status=r["status"], p_instance=r.get("p_host"),
+                d_instance=r.get("d_host"), prefill_start_s=rel(r.get("prefill_start")),
+                prefill_end_s=rel(r.get("prefill_end")), kv_bytes=r.get("kv_bytes"),
+                push_start_s=rel(r.get("push_start")), push_end_s=rel(r.get("push_end")), lane=r.get("lane"),
+                five_tuple=ft, path_predicted=r.get("path_predicted"), path_measured=r.get("path_measured"),
+                decode_start_s=rel(r.get("decode_start")), first_token_s=rel(r.get("first_token")),
+                completion_s=rel(r.get("completion")),
+                ttft_s=None if ttft is None else rel(r["first_token"]) - rel(r["arrival"]),
+                tpot_s=r.get("tpot"), recomputed=r["recomputed"]))
+        for f in j.flows:
+            w.write(FlowRecord(flow_id=f["flow_id"], request_id=f["request_id"],
+                               five_tuple=FiveTuple(f["src_ip"], f["dst_ip"], f["src_port"], f["dst_port"] or 0),
+                               bytes=f["bytes"], start_s=rel(f["start"]), end_s=rel(f["end"]), path=f["path"],
+                               standalone_fct_s=f["standalone_fct"]))
 
 
 def _fmt(st: dict[str, Any], key: str, ms: bool = True) -> str:

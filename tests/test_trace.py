@@ -1,0 +1,97 @@
+"""The trace schema: round trip, validation naming the field, versions, exporters."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpath.fabric import FabricSpec
+from kvpath.trace import SCHEMA_VERSION, FiveTuple, FlowRecord, Header, RequestRecord, TraceError, TraceWriter, read_trace
+from kvpath.trace_formats import from_fct_txt, hex_ip, to_fct_txt, to_request_metrics_csv, to_simai_csv
+
+FT = FiveTuple("10.0.2.1", "10.1.3.1", 41000, 5600)
+
+
+def _req(**kw) -> RequestRecord:
+    d = dict(request_id="r0", arrival_s=0.5, prompt_tokens=1024, output_tokens=8, p_instance="l0h0", d_instance="l1h1",
+             prefill_start_s=0.5, prefill_end_s=0.6, kv_bytes=1000, push_start_s=0.6, push_end_s=0.61,
+             five_tuple=FT, path_predicted="spine1", path_measured="spine1", first_token_s=0.62, completion_s=0.7,
+             ttft_s=0.12, tpot_s=0.01)
+    d.update(kw)
+    return RequestRecord(**d)
+
+
+def _flow(**kw) -> FlowRecord:
+    d = dict(flow_id="f0", request_id="r0", five_tuple=FT, bytes=1000, start_s=0.6, end_s=0.61, path="spine1",
+             standalone_fct_s=0.005)
+    d.update(kw)
+    return FlowRecord(**d)
+
+
+def _write(tmp_path, recs, header=None):
+    p = tmp_path / "t.jsonl"
+    h = header or Header(t0_unix=1.7e9, mode="cc", fabric=FabricSpec(leaves=2, spines=2, hosts_per_leaf=2).to_dict())
+    with TraceWriter(p, h) as w:
+        w.write_all(recs)
+    return p
+
+
+def test_round_trip(tmp_path):
+    p = _write(tmp_path, [_req(), _flow()])
+    t = read_trace(p)
+    assert t.header.version == SCHEMA_VERSION and t.requests == [_req()] and t.flows == [_flow()]
+    assert t.flows_by_request()["r0"][0].fct_s == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("rec, field", [
+    (_flow(end_s=0.5), "end_s"),
+    (_flow(bytes=-1), "bytes"),
+    (_flow(five_tuple=FiveTuple("10.0.2.1", "10.1.3.1", 70000, 5600)), "src_port"),
+    (_flow(five_tuple=FiveTuple("10.0.2.1", "nohost", 1, 2)), "dst_ip"),
+    (_flow(five_tuple=FiveTuple("10.0.2.1", "10.1.3.1", 1, 2, "sctp")), "proto"),
+    (_req(push_end_s=0.5), "push_end_s"),
+    (_req(ttft_s=0.5), "ttft_s"),
+    (_req(kv_bytes=-5), "kv_bytes"),
+    (_req(completion_s=0.55), "completion_s"),
+])
+def test_a_bad_record_is_refused_on_write_naming_the_field(tmp_path, rec, field):
+    with pytest.raises(TraceError, match=field):
+        _write(tmp_path, [rec])
+
+
+def test_bad_files_are_refused_with_the_line(tmp_path):
+    p = _write(tmp_path, [_req()])
+    text = p.read_text().replace('"version":1', '"version":7')
+    p.write_text(text)
+    with pytest.raises(TraceError, match="version 7"):
+        read_trace(p)
+    p.write_text(text.replace('"version":7', '"version":1') + '{"type":"flow","flow_id":"x"}\n')
+    with pytest.raises(TraceError, match="line 3"):
+        read_trace(p)
+    p.write_text("RequestRecord\n")  # not JSON
+    with pytest.raises(TraceError, match="line 1"):
+        read_trace(p)
+    q = tmp_path / "noheader.jsonl"
+    q.write_text('{"type":"request","request_id":"a","arrival_s":0,"prompt_tokens":1,"output_tokens":1}\n')
+    with pytest.raises(TraceError, match="header"):
+        read_trace(q)
+
+
+def test_exporters_write_the_simulators_formats(tmp_path):
+    t = read_trace(_write(tmp_path, [_req(), _flow(), _flow(flow_id="f1", start_s=0.7, end_s=0.75,
+                                                             standalone_fct_s=None, bytes=7)]))
+    assert hex_ip("10.1.3.1") == "0a010301"
+    to_fct_txt(t, tmp_path / "fct.txt")
+    assert (tmp_path / "fct.txt").read_text().splitlines() == [
+        "0a000201 0a010301 41000 5600 1000 600000000 10000000 5000000",
+        "0a000201 0a010301 41000 5600 7 700000000 50000000 50000000",
+    ]
+    back = from_fct_txt(tmp_path / "fct.txt")
+    assert back[0].five_tuple == FT and back[0].bytes == 1000 and back[0].fct_s == pytest.approx(0.01)
+    to_simai_csv(t, tmp_path / "flows.csv")
+    # node ids: host indices in the spec (l0h0 = 0, l0h1 = 1, l1h0 = 2, l1h1 = 3)
+    assert (tmp_path / "flows.csv").read_text().splitlines() == [
+        "timestamp_ns,src_node_id,dst_node_id,size_bytes", "600000000,0,3,1000", "700000000,0,3,7"]
+    to_request_metrics_csv(t, tmp_path / "rm.csv")
+    head, row = (tmp_path / "rm.csv").read_text().splitlines()
+    assert head.startswith("request_id,arrived_at,prefill_completed_at,decode_arrived_at,completed_at,")
+    assert row.split(",")[:4] == ["r0", "0.500000000", "0.600000000", "0.610000000"]

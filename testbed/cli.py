@@ -77,7 +77,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
                             scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, model=args.model,
                             accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
-                            pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s)
+                            pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s,
+                            policy=args.policy)
             cfg.validate()
             cfgs.append(cfg)
     except RunConfigError as e:
@@ -116,6 +117,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--pd-ratio", type=float, default=20.0)
     rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     rn.add_argument("--dc-delay-s", type=float, default=0.0)
+    rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
+                    "least_outstanding (with equal pools, round_robin pairs P i with D i)")
     rn.set_defaults(func=_cmd_run)
     dn = tb.add_parser("down", help="remove every testbed namespace (the leftovers of a killed run)")
     dn.add_argument("--prefix", default="kvp", help="remove namespaces named <prefix> or <prefix>-*")

@@ -66,6 +66,7 @@ class RunConfig:
     pd_ratio: float = 20.0
     max_output: int = 64
     dc_delay_s: float = 0.0
+    policy: str = "round_robin"  # the proxy's choice of P and D instances
     timeout_s: float = 600.0
 
     def validate(self) -> tuple[FabricSpec, int, int]:
@@ -85,6 +86,10 @@ class RunConfig:
                                  f"and {(spec.leaves - half) * spec.hosts_per_leaf} for D on this fabric")
         if self.engine not in ("emulated",):
             raise RunConfigError(f"--engine {self.engine!r}: only 'emulated' is implemented so far")
+        from proxy.instances import POLICIES
+
+        if self.policy not in POLICIES:
+            raise RunConfigError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         if self.mode not in MODES:
             raise RunConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
         for name in ("qps", "scale_b", "scale_s", "pd_ratio"):
@@ -175,7 +180,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
                     "--port", str(PROXY_PORT), "--reservation", "inproc", "--reservation-mode", cfg.mode,
                     "--fabric", str(spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                     "--kv-bytes-per-token", str(max(1, round(kvb / cfg.scale_s))), "--lease-s", "60",
-                    "--first-byte-timeout-s", str(cfg.timeout_s)]
+                    "--first-byte-timeout-s", str(cfg.timeout_s), "--policy", cfg.policy]
             for h in p_hosts:
                 argv += ["--prefill", f"http://{fabric.mgmt_ip(h)}:{ENGINE_PORT},kv_addr={spec.host_ip(h)}:{KV_PORT},"
                                       f"fabric_host={h},engine_id=p-{h}"]

@@ -69,6 +69,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from testbed.orchestrator import RunConfig, RunConfigError
     from testbed.run_session import run_modes
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     modes = [m for m in args.mode.split(",") if m]
     cfgs = []
     try:

@@ -86,7 +86,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
     if not cfgs:
         raise SystemExit("kvpath testbed run: error: --mode: give at least one of ecmp, cc, dc")
-    return run_modes(cfgs, args.out, Console())
+    console = Console()
+    if not console.is_terminal:  # a log file: rich would wrap the tables at 80 columns
+        console = Console(width=200)
+    return run_modes(cfgs, args.out, console)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -67,6 +67,11 @@ class KVPathConfig:
     kernel_oracle: str | None = None
     # Bearer token for the reservation service's lane registration, when it has one.
     reservation_token: str | None = None
+    # When a push's lane is reserved: "admission" takes the lane the proxy put in the
+    # request's kv_transfer_params (reserved when it admitted the request); "push" has
+    # P ask the reservation service (reservation_url) when the push is ready to start,
+    # for requests that came without a lane (the call gives up after 50 ms).
+    reserve_at: str = "admission"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -115,6 +120,10 @@ class KVPathConfig:
             raise ConfigError("kv_connector_extra_config.kernel_oracle needs fabric_spec (the testbed's fabric)")
         if self.fabric_spec and not self.fabric_host:
             raise ConfigError("kv_connector_extra_config.fabric_spec needs fabric_host (this engine's host in the spec)")
+        if self.reserve_at not in ("admission", "push"):
+            raise ConfigError(f"kv_connector_extra_config.reserve_at must be admission or push, got {self.reserve_at!r}")
+        if self.reserve_at == "push" and not (self.reservation_url and self.fabric_host):
+            raise ConfigError("kv_connector_extra_config.reserve_at=push needs reservation_url and fabric_host")
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
 

@@ -24,6 +24,7 @@ class FinishedPrefill:
     block_ids: list[int]
     lane: int | None = None  # lane chosen by the caller (the proxy); None: hash
     lease_id: str | None = None  # the reservation behind that lane, released when the push ends
+    lane_asked: bool = False  # reserve_at=push: P has asked the reservation service for its lane
     finished_at: float = field(default_factory=time.time)
     deadline: float = 0.0
 

@@ -77,6 +77,7 @@ class PushSender(EngineThread):
         self.notifier: ReservationNotifier | None = None
         self.instance = uuid.uuid4().hex[:12]  # D tells a restarted P by a new value
         self._next_heartbeat = 0.0
+        self._asking: dict[str, Match] = {}  # reserve_at=push: pushes waiting for their lane
 
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
@@ -181,6 +182,8 @@ class PushSender(EngineThread):
         for kind, arg in self._commands():
             if kind == "finished":
                 self._on_finished(arg)
+            elif kind == "reserved":
+                self._on_reserved(*arg)
             elif kind == "abort":
                 pr = self.state.abort_prefill(arg)
                 if pr is not None:
@@ -359,7 +362,36 @@ class PushSender(EngineThread):
         beat = min((p.hello.heartbeat_s for p in self._peers.values()), default=1.0)
         self._next_heartbeat = time.monotonic() + beat
 
+    def _ask_lane(self, m: Match) -> bool:
+        """reserve_at=push: ask the reservation service for this push's lane first (on
+        the notifier's thread); the WRITE starts when the answer comes. False when
+        there is nothing to ask (a lane was given, no service, hosts unknown)."""
+        fp = m.prefill
+        if self.cfg.reserve_at != "push" or fp.lane is not None or fp.lane_asked or self.notifier is None:
+            return False
+        peer = self._peers.get(m.registration.reg.agent_name)
+        if peer is None or not peer.hello.fabric_host:
+            return False
+        fp.lane_asked = True
+        nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
+        self._asking[fp.transfer_id] = m
+        self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, fp.transfer_id,
+                              lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
+        return True
+
+    def _on_reserved(self, tid: str, lane: int | None, lease_id: str | None) -> None:
+        m = self._asking.pop(tid, None)
+        if m is None:
+            if lease_id and self.notifier is not None:
+                self.notifier.release(lease_id)
+            return
+        m.prefill.lane, m.prefill.lease_id = lane, lease_id  # None: the hash's lane
+        self.stats.inc("lanes_reserved_at_push" if lane is not None else "lanes_reserve_fallback")
+        self._start_write(m)
+
     def _start_write(self, m: Match) -> None:
+        if self._ask_lane(m):
+            return
         fp, pr = m.prefill, m.registration
         reg = pr.reg
         n_lanes = self.cfg.lanes

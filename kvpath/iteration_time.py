@@ -10,11 +10,12 @@ square. The emulated engines and the simulator use this one model.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvpath.models import Accelerator, ModelShape, ModelSpecError, accelerator_preset, kv_bytes_per_token, model_preset
+from kvpath.models import (  # noqa: F401  (ModelSpecError: raised here, imported from here too)
+    Accelerator, ModelShape, ModelSpecError, accelerator_preset, kv_bytes_per_token, model_preset)
 
 
 @dataclass(frozen=True)
@@ -75,5 +76,3 @@ class IterationTimeModel:
     def decode_time(self, contexts: list[int] | np.ndarray) -> float:
         return self.iteration_time([], contexts)
 
-
-__all__ = ["IterationTimeModel", "ModelSpecError", "asdict"]

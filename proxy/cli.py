@@ -58,10 +58,12 @@ def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") 
     p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
     p.add_argument("--lease-s", type=float, default=10.0, help="a reservation ends after this without a release")
     p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
+    p.add_argument("--cc-metric", choices=("flows", "bytes"), default="flows",
+                   help="cc/dc: least reserved flows on a path's busiest link, or least reserved bytes")
 
 
 def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,
-                  kernel_oracle: str = "") -> ReservationService:
+                  kernel_oracle: str = "", metric: str = "flows") -> ReservationService:
     spec = load_fabric(fabric)
     oracle = None
     if kernel_oracle:
@@ -69,7 +71,7 @@ def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: flo
 
         oracle = KernelOracle(spec, lambda node: spec.netns_name(kernel_oracle, node))
     try:
-        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle)
+        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle, metric=metric)
     except ReservationError as e:
         raise SystemExit(f"kvpath: error: {e}") from None
 
@@ -79,7 +81,7 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 
     from proxy.reservation_app import create_app
 
-    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle)
+    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
     uvicorn.run(create_app(svc, admin_token=args.admin_token), host=args.host, port=args.port, log_level="warning")
     return 0
@@ -106,9 +108,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         if args.reservation_url:
             reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
         elif args.reservation == "inproc":
-            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle)
+            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric)
             reserver = InProcessReserver(svc)
             res_app = create_reservation_app(svc, admin_token=args.admin_token)
+        if args.reserve_at == "push":
+            reserver = None  # P's connectors reserve when their pushes start (reserve_at=push)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
                       first_byte_timeout_s=args.first_byte_timeout_s, chunk_gap_timeout_s=args.chunk_gap_timeout_s,
                       connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
@@ -161,6 +165,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",
                    help="inproc: run the reservation service inside the proxy (push mode); "
                         "its API is then at /reservation (connectors: reservation_url=http://PROXY/reservation)")
+    p.add_argument("--reserve-at", choices=("admission", "push"), default="admission",
+                   help="admission: the proxy reserves each push's lane when it admits the request; push: it "
+                        "does not, and P's connectors (reserve_at=push) reserve when the push starts")
     p.add_argument("--reservation-timeout-s", type=float, default=0.05,
                    help="past this, a request goes on the hash-chosen lane (counted as a fallback)")
     add_reservation_args(p, "--reservation-mode")

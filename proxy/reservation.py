@@ -106,16 +106,19 @@ class LinkLoads:
                 del self.flows[ln]
                 del self.bytes[ln]
 
-    def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
-        """(flows on the busiest link, bytes summed over the links)."""
+    def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
+        """(flows on the busiest link, bytes summed over the links, bytes on the link
+        with the most)."""
         flows, nbytes = self.flows, self.bytes
-        worst = total = 0
+        worst = total = worst_b = 0
         for ln in links:
             f = flows.get(ln, 0)
             if f > worst:
                 worst = f
-            total += nbytes.get(ln, 0)
-        return worst, total
+            b = nbytes.get(ln, 0)
+            total += b
+            worst_b = max(worst_b, b)
+        return worst, total, worst_b
 
     def total_flows(self) -> int:
         return sum(self.flows.values())
@@ -164,17 +167,22 @@ class _DelayedView:
     def __init__(self, truth: LinkLoads, unheard: _Unheard, host: str):
         self.truth, self.all, self.mine = truth, unheard.all, unheard.by_host.get(host)
 
-    def cost(self, links: tuple[Link, ...]) -> tuple[int, int]:
+    def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
         tf, tb, af, ab = self.truth.flows, self.truth.bytes, self.all.flows, self.all.bytes
         mf = self.mine.flows if self.mine else {}
         mb = self.mine.bytes if self.mine else {}
-        worst = total = 0
+        worst = total = worst_b = 0
         for ln in links:
             f = tf.get(ln, 0) - af.get(ln, 0) + mf.get(ln, 0)
             if f > worst:
                 worst = f
-            total += tb.get(ln, 0) - ab.get(ln, 0) + mb.get(ln, 0)
-        return worst, total
+            b = tb.get(ln, 0) - ab.get(ln, 0) + mb.get(ln, 0)
+            total += b
+            worst_b = max(worst_b, b)
+        return worst, total, worst_b
+
+
+METRICS = ("flows", "bytes")
 
 
 class ReservationService:
@@ -186,9 +194,16 @@ class ReservationService:
         lease_s: float = 10.0,
         dc_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        metric: str = "flows",
     ):
         if mode not in MODES:
             raise ReservationError(f"mode must be one of {MODES}, got {mode!r}")
+        if metric not in METRICS:
+            raise ReservationError(f"metric must be one of {METRICS}, got {metric!r}")
+        # cc/dc's load measure: "flows" on the busiest link of a path (then bytes over
+        # the path), or "bytes" reserved on its busiest link (Hedera's Global-First-Fit
+        # counts demand against capacity; every link here has one capacity)
+        self.metric = metric
         if lease_s <= 0 or dc_delay_s < 0:
             raise ReservationError("lease_s must be > 0 and dc_delay_s >= 0")
         self.spec = spec
@@ -257,8 +272,8 @@ class ReservationService:
             # Global-First-Fit: the least-loaded path; ties go to the lowest lane id
             best = None
             for lane_c, paths_c in cands:
-                worst, total = view.cost(_core_links(paths_c))
-                key = (worst, total, lane_c.lane)
+                worst, total, worst_b = view.cost(_core_links(paths_c))
+                key = (worst, total, lane_c.lane) if self.metric == "flows" else (worst_b, worst, lane_c.lane)
                 if best is None or key < best[0]:
                     best = (key, lane_c, paths_c)
             assert best is not None

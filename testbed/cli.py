@@ -79,7 +79,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, model=args.model,
                             accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                             pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s,
-                            policy=args.policy)
+                            policy=args.policy, reserve_at=args.reserve_at, cc_metric=args.cc_metric)
             cfg.validate()
             cfgs.append(cfg)
     except RunConfigError as e:
@@ -121,6 +121,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--pd-ratio", type=float, default=20.0)
     rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     rn.add_argument("--dc-delay-s", type=float, default=0.0)
+    rn.add_argument("--reserve-at", default="admission", choices=("admission", "push"),
+                    help="when a push's lane is reserved: when the proxy admits the request, or when P starts the push")
+    rn.add_argument("--cc-metric", default="flows", choices=("flows", "bytes"),
+                    help="cc/dc: least reserved flows, or least reserved bytes, on a path's busiest link")
     rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
                     "least_outstanding (with equal pools, round_robin pairs P i with D i)")
     rn.set_defaults(func=_cmd_run)

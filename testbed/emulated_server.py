@@ -183,33 +183,22 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                        engine_id=args.engine_id or None, reservation_url=args.reservation_url or None,
                        fabric_host=args.fabric_host or None, fabric_spec=args.fabric or None,
                        kernel_oracle=args.kernel_oracle or None, lane_candidates=args.lane_candidates,
+                       reserve_at=args.reserve_at,
                        idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0)
     cfg.validate()
     if args.role == "prefill":
         from connector.sender import PushSender
 
         conn: Any = PushSender(cfg, layout, spans, engine_id=cfg.engine_id).start()
-        engine = EmulatedEngine(spec, _Adapter(model), sender=conn)
+        engine = EmulatedEngine(spec, model, sender=conn)
     else:
         from connector.receiver import PushReceiver
 
         conn = PushReceiver(cfg, layout, spans, engine_id=cfg.engine_id).start()
-        engine = EmulatedEngine(spec, _Adapter(model), receiver=conn)
-    engine.kv_buffer = buf  # keep the registered memory alive with the engine
-    return create_app(engine, args.model, conn), conn
-
-
-class _Adapter:
-    """The iteration-time model seen through the two calls the core makes."""
-
-    def __init__(self, model: Any):
-        self.model = model
-
-    def prefill_time(self, tokens: list[int]) -> float:
-        return float(self.model.prefill_time(tokens))
-
-    def decode_time(self, contexts: list[int]) -> float:
-        return float(self.model.decode_time(contexts))
+        engine = EmulatedEngine(spec, model, receiver=conn)
+    app = create_app(engine, args.model, conn)
+    app.state.kv_buffer = buf  # the memory NIXL registered lives as long as the app
+    return app, conn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fabric-host", default="")
     ap.add_argument("--kernel-oracle", default="")
     ap.add_argument("--reservation-url", default="")
+    ap.add_argument("--reserve-at", choices=("admission", "push"), default="admission")
     ap.add_argument("--ucx-dev", default="")
     ap.add_argument("--trace", default="")
     ap.add_argument("--engine-id", default="")

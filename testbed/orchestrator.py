@@ -67,6 +67,8 @@ class RunConfig:
     max_output: int = 64
     dc_delay_s: float = 0.0
     policy: str = "round_robin"  # the proxy's choice of P and D instances
+    reserve_at: str = "admission"  # when a push's lane is reserved: proxy admission or push start
+    cc_metric: str = "flows"  # cc/dc's load measure: reserved flows or bytes on a path's busiest link
     timeout_s: float = 600.0
 
     def validate(self) -> tuple[FabricSpec, int, int]:
@@ -90,6 +92,10 @@ class RunConfig:
 
         if self.policy not in POLICIES:
             raise RunConfigError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.cc_metric not in ("flows", "bytes"):
+            raise RunConfigError(f"--cc-metric must be flows or bytes, got {self.cc_metric!r}")
+        if self.reserve_at not in ("admission", "push"):
+            raise RunConfigError(f"--reserve-at must be admission or push, got {self.reserve_at!r}")
         if self.mode not in MODES:
             raise RunConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
         for name in ("qps", "scale_b", "scale_s", "pd_ratio"):
@@ -144,6 +150,7 @@ def _engine_argv(fabric: NetnsFabric, cfg: RunConfig, role: str, host: str, spec
         "--scale-s", str(cfg.scale_s), "--lanes", str(cfg.lanes), "--fabric", spec_arg, "--fabric-host", host,
         "--kernel-oracle", fabric.prefix, "--reservation-url", f"{proxy_url}/reservation",
         "--trace", str(out / f"transfers-{host}.jsonl"), "--engine-id", f"{role[0]}-{host}",
+        "--reserve-at", cfg.reserve_at,
     ])
 
 
@@ -180,7 +187,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
                     "--port", str(PROXY_PORT), "--reservation", "inproc", "--reservation-mode", cfg.mode,
                     "--fabric", str(spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                     "--kv-bytes-per-token", str(max(1, round(kvb / cfg.scale_s))), "--lease-s", "60",
-                    "--first-byte-timeout-s", str(cfg.timeout_s), "--policy", cfg.policy]
+                    "--first-byte-timeout-s", str(cfg.timeout_s), "--policy", cfg.policy,
+                    "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric]
             for h in p_hosts:
                 argv += ["--prefill", f"http://{fabric.mgmt_ip(h)}:{ENGINE_PORT},kv_addr={spec.host_ip(h)}:{KV_PORT},"
                                       f"fabric_host={h},engine_id=p-{h}"]

@@ -61,3 +61,15 @@ def test_missing_nixl_is_a_clear_startup_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_nixl)
     with pytest.raises(ConfigError, match="needs NIXL"):
         nixl_io.load_nixl()
+
+
+def test_reserve_at_is_validated():
+    with pytest.raises(ConfigError, match="reserve_at must be admission or push"):
+        KVPathConfig.from_extra_config({"reserve_at": "later"})
+    with pytest.raises(ConfigError, match="reserve_at=push needs reservation_url and fabric_host"):
+        KVPathConfig.from_extra_config({"reserve_at": "push", "reservation_url": "http://x/reservation"})
+    cfg = KVPathConfig.from_extra_config({"reserve_at": "push", "reservation_url": "http://x/reservation",
+                                          "fabric_host": "l0h0"})
+    assert cfg.reserve_at == "push"
+    with pytest.raises(ConfigError, match="kernel_oracle needs fabric_spec"):
+        KVPathConfig.from_extra_config({"kernel_oracle": "kvp-ab12"})

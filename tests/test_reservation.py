@@ -6,6 +6,7 @@ import pytest
 
 from connector.params import default_lane
 from kvpath.fabric import FabricSpec
+from kvpath.oracle import ModelOracle
 from proxy.reservation import LaneInfo, ReservationError, ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
@@ -147,7 +148,7 @@ def test_dc_views_equal_a_recount_of_the_unheard_changes():
                 sg for t, o, ls, _, sg in log if ln in ls and o != me and t + 0.03 > clock.t)
             nbytes = sum(sg * b for _, _, ls, b, sg in log if ln in ls) - sum(
                 sg * b for t, o, ls, b, sg in log if ln in ls and o != me and t + 0.03 > clock.t)
-            assert view.cost((ln,)) == (flows, nbytes), (i, me, ln)
+            assert view.cost((ln,)) == (flows, nbytes, nbytes), (i, me, ln)
 
 
 def test_leases_expire_and_release_is_idempotent():
@@ -246,3 +247,26 @@ def test_lease_ids_cannot_be_guessed_from_one_another():
     assert a.startswith("r1-") and b.startswith("r2-") and a[3:] != b[3:]
     assert not svc.release("r2") and not svc.release(b[:-1] + ("0" if b[-1] != "0" else "1"))
     assert svc.release(b)
+
+
+def test_the_bytes_metric_puts_a_push_beside_many_small_ones_rather_than_one_big_one():
+    """cc with metric=bytes weighs reserved bytes on a path's busiest link; with
+    metric=flows it counts flows. One 100 MB push on spine0 and two 1 MB pushes on
+    spine1: flows sends the next push to spine0, bytes to spine1."""
+    spec = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)
+    oracle = ModelOracle(spec)
+    by_spine: dict[str, int] = {}
+    for port in range(40000, 40200):
+        by_spine.setdefault(oracle.path("l0h0", "l1h0", port, 5600).spine, port)
+    lanes = [LaneInfo(0, by_spine["spine0"], 5600), LaneInfo(1, by_spine["spine1"], 5600)]
+    picks = {}
+    for metric in ("flows", "bytes"):
+        svc = ReservationService(spec, "cc", oracle=oracle, metric=metric)
+        svc.register_lanes("l0h0", "l1h0", lanes)
+        svc.reserve("l0h0", "l1h0", 100_000_000, [lanes[0]], "big")
+        svc.reserve("l0h0", "l1h0", 1_000_000, [lanes[1]], "s1")
+        svc.reserve("l0h0", "l1h0", 1_000_000, [lanes[1]], "s2")
+        picks[metric] = svc.reserve("l0h0", "l1h0", 1_000_000, transfer_id="next").path.spine
+    assert picks == {"flows": "spine0", "bytes": "spine1"}
+    with pytest.raises(ReservationError, match="metric"):
+        ReservationService(spec, "cc", metric="packets")

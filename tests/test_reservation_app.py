@@ -1,4 +1,6 @@
-"""The reservation service over HTTP (FastAPI TestClient, no sockets)."""
+"""The reservation service over HTTP (FastAPI TestClient; the notifier tests use a real server)."""
+
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -115,3 +117,34 @@ def test_p_connector_notifier_sends_the_token():
             ok = n.stats.totals["reservation_calls_ok"], n.stats.totals["reservation_calls_failed"]
             assert ok == ((0, 1) if token is None else (1, 0))
     assert svc.lanes("l0h1", "l1h1")[1].src_port == 41001
+
+
+def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service_is_down():
+    import threading
+
+    from connector.reservation_hooks import ReservationNotifier
+    from testbed.readiness import free_port
+    from testbed.stub_engine import ServerThread
+
+    svc = ReservationService(SPEC, "cc", lease_s=5)
+    got: list[tuple] = []
+    done = threading.Event()
+
+    def answer(tid, lane, lease):
+        got.append((tid, lane, lease))
+        done.set()
+
+    with ServerThread(create_app(svc), free_port()) as srv:
+        n = ReservationNotifier(srv.url)
+        n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)])
+        time.sleep(0.5)  # the registration is on the other thread: let it land first
+        n.reserve("l0h1", "l1h1", 1_000_000, "t1", answer)
+        assert done.wait(5)
+        n.close()
+    assert got[0][0] == "t1" and got[0][1] in (0, 1) and got[0][2] in svc.active
+    down = ReservationNotifier(f"http://127.0.0.1:{free_port()}")
+    done.clear()
+    t0 = time.monotonic()
+    down.reserve("l0h1", "l1h1", 1, "t2", answer)
+    assert done.wait(5) and got[1] == ("t2", None, None) and time.monotonic() - t0 < 2
+    down.close()

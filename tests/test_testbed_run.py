@@ -16,12 +16,14 @@ from tests.test_testbed_fabric import _why
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 
-def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spine(tmp_path):
+@pytest.mark.parametrize("reserve_at", ["admission", "push"])
+def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spine(tmp_path, reserve_at):
     from testbed.netns_fabric import leftovers
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "kvpath.cli", "testbed", "run", "--fabric", "small", "--pools", "2P2D",
-                        "--requests", "16", "--qps", "4", "--mode", "cc", "--max-output", "8", "--out", str(out)],
+                        "--requests", "16", "--qps", "4", "--mode", "cc", "--max-output", "8", "--out", str(out),
+                        "--reserve-at", reserve_at],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode in (0, 1), r.stderr[-3000:]  # 1: the machine was too busy for a valid run
     s = json.loads((out / "cc" / "summary.json").read_text())
@@ -37,3 +39,16 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
         assert q.output_tokens == 8
     assert len((out / "cc" / "fct.txt").read_text().splitlines()) == 16
     assert leftovers(f"kvp-{trace.header.meta['netns_prefix'][4:]}") == []
+    # who reserved: the proxy at admission, or P's connector when the push started
+    decisions = json.loads((out / "cc" / "collected.json").read_text())["decisions"]
+    assert len(decisions) == 16 and all(d["lane"] is not None for d in decisions)
+    by_tid = {d["transfer_id"]: d for d in decisions}
+    t0 = trace.header.t0_unix
+    for q in trace.requests:
+        d = by_tid[trace.flows_by_request()[q.request_id][0].flow_id]
+        at = d["at"] - t0
+        if reserve_at == "push":  # after the prefill, before the WRITE
+            assert q.prefill_end_s - 1e-3 <= at <= q.push_start_s
+        else:  # before P saw the request
+            assert q.arrival_s - 1e-3 <= at <= q.prefill_start_s
+        assert d["lane"] == q.lane

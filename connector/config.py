@@ -70,7 +70,7 @@ class KVPathConfig:
     # When a push's lane is reserved: "admission" takes the lane the proxy put in the
     # request's kv_transfer_params (reserved when it admitted the request); "push" has
     # P ask the reservation service (reservation_url) when the push is ready to start,
-    # for requests that came without a lane (the call gives up after 50 ms).
+    # for requests that came without a lane (waiting 50 ms at most for the answer).
     reserve_at: str = "admission"
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -25,7 +25,6 @@ class ReservationNotifier:
         self.base_url = base_url.rstrip("/")
         self.stats = stats or Stats()
         self.timeout_s = timeout_s
-        self.reserve_timeout_s = 0.05  # a push waits this long at most for its lane
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._q: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
         # reserve calls get their own thread: a push must not wait behind registrations
@@ -75,6 +74,11 @@ class ReservationNotifier:
         import httpx
 
         with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
+            if q is self._rq:  # open the connection now: the first push should not pay for it
+                try:
+                    client.get(self.base_url + "/health")
+                except Exception:
+                    pass
             while True:
                 item = q.get()
                 if item is None:
@@ -83,8 +87,7 @@ class ReservationNotifier:
                 done = body.pop("_done", None)
                 lane = lease = None
                 try:
-                    r = client.post(self.base_url + path, json=body,
-                                    timeout=self.reserve_timeout_s if done else self.timeout_s)
+                    r = client.post(self.base_url + path, json=body)
                     if r.status_code >= 400:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                     self.stats.inc("reservation_calls_ok")

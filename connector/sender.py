@@ -31,6 +31,8 @@ from connector.telemetry import Stats, TraceWriter, TransferRecord
 
 logger = logging.getLogger(__name__)
 
+ASK_TIMEOUT_S = 0.05  # reserve_at=push: how long a push waits for its lane
+
 
 @dataclass
 class _Peer:
@@ -77,7 +79,7 @@ class PushSender(EngineThread):
         self.notifier: ReservationNotifier | None = None
         self.instance = uuid.uuid4().hex[:12]  # D tells a restarted P by a new value
         self._next_heartbeat = 0.0
-        self._asking: dict[str, Match] = {}  # reserve_at=push: pushes waiting for their lane
+        self._asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
 
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
@@ -154,8 +156,10 @@ class PushSender(EngineThread):
         self._loop(self._step)
 
     def _step(self) -> None:
-        timeout_ms = 0 if self._inflight else int(self.cfg.idle_poll_s * 1000)
+        timeout_ms = 0 if self._inflight else 5 if self._asking else int(self.cfg.idle_poll_s * 1000)
         events = self._poll(timeout_ms)
+        if self._asking:
+            self._stop_asking()
         if events is None:
             return
         if self._router in events:
@@ -374,20 +378,30 @@ class PushSender(EngineThread):
             return False
         fp.lane_asked = True
         nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
-        self._asking[fp.transfer_id] = m
+        self._asking[fp.transfer_id] = (m, time.monotonic())
         self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, fp.transfer_id,
                               lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
         return True
 
     def _on_reserved(self, tid: str, lane: int | None, lease_id: str | None) -> None:
-        m = self._asking.pop(tid, None)
-        if m is None:
+        asked = self._asking.pop(tid, None)
+        if asked is None:  # too late: the push went on the hash's lane; free what was reserved
             if lease_id and self.notifier is not None:
                 self.notifier.release(lease_id)
             return
+        m = asked[0]
         m.prefill.lane, m.prefill.lease_id = lane, lease_id  # None: the hash's lane
         self.stats.inc("lanes_reserved_at_push" if lane is not None else "lanes_reserve_fallback")
         self._start_write(m)
+
+    def _stop_asking(self) -> None:
+        """A push waits ASK_TIMEOUT_S at most for its lane, then goes on the hash's lane."""
+        now = time.monotonic()
+        for tid, (m, at) in list(self._asking.items()):
+            if now - at > ASK_TIMEOUT_S:
+                del self._asking[tid]
+                self.stats.inc("lanes_reserve_fallback")
+                self._start_write(m)
 
     def _start_write(self, m: Match) -> None:
         if self._ask_lane(m):

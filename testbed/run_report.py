@@ -69,11 +69,15 @@ def join(data: RunData, ip_of: Any) -> Joined:
             spine = max(measured.items(), key=lambda kv: kv[1])[0] if measured else None
             # the push ends when D has the last byte (its notification), not when UCX on P says DONE
             end = t.get("received_at") or t.get("completed_at")
+            # a push that did not wait for its reservation (reserve_at=push answered late)
+            # went on the hash's lane: the reservation's spine is not its prediction
+            used = dec is not None and dec.get("lane") == t["lane"]
             row.update({"kv_bytes": t["bytes"], "push_start": t.get("submit_at"), "push_end": end,
                         "push_status": t["status"], "lane": t["lane"], "src_ip": p_ip, "dst_ip": d_ip,
                         "src_port": sport, "dst_port": j.lanes.get((p_ip, d_ip, sport)),
-                        "path_predicted": dec.get("spine") if dec else None, "path_measured": spine,
-                        "reserved_lane": dec.get("lane") if dec else None})
+                        "path_predicted": dec.get("spine") if used else None, "path_measured": spine,
+                        "reserved_lane": dec.get("lane") if dec else None,
+                        "reservation_unused": dec is not None and not used})
             if t.get("submit_at") and end and t["status"] == "ok":
                 fct = end - t["submit_at"]
                 standalone = standalone_fct(t["bytes"], data.link_mbit, data.burst_bytes)
@@ -138,6 +142,7 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any]) -> dict[str, Any]:
         "mode": data.config["mode"], "requests": len(j.requests), "ok": len(ok),
         "failed": len(j.requests) - len(ok), "recomputed": sum(r["recomputed"] for r in j.requests),
         "pushes": len(pushes), "pushes_with_path": len(judged), "path_agreement": agree / len(judged) if judged else None,
+        "reservations_unused": sum(bool(r.get("reservation_unused")) for r in pushes),
         "fidelity": fid, "time_scale_testbed_per_dc": scale,
     }
     for unit, k in (("testbed", 1.0), ("datacenter", 1.0 / scale)):

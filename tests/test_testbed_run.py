@@ -29,11 +29,16 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
     s = json.loads((out / "cc" / "summary.json").read_text())
     assert (s["requests"], s["ok"], s["failed"], s["recomputed"]) == (16, 16, 0, 0)
     # every push's bytes crossed the spine the reservation service chose for it
-    assert s["pushes"] == s["pushes_with_path"] == 16 and s["path_agreement"] == 1.0
+    # every push that used its reservation crossed the reserved spine; with reserve_at=push
+    # a push waits 50 ms at most for its lane, so on a loaded machine a few may go on
+    # the hash's lane instead (their late reservations are released)
+    assert s["pushes"] == 16 and s["pushes_with_path"] + s["reservations_unused"] == 16
+    assert s["path_agreement"] == 1.0
+    assert s["reservations_unused"] == 0 if reserve_at == "admission" else s["reservations_unused"] <= 4
     trace = read_trace(out / "cc" / "trace.jsonl")
     assert trace.header.mode == "cc" and len(trace.requests) == 16 and len(trace.flows) == 16
     for q in trace.requests:
-        assert q.path_predicted == q.path_measured and q.path_measured in ("spine0", "spine1")
+        assert q.path_predicted in (q.path_measured, None) and q.path_measured in ("spine0", "spine1")
         assert q.prefill_end_s <= q.push_start_s <= q.push_end_s <= q.first_token_s <= q.completion_s
         assert q.kv_bytes == trace.flows_by_request()[q.request_id][0].bytes > 0
         assert q.output_tokens == 8
@@ -47,6 +52,8 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
     for q in trace.requests:
         d = by_tid[trace.flows_by_request()[q.request_id][0].flow_id]
         at = d["at"] - t0
+        if q.path_predicted is None:  # went on the hash's lane (reserve_at=push, answer too late)
+            continue
         if reserve_at == "push":  # after the prefill, before the WRITE
             assert q.prefill_end_s - 1e-3 <= at <= q.push_start_s
         else:  # before P saw the request

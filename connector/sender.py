@@ -100,8 +100,7 @@ class PushSender(EngineThread):
             try:
                 spec = FabricSpec.resolve(self.cfg.fabric_spec)
                 prefix = self.cfg.kernel_oracle
-                self.oracle = (KernelOracle(spec, lambda node: spec.netns_name(prefix, node)) if prefix
-                               else ModelOracle(spec))
+                self.oracle = KernelOracle.for_prefix(spec, prefix) if prefix else ModelOracle(spec)
             except (FabricSpecError, OSError) as e:
                 raise ConfigError(f"kv_connector_extra_config.fabric_spec: {e}") from e
         # With a path oracle the pool holds lane_candidates agents per lane, so each

@@ -55,6 +55,11 @@ class KernelOracle:
         self.ns_of = ns_of
         self._cache: dict[Key, Path] = {}
 
+    @classmethod
+    def for_prefix(cls, spec: FabricSpec, prefix: str) -> "KernelOracle":
+        """The oracle of a running testbed whose namespaces are ``<prefix>-<node>``."""
+        return cls(spec, lambda node: spec.netns_name(prefix, node))
+
     def path(self, src_host: str, dst_host: str, src_port: int, dst_port: int = 0, proto: str = "tcp") -> Path:
         return self.paths([(src_host, dst_host, src_port, dst_port, proto)])[0]
 

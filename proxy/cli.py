@@ -69,7 +69,7 @@ def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: flo
     if kernel_oracle:
         from kvpath.oracle import KernelOracle
 
-        oracle = KernelOracle(spec, lambda node: spec.netns_name(kernel_oracle, node))
+        oracle = KernelOracle.for_prefix(spec, kernel_oracle)
     try:
         return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle, metric=metric)
     except ReservationError as e:

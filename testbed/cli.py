@@ -54,7 +54,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     prefix = f"{PREFIX}-{args.run_id}"
-    oracle = KernelOracle(spec, lambda node: spec.netns_name(prefix, node))
+    oracle = KernelOracle.for_prefix(spec, prefix)
     try:
         p = oracle.path(args.src, args.dst, args.sport, args.dport, args.proto)
     except (FabricSpecError, RuntimeError) as e:

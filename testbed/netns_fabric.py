@@ -205,18 +205,17 @@ class NetnsFabric:
         self.links.append((a, b))
 
     def _sysctls(self) -> None:
-        s = self.spec
         _allow_congestion_control("cubic")
         for node in self.nodes():
-            values = {"net/ipv4/conf/all/rp_filter": 0, "net/ipv4/conf/default/rp_filter": 0}
+            values: dict[str, int | str] = {"net/ipv4/conf/all/rp_filter": 0, "net/ipv4/conf/default/rp_filter": 0}
             if node.startswith(("leaf", "spine")):
                 values["net/ipv4/ip_forward"] = 1
+            else:  # a host
+                values["net/ipv4/tcp_congestion_control"] = "cubic"
             if node.startswith("leaf"):
                 values.update({"net/ipv4/fib_multipath_hash_policy": 3,
                                "net/ipv4/fib_multipath_hash_fields": HASH_FIELDS_5TUPLE,
                                "net/ipv4/fib_multipath_hash_seed": self.seed})
-            if node in s.hosts():
-                values["net/ipv4/tcp_congestion_control"] = "cubic"
             _sysctl(self.ns(node), values)
             with IPRoute(netns=self.ns(node)) as ip:
                 ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")

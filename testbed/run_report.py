@@ -47,9 +47,15 @@ def join(data: RunData, ip_of: Any) -> Joined:
         agg = by_tuple_prefix.setdefault((sip, dip, int(sport)), {})
         for spine, b in per.items():
             agg[spine] = agg.get(spine, 0) + b
+    # with one P and one D there is no doubt where a request ran, even when no engine said so
+    # (vLLM's in-tree connector keeps no per-request record)
+    only_p = data.p_hosts[0] if len(data.p_hosts) == 1 else None
+    only_d = data.d_hosts[0] if len(data.d_hosts) == 1 else None
     for c in data.client:
         tid = c.get("transfer_id", "")
         p, d, t, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), transfers.get(tid), decisions.get(tid)
+        if c["status"] == "ok":
+            p, d = {"host": only_p, **p}, {"host": only_d, **d}
         row: dict[str, Any] = {
             "request_id": c["request_id"], "transfer_id": tid, "status": c["status"],
             "arrival": c["arrival"], "prompt_tokens": c["prompt_tokens"], "output_tokens": c["tokens"],
@@ -132,7 +138,19 @@ def fidelity(data: RunData, j: Joined, lone_flow_ratio: float | None) -> dict[st
     return checks
 
 
-def summarize(data: RunData, j: Joined, fid: dict[str, Any]) -> dict[str, Any]:
+def spine_bytes_p_to_d(data: RunData, ip_of: Any) -> int:
+    """Bytes the spines forwarded from a P host to a D host during the run: the KV
+    traffic whatever moved it (the only measure of it with a pull connector)."""
+    p_ips, d_ips = {ip_of(h) for h in data.p_hosts}, {ip_of(h) for h in data.d_hosts}
+    total = 0
+    for k, per in data.flow_bytes.items():
+        ft = json.loads(k)
+        if ft["src_ip"] in p_ips and ft["dst_ip"] in d_ips:
+            total += sum(per.values())
+    return total
+
+
+def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict[str, Any]:
     scale = data.config["scale_b"] / data.config["scale_s"]  # testbed seconds per datacenter second
     ok = [r for r in j.requests if r["status"] == "ok"]
     pushes = [r for r in j.requests if r.get("push_status")]
@@ -143,9 +161,13 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any]) -> dict[str, Any]:
         "failed": len(j.requests) - len(ok), "recomputed": sum(r["recomputed"] for r in j.requests),
         "pushes": len(pushes), "pushes_with_path": len(judged), "path_agreement": agree / len(judged) if judged else None,
         "reservations_unused": sum(bool(r.get("reservation_unused")) for r in pushes),
-        "fidelity": fid, "time_scale_testbed_per_dc": scale,
+        "fidelity": fid, "time_scale_testbed_per_dc": scale, "engine": data.config["engine"],
+        "connector": data.config["connector"], "decode_only": data.decode_only,
+        "kv_bytes_on_spines": spine_bytes_p_to_d(data, ip_of),
     }
-    for unit, k in (("testbed", 1.0), ("datacenter", 1.0 / scale)):
+    # real engines run in real time: only emulated engines have a datacenter-equivalent time
+    units = (("testbed", 1.0), ("datacenter", 1.0 / scale)) if data.config["engine"] == "emulated" else (("testbed", 1.0),)
+    for unit, k in units:
         out[unit] = {
             "fct_s": _stats([f["fct"] for f in j.flows], k),
             "slowdown": _stats([f["slowdown"] for f in j.flows]),

@@ -49,15 +49,17 @@ class VLLMServer:
     env: dict[str, str] = field(default_factory=dict)
     kv_cache_gib: int = 1
     block_size: int = 32  # CPU attention needs a multiple of 32
+    host: str = "127.0.0.1"  # the API server's bind address
+    wrap: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: run inside a namespace
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
-            vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", "127.0.0.1",
+            *self.wrap, vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", self.host,
             "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
             "--block-size", str(self.block_size), "--seed", "0", "--served-model-name", "tiny",
         ]

@@ -16,6 +16,7 @@ from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
 from testbed.orchestrator import RunConfig, run
+from testbed.plots import compare_modes
 from testbed.run_report import fidelity, join, summarize
 
 logger = logging.getLogger(__name__)
@@ -100,14 +101,32 @@ def print_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
         console.print(t)
 
 
+def same_spines(a: Any, b: Any) -> tuple[int, int] | None:
+    """How many requests (by workload request id) had the same reserved spine in two runs."""
+    if a is None or b is None:
+        return None
+    pa = {q.request_id: q.path_predicted for q in a.requests if q.path_predicted}
+    pb = {q.request_id: q.path_predicted for q in b.requests if q.path_predicted}
+    both = pa.keys() & pb.keys()
+    return sum(pa[r] == pb[r] for r in both), len(both)
+
+
 def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
     summaries = []
     for cfg in cfgs:
         console.rule(f"mode {cfg.mode}")
         summaries.append(run_one(cfg, console))
     Path(out).mkdir(parents=True, exist_ok=True)
+    traces = {cfg.mode: read_trace(Path(cfg.out) / "trace.jsonl") for cfg in cfgs}
+    same = same_spines(traces.get("cc"), traces.get("dc")) if cfgs[0].dc_delay_s == 0 else None
     (Path(out) / "summary.json").write_text(json.dumps(summaries, indent=1))
     print_summaries(summaries, console)
+    if same is not None:
+        console.print(f"dc (zero delay) reserved the same spine as cc for {same[0]} of {same[1]} requests")
+        (Path(out) / "dc_vs_cc.json").write_text(json.dumps({"same_spine": same[0], "requests": same[1]}))
+    fig = compare_modes(traces, Path(out) / "modes.png")
+    if fig is not None:
+        console.print(f"figure: {fig}")
     for s in summaries:
         if s["decode_only"] is not None:
             dc = s["decode_only"]

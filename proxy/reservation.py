@@ -225,6 +225,10 @@ class ReservationService:
         self.counters: dict[str, int] = defaultdict(int)
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
         self.decisions: deque[dict] = deque(maxlen=100_000)
+        # one sequence over reservations and their ends, so the decision log replays
+        # in the order the service saw it (testbed/decision_replay.py)
+        self._seq = itertools.count(1)
+        self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
     def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo], worker: str = "") -> None:
@@ -284,10 +288,20 @@ class ReservationService:
         self.active[lease_id] = r
         heapq.heappush(self._expiry, (r.expires_at, lease_id))
         self.counters["reservations"] += 1
-        self.decisions.append({"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
-                               "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
-                               "spines": [p.spine for p in paths], "at": time.time(), "mode": self.mode})
+        decision = {"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
+                    "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
+                    "spines": [p.spine for p in paths], "at": time.time(), "mode": self.mode, "seq": next(self._seq),
+                    # what it chose among (the first worker pair's lanes): enough to replay it
+                    "candidates": [[c.lane, c.src_port, c.dst_port, ps[0].spine] for c, ps in cands]
+                    if all(len(ps) == 1 for _, ps in cands) else None}
+        self.decisions.append(decision)
+        self._open_decisions[lease_id] = decision
         return r
+
+    def _ended(self, lease_id: str, how: str) -> None:
+        d = self._open_decisions.pop(lease_id, None)
+        if d is not None:
+            d.update(ended_at=time.time(), end=how, end_seq=next(self._seq))
 
     def release(self, lease_id: str) -> bool:
         """End a reservation; False when it already ended (idempotent)."""
@@ -296,6 +310,7 @@ class ReservationService:
             self.counters["releases_unknown"] += 1
             return False
         self._apply(r, -1, self.clock())
+        self._ended(lease_id, "released")
         self.counters["releases"] += 1
         return True
 
@@ -307,6 +322,7 @@ class ReservationService:
             r = self.active.pop(lid, None)
             if r is not None and r.expires_at <= now:
                 self._apply(r, -1, now)
+                self._ended(lid, "expired")
                 self.counters["leases_expired"] += 1
                 n += 1
         return n

@@ -16,6 +16,7 @@ from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
 from testbed.orchestrator import RunConfig, run
+from testbed.decision_replay import ReplayError, replay
 from testbed.plots import compare_modes
 from testbed.run_report import fidelity, join, summarize
 
@@ -29,6 +30,7 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     j = join(data, ip_of)
     fid = fidelity(data, j, data.lone_flow_ratio)
     summary = summarize(data, j, fid, ip_of)
+    summary["decision_replay"] = replay_checks(data.decisions, spec, cfg)
     out = Path(cfg.out)
     write_trace(out / "trace.jsonl", data, j, spec)
     trace = read_trace(out / "trace.jsonl")  # validated on read too
@@ -40,6 +42,23 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
                                                     if k in ("decisions", "lanes_known", "flow_bytes", "link_bytes",
                                                              "cpu_idle", "lone_flow_ratio", "config")}, indent=1))
     return summary
+
+
+def replay_checks(decisions: list[dict[str, Any]], spec: FabricSpec, cfg: RunConfig) -> list[dict[str, Any]]:
+    """The run's decision log replayed through the reservation code: in the run's own
+    mode (it must reproduce every decision), and cc as dc with zero delay and back."""
+    if not decisions:
+        return []
+    modes = [(cfg.mode, cfg.dc_delay_s)]
+    if cfg.mode == "cc":
+        modes.append(("dc", 0.0))
+    elif cfg.mode == "dc" and cfg.dc_delay_s == 0:
+        modes.append(("cc", 0.0))
+    try:
+        return [replay(decisions, spec, m, delay, cfg.cc_metric).to_dict() for m, delay in modes]
+    except ReplayError as e:
+        logger.warning("decision log not replayable: %s", e)
+        return []
 
 
 def write_trace(path: Path, data: Any, j: Any, spec: FabricSpec) -> None:
@@ -128,6 +147,10 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
     if fig is not None:
         console.print(f"figure: {fig}")
     for s in summaries:
+        for r in s.get("decision_replay", []):
+            console.print(f"{s['mode']}: its {r['decisions']} reservations replayed as {r['mode']}"
+                          f"{' (delay %g s)' % r['dc_delay_s'] if r['mode'] == 'dc' else ''}: "
+                          f"{r['same_lane']} same lane")
         if s["decode_only"] is not None:
             dc = s["decode_only"]
             console.print(f"{s['mode']}: {dc['equal']} of {dc['checked']} completions equal the decode-only output")

@@ -34,6 +34,9 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
     # the hash's lane instead (their late reservations are released)
     assert s["pushes"] == 16 and s["pushes_with_path"] + s["reservations_unused"] == 16
     assert s["path_agreement"] == 1.0
+    # the decision log replayed through the reservation code: cc reproduces every decision,
+    # and dc with zero broadcast delay makes the same ones
+    assert [(r["mode"], r["decisions"], r["same_lane"]) for r in s["decision_replay"]] == [("cc", 16, 16), ("dc", 16, 16)]
     assert s["reservations_unused"] == 0 if reserve_at == "admission" else s["reservations_unused"] <= 4
     trace = read_trace(out / "cc" / "trace.jsonl")
     assert trace.header.mode == "cc" and len(trace.requests) == 16 and len(trace.flows) == 16

@@ -29,15 +29,15 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvpath.fabric import FabricSpec, FabricSpecError
+from testbed import vllm_engines
 from testbed.counters import link_bytes, spine_flow_bytes
 from testbed.netns_fabric import LinkShaping, NetnsFabric
-from testbed import vllm_engines
 from testbed.readiness import wait_http
 
 logger = logging.getLogger(__name__)
 
-ENGINE_PORT = 8000
-KV_PORT = 5600
+ENGINE_PORT = vllm_engines.API_PORT  # every engine's HTTP port, on its management address
+KV_PORT = vllm_engines.KV_PORT  # P's KV side channel, on its fabric address
 PROXY_PORT = 18000
 MODES = ("ecmp", "cc", "dc")
 
@@ -101,8 +101,6 @@ class RunConfig:
         if not 1 <= self.min_prompt <= self.max_prompt:
             raise RunConfigError(f"--min-prompt/--max-prompt: need 1 <= min <= max, got {self.min_prompt}, {self.max_prompt}")
         if self.engine == "vllm":
-            from testbed import vllm_engines
-
             if self.connector not in vllm_engines.CONNECTORS:
                 raise RunConfigError(f"--connector must be one of {vllm_engines.CONNECTORS}, got {self.connector!r}")
             if self.connector == "nixl" and self.mode != "ecmp":

@@ -107,7 +107,7 @@ def print_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
         if not all(unit in s for s in summaries):
             continue
         t = Table(title=f"per mode, {unit} time (ms)")
-        for c in ("mode", "ok/all", "FCT mean", "FCT p99", "slowdown p50", "slowdown p99", "TTFT mean", "TTFT p99",
+        for c in ("mode", "ok/all", "FCT mean", "FCT p99", "slowdown mean", "slowdown p50", "slowdown p99", "TTFT mean", "TTFT p99",
                   "TPOT mean", "path agreement", "fidelity"):
             t.add_column(c)
         for s in summaries:
@@ -115,19 +115,9 @@ def print_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
             agree = "-" if s["path_agreement"] is None else f"{100 * s['path_agreement']:.0f}% of {s['pushes_with_path']}"
             fid = "valid" if s["fidelity"]["valid"] else "[red]INVALID[/red]: " + "; ".join(s["fidelity"]["problems"])
             t.add_row(s["mode"], f"{s['ok']}/{s['requests']}", _fmt(u["fct_s"], "mean"), _fmt(u["fct_s"], "p99"),
-                      _fmt(u["slowdown"], "p50", False), _fmt(u["slowdown"], "p99", False), _fmt(u["ttft_s"], "mean"),
+                      _fmt(u["slowdown"], "mean", False), _fmt(u["slowdown"], "p50", False), _fmt(u["slowdown"], "p99", False), _fmt(u["ttft_s"], "mean"),
                       _fmt(u["ttft_s"], "p99"), _fmt(u["tpot_s"], "mean"), agree, fid)
         console.print(t)
-
-
-def same_spines(a: Any, b: Any) -> tuple[int, int] | None:
-    """How many requests (by workload request id) had the same reserved spine in two runs."""
-    if a is None or b is None:
-        return None
-    pa = {q.request_id: q.path_predicted for q in a.requests if q.path_predicted}
-    pb = {q.request_id: q.path_predicted for q in b.requests if q.path_predicted}
-    both = pa.keys() & pb.keys()
-    return sum(pa[r] == pb[r] for r in both), len(both)
 
 
 def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
@@ -137,12 +127,8 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
         summaries.append(run_one(cfg, console))
     Path(out).mkdir(parents=True, exist_ok=True)
     traces = {cfg.mode: read_trace(Path(cfg.out) / "trace.jsonl") for cfg in cfgs}
-    same = same_spines(traces.get("cc"), traces.get("dc")) if cfgs[0].dc_delay_s == 0 else None
     (Path(out) / "summary.json").write_text(json.dumps(summaries, indent=1))
     print_summaries(summaries, console)
-    if same is not None:
-        console.print(f"dc (zero delay) reserved the same spine as cc for {same[0]} of {same[1]} requests")
-        (Path(out) / "dc_vs_cc.json").write_text(json.dumps({"same_spine": same[0], "requests": same[1]}))
     fig = compare_modes(traces, Path(out) / "modes.png")
     if fig is not None:
         console.print(f"figure: {fig}")

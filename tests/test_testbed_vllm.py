@@ -88,15 +88,3 @@ def test_vllm_defaults_fit_the_tiny_model(tmp_path):
     emu.validate()
     assert (emu.min_prompt, emu.max_prompt, emu.scale_s) == (1024, 4096, 500.0)
 
-
-def test_same_spines_compares_reserved_spines_by_request():
-    from kvpath.trace import Header, RequestRecord, Trace
-    from testbed.run_session import same_spines
-
-    def trace(paths):
-        return Trace(Header(t0_unix=0.0), [RequestRecord(request_id=f"r{i}", arrival_s=0.0, prompt_tokens=1,
-                                                         output_tokens=1, path_predicted=p)
-                                           for i, p in enumerate(paths)], [])
-
-    assert same_spines(trace(["spine0", "spine1", None, "spine1"]), trace(["spine0", "spine0", "spine1", "spine1"])) == (2, 3)
-    assert same_spines(trace(["spine0"]), None) is None

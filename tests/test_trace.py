@@ -95,3 +95,18 @@ def test_exporters_write_the_simulators_formats(tmp_path):
     head, row = (tmp_path / "rm.csv").read_text().splitlines()
     assert head.startswith("request_id,arrived_at,prefill_completed_at,decode_arrived_at,completed_at,")
     assert row.split(",")[:4] == ["r0", "0.500000000", "0.600000000", "0.610000000"]
+
+
+def test_standalone_fct_adds_the_fixed_cost_measured_on_lone_pushes():
+    from testbed.run_report import calibrate_standalone
+
+    lone = [{"start": 10.0 * i, "end": 10.0 * i + 0.053, "fct": 0.053, "wire_fct": 0.050} for i in range(6)]
+    # two pushes that overlap: slowed by sharing, they must not set the overhead
+    both = [{"start": 100.0, "end": 100.2, "fct": 0.2, "wire_fct": 0.05}, {"start": 100.1, "end": 100.3, "fct": 0.2,
+                                                                          "wire_fct": 0.05}]
+    overhead, n = calibrate_standalone(lone + both)
+    assert n == 6 and abs(overhead - 0.003) < 1e-9
+    assert all(abs(f["slowdown"] - 1.0) < 1e-9 for f in lone)
+    assert abs(both[0]["slowdown"] - 0.2 / 0.053) < 1e-9
+    overhead, n = calibrate_standalone(lone[:4] + both)  # too few alone: wire time only
+    assert (overhead, n) == (0.0, 4) and abs(lone[0]["slowdown"] - 0.053 / 0.05) < 1e-9

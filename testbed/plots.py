@@ -43,7 +43,12 @@ def compare_modes(traces: dict[str, Trace], path: Path) -> Path | None:
         if ax.has_data():
             ax.legend(loc="lower right")
     if axes[1].has_data():
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+
         axes[1].set_xscale("log")
+        axes[1].set_xticks([1, 1.5, 2, 3, 5, 10])
+        axes[1].xaxis.set_major_formatter(ScalarFormatter())
+        axes[1].xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

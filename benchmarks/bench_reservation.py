@@ -27,7 +27,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from kvpath.fabric import FabricSpec  # noqa: E402
-from proxy.reservation import LaneInfo, ReservationService  # noqa: E402
+from kvpath.reservation import LaneInfo, ReservationService  # noqa: E402
 from testbed.readiness import free_port, wait_http  # noqa: E402
 
 SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)

@@ -8,11 +8,11 @@ first and pass P's returned ``kv_transfer_params`` to D unchanged.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from connector.config import parse_host_port
+from kvpath.reservation import default_lane  # noqa: F401  (the connector's lane rule lives with the reservations)
 
 
 class BadTransferParams(ValueError):
@@ -85,8 +85,3 @@ def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str 
     if lease_id:
         kp["lease_id"] = lease_id
     return {"do_remote_decode": True, "do_remote_prefill": False, "kvpath": kp}
-
-
-def default_lane(transfer_id: str, n_lanes: int) -> int:
-    """The lane a transfer takes when nobody chose one (stable across processes)."""
-    return zlib.crc32(transfer_id.encode()) % n_lanes

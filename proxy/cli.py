@@ -8,8 +8,8 @@ import logging
 from kvpath.fabric import FabricSpec, FabricSpecError
 from proxy.instances import POLICIES, Instance
 from proxy.legs import MODES as PROXY_MODES
-from proxy.reservation import MODES as RES_MODES
-from proxy.reservation import ReservationError, ReservationService
+from kvpath.reservation import MODES as RES_MODES
+from kvpath.reservation import ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id")

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from proxy.auth import bearer_ok
 from proxy.errors import describe_validation_errors, is_invalid_json
-from proxy.reservation import LaneInfo, ReservationError, ReservationService
+from kvpath.reservation import LaneInfo, ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from proxy.reservation import ReservationError, ReservationService
+from kvpath.reservation import ReservationError, ReservationService
 
 
 @dataclass

@@ -16,7 +16,7 @@ from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
 from testbed.orchestrator import RunConfig, run
-from testbed.decision_replay import ReplayError, replay
+from kvpath.decision_replay import ReplayError, replay
 from testbed.plots import compare_modes
 from testbed.run_report import fidelity, join, summarize
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from proxy.reservation import ReservationService
-from testbed.decision_replay import ReplayError, replay
+from kvpath.reservation import ReservationService
+from kvpath.decision_replay import ReplayError, replay
 from tests.test_reservation import SPEC, Clock, _sequence
 
 

@@ -11,7 +11,7 @@ import pytest
 from kvpath.fabric import FabricSpec
 from proxy.app import Proxy, ProxyConfig, create_app
 from proxy.instances import Instance
-from proxy.reservation import LaneInfo, ReservationService
+from kvpath.reservation import LaneInfo, ReservationService
 from proxy.reservation_app import create_app as create_reservation_app
 from proxy.reservation_client import HttpReserver, InProcessReserver
 from testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app

@@ -7,7 +7,7 @@ import pytest
 from connector.params import default_lane
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import ModelOracle
-from proxy.reservation import LaneInfo, ReservationError, ReservationService
+from kvpath.reservation import LaneInfo, ReservationError, ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
 

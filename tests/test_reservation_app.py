@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvpath.fabric import FabricSpec
-from proxy.reservation import ReservationService
+from kvpath.reservation import ReservationService
 from proxy.reservation_app import create_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)

@@ -126,7 +126,7 @@ def test_cli_errors_name_the_bad_field():
 
 def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_over():
     from proxy.cli import build_service
-    from proxy.reservation import LaneInfo
+    from kvpath.reservation import LaneInfo
     from testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
 
     spec = FabricSpec.resolve("small")

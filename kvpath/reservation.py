@@ -26,19 +26,25 @@ counts and byte sums per directed link, so they return exactly to zero.
 from __future__ import annotations
 
 import heapq
-import secrets
 import itertools
+import secrets
 import time
+import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from connector.params import default_lane
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
 
 MODES = ("ecmp", "cc", "dc")
 Link = tuple[str, str]
+
+
+def default_lane(transfer_id: str, n_lanes: int) -> int:
+    """The lane a transfer takes when nobody chose one (stable across processes): the
+    connector's rule, which ``ecmp`` mode reproduces."""
+    return zlib.crc32(transfer_id.encode()) % n_lanes
 
 
 def _core_links(paths: tuple[Path, ...]) -> tuple[Link, ...]:
@@ -226,7 +232,7 @@ class ReservationService:
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
         self.decisions: deque[dict] = deque(maxlen=100_000)
         # one sequence over reservations and their ends, so the decision log replays
-        # in the order the service saw it (testbed/decision_replay.py)
+        # in the order the service saw it (kvpath/decision_replay.py)
         self._seq = itertools.count(1)
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpath.fabric import FabricSpec, Path
-from proxy.reservation import LaneInfo, ReservationService
+from kvpath.reservation import LaneInfo, ReservationService
 
 
 class ReplayError(ValueError):

@@ -1,0 +1,64 @@
+"""The flow-level network model against what max-min fair sharing must give."""
+
+import numpy as np
+import pytest
+
+from kvpath.fabric import FabricSpec
+from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, max_min_rates, trivial_fct
+
+SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2, host_link_gbps=100.0, spine_link_gbps=100.0)
+RATE = 100e9 / 8  # bytes/s
+MB100 = 100_000_000
+
+
+def test_one_flow_alone_takes_size_over_rate():
+    fct = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", MB100, 1.0, spine=0)])
+    assert fct[0] == pytest.approx(MB100 / RATE, rel=1e-9)
+
+
+def test_two_flows_on_one_spine_take_twice_as_long_and_split_take_the_same():
+    same = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", MB100, 0.0, 0), FlowSpec("l0h1", "l1h1", MB100, 0.0, 0)])
+    split = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", MB100, 0.0, 0), FlowSpec("l0h1", "l1h1", MB100, 0.0, 1)])
+    assert same == pytest.approx([2 * MB100 / RATE] * 2, rel=1e-9)
+    assert split == pytest.approx([MB100 / RATE] * 2, rel=1e-9)
+
+
+def test_a_late_flow_shares_only_while_both_run():
+    # B starts when A is half done: A's second half and B's first half share (rate/2),
+    # then B finishes alone
+    t = MB100 / RATE
+    fct = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", MB100, 0.0, 0), FlowSpec("l0h1", "l1h1", MB100, t / 2, 0)])
+    assert fct[0] == pytest.approx(t / 2 + t, rel=1e-9)  # half alone, half at rate/2
+    assert fct[1] == pytest.approx(t + t / 2, rel=1e-9)  # half at rate/2 (t), half alone (t/2)
+
+
+def test_max_min_gives_the_unbottlenecked_flow_the_rest():
+    # links 0 and 1 of capacity 10; flows: A on {0}, B on {0, 1}, C on {1}, D on {1}
+    links = np.array([[0, -1], [0, 1], [1, -1], [1, -1]])
+    r = max_min_rates(links, np.array([10.0, 9.0]))
+    assert r == pytest.approx([7.0, 3.0, 3.0, 3.0])
+
+
+def test_no_flow_ends_before_start_plus_size_over_rate():
+    rng = np.random.default_rng(0)
+    hosts = ["l0h0", "l0h1", "l1h0", "l1h1"]
+    flows = []
+    for _ in range(200):
+        a, b = rng.choice(4, 2, replace=False)
+        flows.append(FlowSpec(hosts[a], hosts[b], int(rng.integers(1e5, 1e8)), float(rng.random()), int(rng.integers(2))))
+    fct = FlowModel(SPEC).run(flows)
+    alone = trivial_fct(SPEC, flows)
+    assert np.all(fct >= alone * (1 - 1e-9)) and np.any(fct > alone * 1.5)
+
+
+def test_overhead_efficiency_and_burst():
+    p = NetParams(overhead_s=0.002, efficiency=0.5, burst_bytes=1_000_000)
+    f = [FlowSpec("l0h0", "l1h0", MB100, 0.0, 1)]
+    want = 0.002 + (MB100 - 1_000_000) / (RATE * 0.5)
+    assert FlowModel(SPEC, p).run(f)[0] == pytest.approx(want, rel=1e-9)
+    assert trivial_fct(SPEC, f, p)[0] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_flow_across_the_spines_needs_its_spine():
+    with pytest.raises(ValueError, match="give its spine"):
+        FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", 1, 0.0, None)])

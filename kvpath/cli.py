@@ -65,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_connector_demo)
 
     from proxy.cli import add_parsers
+    from simulator_bridge.cli import add_parsers as add_bridge_parsers
     from testbed.cli import add_parsers as add_testbed_parsers
 
     add_parsers(sub)
     add_testbed_parsers(sub)
+    add_bridge_parsers(sub)
     return p
 
 

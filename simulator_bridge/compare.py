@@ -1,0 +1,83 @@
+"""Measured against simulated: a trace's KV flows replayed through a network backend on
+the trace's own fabric, each flow on the spine it was measured on.
+
+The fabric is the trace header's spec at the rates the run had (the testbed's
+``link_mbit`` when it is there), so times compare in the trace's own clock (testbed
+time for a testbed trace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpath.fabric import FabricSpec
+from kvpath.trace import Trace
+from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+
+BACKENDS = ("flow", "trivial")
+
+
+def trace_fabric(trace: Trace) -> FabricSpec:
+    spec = FabricSpec.from_dict(trace.header.fabric)
+    if trace.header.link_mbit:
+        gbps = trace.header.link_mbit / 1000
+        spec = dataclasses.replace(spec, host_link_gbps=gbps, spine_link_gbps=gbps)
+    return spec
+
+
+def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
+    """The trace's flows as backend input, and their measured FCTs. A flow that crossed
+    the spines but has no measured path cannot be replayed on its path: it is an error."""
+    flows, fct = [], []
+    for f in trace.flows:
+        spine = None if f.path is None else int(f.path.removeprefix("spine"))
+        flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine))
+        fct.append(f.fct_s)
+    return flows, np.array(fct, dtype=float)
+
+
+def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams) -> np.ndarray:
+    if backend == "flow":
+        return FlowModel(spec, params).run(flows)
+    if backend == "trivial":
+        return trivial_fct(spec, flows, params)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@dataclass
+class Errors:
+    """Simulated against measured: the relative error of the mean, p50 and p99, and the
+    per-flow signed bias (median of (sim - meas) / meas) and mean absolute error."""
+
+    n: int
+    mean: float
+    p50: float
+    p99: float
+    bias: float
+    mean_abs: float
+
+    @classmethod
+    def of(cls, measured: np.ndarray, simulated: np.ndarray) -> "Errors":
+        rel = (simulated - measured) / measured
+
+        def err(q: float | None) -> float:
+            if q is None:
+                return float(simulated.mean() / measured.mean() - 1)
+            return float(np.percentile(simulated, q) / np.percentile(measured, q) - 1)
+
+        return cls(int(measured.size), err(None), err(50), err(99), float(np.median(rel)), float(np.abs(rel).mean()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def compare_fct(trace: Trace, backends: list[str], params: NetParams) -> dict[str, Errors]:
+    if not trace.flows:
+        raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
+    spec = trace_fabric(trace)
+    flows, measured = trace_flows(trace)
+    return {b: Errors.of(measured, simulate(b, spec, flows, params)) for b in backends}

@@ -1,0 +1,49 @@
+"""``kvpath bridge compare`` on a synthetic trace whose answers are known."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpath.fabric import FabricSpec
+from kvpath.trace import FiveTuple, FlowRecord, Header, TraceWriter, read_trace
+from simulator_bridge.compare import compare_fct
+from simulator_bridge.flow_model import NetParams
+
+SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)
+RATE = 800e6 / 8  # the trace's links: 800 Mbit/s
+SIZE = 10_000_000
+T = SIZE / RATE
+
+
+def _trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    # two pushes on spine0 from t=0 share it all the way (2T each); one alone on spine1 (T)
+    flows = [("10.0.2.1", "10.1.2.1", 0.0, 2 * T, "spine0"), ("10.0.3.1", "10.1.3.1", 0.0, 2 * T, "spine0"),
+             ("10.0.2.1", "10.1.3.1", 10.0, 10.0 + T, "spine1")]
+    with TraceWriter(path, Header(t0_unix=0.0, mode="ecmp", fabric=SPEC.to_dict(), link_mbit=800.0)) as w:
+        for i, (s, d, a, b, spine) in enumerate(flows):
+            w.write(FlowRecord(flow_id=f"f{i}", request_id=None, five_tuple=FiveTuple(s, d, 40000 + i, 5600),
+                               bytes=SIZE, start_s=a, end_s=b, path=spine))
+    return path
+
+
+def test_the_flow_model_reproduces_shared_and_lone_flows_and_trivial_misses_the_sharing(tmp_path):
+    errs = compare_fct(read_trace(_trace(tmp_path)), ["flow", "trivial"], NetParams())
+    f, t = errs["flow"], errs["trivial"]
+    assert f.n == 3 and max(abs(f.mean), abs(f.p50), abs(f.p99), abs(f.bias), f.mean_abs) < 1e-9
+    assert t.p99 == pytest.approx(-0.5, rel=1e-6) and t.mean == pytest.approx(3 / 5 - 1, rel=1e-6)
+
+
+def test_the_cli_prints_errors_as_json_and_names_bad_input(tmp_path):
+    path = _trace(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"flow", "trivial"} and abs(out["flow"]["p99"]) < 1e-9
+    for args, field in ((["--backend", "ns4"], "--backend"), (["--efficiency", "0"], "efficiency")):
+        r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and field in r.stderr and "Traceback" not in r.stderr

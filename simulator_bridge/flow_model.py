@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -60,21 +61,24 @@ class LinkIndex:
         leaf, idx = self.spec.locate(host)
         return leaf, leaf * self.spec.hosts_per_leaf + idx
 
-    def links(self, flows: list[FlowSpec]) -> np.ndarray:
-        """(n, 4) link ids per flow: host up, leaf->spine, spine->leaf, host down (-1: none)."""
-        out = np.full((len(flows), 4), -1, dtype=np.int64)
+    def flow_links(self, src: str, dst: str, spine: int | None) -> list[int]:
+        """A flow's links: host up, leaf->spine, spine->leaf, host down (-1: none)."""
+        sl, sh = self.host_index(src)
+        dl, dh = self.host_index(dst)
+        if sh == dh:
+            return [-1, -1, -1, -1]  # a host to itself: no link
+        if sl == dl:
+            return [2 * sh, -1, -1, 2 * dh + 1]
         s = self.spec.spines
+        if spine is None or not 0 <= spine < s:
+            raise ValueError(f"a flow {src} -> {dst} crosses the spines: give its spine in [0, {s})")
+        return [2 * sh, 2 * self.hosts + 2 * (sl * s + spine), 2 * self.hosts + 2 * (dl * s + spine) + 1, 2 * dh + 1]
+
+    def links(self, flows: list[FlowSpec]) -> np.ndarray:
+        """(n, 4) link ids per flow (see :meth:`flow_links`)."""
+        out = np.full((len(flows), 4), -1, dtype=np.int64)
         for i, f in enumerate(flows):
-            sl, sh = self.host_index(f.src)
-            dl, dh = self.host_index(f.dst)
-            if sh == dh:
-                continue  # a host to itself: no link
-            out[i, 0], out[i, 3] = 2 * sh, 2 * dh + 1
-            if sl != dl:
-                if f.spine is None or not 0 <= f.spine < s:
-                    raise ValueError(f"flow {i} ({f.src} -> {f.dst}) crosses the spines: give its spine in [0, {s})")
-                out[i, 1] = 2 * self.hosts + 2 * (sl * s + f.spine)
-                out[i, 2] = 2 * self.hosts + 2 * (dl * s + f.spine) + 1
+            out[i] = self.flow_links(f.src, f.dst, f.spine)
         return out
 
 
@@ -115,47 +119,66 @@ class FlowModel:
         self.params = params or NetParams()
         self.index = LinkIndex(spec)
 
-    def run(self, flows: list[FlowSpec]) -> np.ndarray:
-        """Completion time minus start, per flow, in seconds."""
+    def run(self, flows: list[FlowSpec], decide: Callable[[int, float], int | None] | None = None,
+            decide_at: np.ndarray | None = None, on_end: Callable[[int, float], None] | None = None) -> np.ndarray:
+        """Completion time minus start, per flow, in seconds.
+
+        With ``decide``, a flow's spine is chosen during the simulation: ``decide(i, now)``
+        is called at ``decide_at[i]`` (default: the flow's start; never after it), in
+        time order with the other events, and ``on_end(i, now)`` when its last byte
+        arrives, so a decision sees exactly the flows that ended before it (a
+        reservation service on the simulated clock)."""
         n = len(flows)
         if n == 0:
             return np.zeros(0)
         p = self.params
-        links = self.index.links(flows)
         cap = self.index.capacity * p.efficiency
         start = np.array([f.start_s for f in flows], dtype=float)
+        links = np.full((n, 4), -1, dtype=np.int64) if decide else self.index.links(flows)
+        at = start if decide_at is None else np.minimum(np.asarray(decide_at, dtype=float), start)
         left = np.array([max(f.bytes - p.burst_bytes, 0) for f in flows], dtype=float)
         end = np.full(n, np.nan)
-        order = np.argsort(start, kind="stable")
-        nxt = 0  # next arrival in order
+        arrivals, decisions = np.argsort(start, kind="stable"), np.argsort(at, kind="stable")
+        ai, di = 0, (0 if decide else n)  # without decide every flow is decided already
         active = np.zeros(n, dtype=bool)
-        now = start[order[0]]
-        while nxt < n or active.any():
-            while nxt < n and start[order[nxt]] <= now:
-                i = order[nxt]
-                if left[i] <= 0:
-                    end[i] = start[i]
+        now = min(start.min(), at.min())
+
+        def finish(ids: np.ndarray) -> None:
+            end[ids] = now
+            active[ids] = False
+            left[ids] = 0.0
+            if on_end is not None:
+                for i in ids:
+                    on_end(int(i), now)
+
+        while di < n or ai < n or active.any():
+            while di < n and at[decisions[di]] <= now:
+                i = int(decisions[di])
+                assert decide is not None
+                links[i] = self.index.flow_links(flows[i].src, flows[i].dst, decide(i, now))
+                di += 1
+            while ai < n and start[arrivals[ai]] <= now:
+                i = int(arrivals[ai])
+                if left[i] <= 0 or (links[i] < 0).all():
+                    finish(np.array([i]))
                 else:
                     active[i] = True
-                nxt += 1
+                ai += 1
+            t_next = min(at[decisions[di]] - now if di < n else math.inf,
+                         start[arrivals[ai]] - now if ai < n else math.inf)
             act = np.flatnonzero(active)
             if act.size == 0:
-                now = start[order[nxt]]
+                if math.isinf(t_next):
+                    break
+                now += t_next
                 continue
             rate = max_min_rates(links[act], cap)
-            with np.errstate(divide="ignore"):
-                t_done = np.where(np.isinf(rate), 0.0, left[act] / rate)
-            dt = t_done.min()
-            t_arr = start[order[nxt]] - now if nxt < n else math.inf
-            if t_arr < dt:
-                dt = t_arr
-            left[act] -= np.where(np.isinf(rate), left[act], rate * dt)
+            t_done = left[act] / rate
+            dt = min(t_done.min(), t_next)
+            left[act] -= rate * dt
             now += dt
             # finished: its bytes ran out in this step (the float remainder is dust)
-            done = act[(left[act] <= 1e-3) | (t_done <= dt * (1 + 1e-12))]
-            end[done] = now
-            active[done] = False
-            left[done] = 0.0
+            finish(act[(left[act] <= 1e-3) | (t_done <= dt * (1 + 1e-12))])
         return end - start + p.overhead_s
 
 

@@ -17,27 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpath.fabric import FabricSpec, Path
+from kvpath.fabric import FabricSpec
+from kvpath.oracle import TableOracle
 from kvpath.reservation import LaneInfo, ReservationService
 
 
 class ReplayError(ValueError):
     pass
-
-
-class _LoggedPaths:
-    """A path oracle that answers from the log: each lane's spine as the run's oracle said."""
-
-    def __init__(self, spec: FabricSpec):
-        self.spec = spec
-        self.table: dict[tuple[str, str, int, int], int | None] = {}
-
-    def path(self, src_host: str, dst_host: str, src_port: int, dst_port: int = 0, proto: str = "tcp") -> Path:
-        try:
-            spine = self.table[(src_host, dst_host, src_port, dst_port)]
-        except KeyError:
-            raise ReplayError(f"no logged path for {src_host}:{src_port} -> {dst_host}:{dst_port}") from None
-        return self.spec.path(src_host, dst_host, spine)
 
 
 @dataclass
@@ -60,7 +46,7 @@ def replay(decisions: list[dict[str, Any]], spec: FabricSpec, mode: str, dc_dela
     if any(d.get("candidates") is None or "seq" not in d for d in decisions):
         raise ReplayError("the log has decisions without candidates or sequence numbers (several worker pairs "
                           "per P-D pair, or a kvpath older than the replayable log)")
-    oracle = _LoggedPaths(spec)
+    oracle = TableOracle(spec)
     events: list[tuple[int, str, dict[str, Any]]] = []
     for d in decisions:
         for lane, sport, dport, spine in d["candidates"]:

@@ -248,3 +248,16 @@ PRESETS: dict[str, FabricSpec] = {
     "rack4": FabricSpec(leaves=4, spines=4, hosts_per_leaf=4),
     "rack8": FabricSpec(leaves=8, spines=4, hosts_per_leaf=2),
 }
+
+
+def pd_placement(spec: FabricSpec, n_p: int, n_d: int) -> tuple[list[str], list[str]]:
+    """Where P and D engines go, in the testbed and in simulation alike: P hosts on
+    leaves [0, L/2), D hosts on [L/2, L), spread across leaves first, so every push
+    crosses the spines."""
+    half = spec.leaves // 2
+
+    def spread(leaves: range, n: int) -> list[str]:
+        order = [spec.host_name(l, h) for h in range(spec.hosts_per_leaf) for l in leaves]
+        return order[:n]
+
+    return spread(range(half), n_p), spread(range(half, spec.leaves), n_d)

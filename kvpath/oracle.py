@@ -44,6 +44,22 @@ class ModelOracle:
         return p
 
 
+class TableOracle:
+    """Paths from a table of known answers: (src host, dst host, src port, dst port) ->
+    spine index (None within a leaf). For a log replayed, or lanes laid out in simulation."""
+
+    def __init__(self, spec: FabricSpec, table: dict[tuple[str, str, int, int], int | None] | None = None):
+        self.spec = spec
+        self.table = dict(table or {})
+
+    def path(self, src_host: str, dst_host: str, src_port: int, dst_port: int = 0, proto: str = "tcp") -> Path:
+        try:
+            spine = self.table[(src_host, dst_host, src_port, dst_port)]
+        except KeyError:
+            raise FabricSpecError(f"no known path for {src_host}:{src_port} -> {dst_host}:{dst_port}") from None
+        return self.spec.path(src_host, dst_host, spine)
+
+
 class KernelOracle:
     """Paths as the testbed's kernel forwards them. ``ns_of`` maps a fabric node
     (host, ``leaf<i>``) to its network namespace. Lookups are batched per source leaf

@@ -28,7 +28,7 @@ import psutil
 from rich.console import Console
 from rich.progress import Progress
 
-from kvpath.fabric import FabricSpec, FabricSpecError
+from kvpath.fabric import FabricSpec, FabricSpecError, pd_placement as placement
 from testbed import vllm_engines
 from testbed.counters import link_bytes, spine_flow_bytes
 from testbed.netns_fabric import LinkShaping, NetnsFabric
@@ -131,17 +131,6 @@ class RunConfig:
         if self.requests < 1:
             raise RunConfigError("--requests must be >= 1")
         return spec, n_p, n_d
-
-
-def placement(spec: FabricSpec, n_p: int, n_d: int) -> tuple[list[str], list[str]]:
-    """P hosts on leaves [0, L/2), D hosts on [L/2, L), spread across leaves first."""
-    half = spec.leaves // 2
-
-    def spread(leaves: range, n: int) -> list[str]:
-        order = [spec.host_name(l, h) for h in range(spec.hosts_per_leaf) for l in leaves]
-        return order[:n]
-
-    return spread(range(half), n_p), spread(range(half, spec.leaves), n_d)
 
 
 @dataclass

@@ -1,0 +1,237 @@
+"""Two-phase P/D serving simulation (the Vidur x NS-3 method), on the simulated clock.
+
+1. **Prefill drain.** Each P engine runs its queue in continuous-batching iterations
+   (whole prompts up to a token budget per iteration), timed by the iteration-time
+   model the emulated engines use (``kvpath/iteration_time.py``).
+2. **Network.** Every request's KV is one flow from its P host to its D host, leaving
+   at prefill end. Its lane (so its spine) is decided by the reservation service's own
+   code (``kvpath/reservation.py``) on the simulated clock: at admission (the request's
+   arrival) or at push start, released when the flow's last byte arrives. ``ecmp``
+   takes the lane the transfer id hashes to. The network backend computes the FCTs.
+3. **Decode drain.** A request reaches its D at prefill end + FCT, never earlier; each D
+   runs continuous-batching decode iterations, one token per running request each.
+
+TTFT is first token - arrival (the first token leaves after the first decode
+iteration, as in the testbed's traces); TPOT is (completion - first token) / (output
+tokens - 1). The result is a kvpath trace, so every exporter and ``compare`` read it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpath.fabric import FabricSpec, pd_placement
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.models import kv_bytes_per_token
+from kvpath.oracle import TableOracle
+from kvpath.reservation import LaneInfo, ReservationService, default_lane
+from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
+from kvpath.workloads import Request
+from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+
+MODES = ("ecmp", "cc", "dc")
+LANE_PORT0 = 40000  # lane k of a P-D pair has source port LANE_PORT0 + k
+KV_PORT = 5600
+
+
+@dataclass
+class ServingConfig:
+    pools: tuple[int, int] = (8, 8)
+    mode: str = "ecmp"
+    backend: str = "flow"
+    lanes: int = 4
+    reserve_at: str = "admission"  # admission | push
+    dc_delay_s: float = 0.0
+    cc_metric: str = "flows"
+    scale_s: float = 1.0  # KV bytes divided by S (1: the datacenter's)
+    time_scale: float = 1.0  # compute times multiplied by this (B/S in the testbed)
+    max_batch_tokens: int = 8192  # prefill tokens per iteration
+    max_num_seqs: int = 256  # decode sequences per iteration
+    net: NetParams = field(default_factory=NetParams)
+
+    def validate(self, spec: FabricSpec) -> None:
+        n_p, n_d = self.pools
+        half = spec.leaves // 2
+        if spec.leaves < 2 or n_p < 1 or n_d < 1:
+            raise ValueError("pools need at least one P and one D, and the fabric two leaves")
+        if n_p > half * spec.hosts_per_leaf or n_d > (spec.leaves - half) * spec.hosts_per_leaf:
+            raise ValueError(f"pools {n_p}P{n_d}D do not fit this fabric")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.backend not in ("flow", "trivial"):
+            raise ValueError(f"backend must be flow or trivial, got {self.backend!r}")
+        if self.reserve_at not in ("admission", "push"):
+            raise ValueError(f"reserve_at must be admission or push, got {self.reserve_at!r}")
+        if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0:
+            raise ValueError("lanes must be >= 1, scale_s and time_scale > 0")
+
+
+def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: IterationTimeModel,
+                  cfg: ServingConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per request: prefill start and end on its P engine."""
+    start, end = np.zeros(len(reqs)), np.zeros(len(reqs))
+    for p in range(n_p):
+        queue = deque(sorted((i for i in range(len(reqs)) if p_of[i] == p), key=lambda i: reqs[i].arrival_s))
+        now = 0.0
+        while queue:
+            now = max(now, reqs[queue[0]].arrival_s)
+            batch, budget = [], cfg.max_batch_tokens
+            while queue and reqs[queue[0]].arrival_s <= now and (not batch or reqs[queue[0]].prompt_tokens <= budget):
+                i = queue.popleft()
+                batch.append(i)
+                budget -= reqs[i].prompt_tokens
+            start[batch] = now
+            now += itm.prefill_time([reqs[i].prompt_tokens for i in batch]) * cfg.time_scale
+            end[batch] = now
+    return start, end
+
+
+def decode_drain(reqs: list[Request], d_of: list[int], n_d: int, ready: np.ndarray, itm: IterationTimeModel,
+                 cfg: ServingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request: decode start, first token and completion on its D engine."""
+    n = len(reqs)
+    dstart, first, done = np.zeros(n), np.zeros(n), np.zeros(n)
+    for d in range(n_d):
+        waiting = deque(sorted((i for i in range(n) if d_of[i] == d), key=lambda i: ready[i]))
+        running: list[int] = []
+        made: dict[int, int] = {}
+        now = 0.0
+        while waiting or running:
+            if not running:
+                now = max(now, ready[waiting[0]])
+            while waiting and ready[waiting[0]] <= now and len(running) < cfg.max_num_seqs:
+                i = waiting.popleft()
+                running.append(i)
+                made[i] = 0
+                dstart[i] = now
+            now += itm.decode_time([reqs[i].prompt_tokens + made[i] for i in running]) * cfg.time_scale
+            still = []
+            for i in running:
+                if made[i] == 0:
+                    first[i] = now
+                made[i] += 1
+                if made[i] >= max(reqs[i].output_tokens, 1):
+                    done[i] = now
+                else:
+                    still.append(i)
+            running = still
+    return dstart, first, done
+
+
+class _Lanes:
+    """Each P-D pair's lanes: lane k has source port LANE_PORT0 + k and crosses spine
+    k mod spines (the connector keeps lanes that cover distinct paths)."""
+
+    def __init__(self, spec: FabricSpec, lanes: int):
+        self.spec, self.n = spec, lanes
+        self.oracle = TableOracle(spec)
+
+    def infos(self, src: str, dst: str) -> list[LaneInfo]:
+        out = []
+        for k in range(self.n):
+            self.oracle.table[(src, dst, LANE_PORT0 + k, KV_PORT)] = k % self.spec.spines
+            out.append(LaneInfo(k, LANE_PORT0 + k, KV_PORT))
+        return out
+
+
+def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
+             itm: IterationTimeModel) -> tuple[Trace, dict[str, Any]]:
+    cfg.validate(spec)
+    t_wall = time.perf_counter()
+    n_p, n_d = cfg.pools
+    p_hosts, d_hosts = pd_placement(spec, n_p, n_d)
+    n = len(reqs)
+    p_of, d_of = [i % n_p for i in range(n)], [i % n_d for i in range(n)]  # round robin, as the proxy's default
+    pre_start, pre_end = prefill_drain(reqs, p_of, n_p, itm, cfg)
+    kvb = kv_bytes_per_token(itm.model)
+    tids = [f"{r.request_id}" for r in reqs]
+    flows = [FlowSpec(p_hosts[p_of[i]], d_hosts[d_of[i]], max(1, round(kvb * reqs[i].prompt_tokens / cfg.scale_s)),
+                      float(pre_end[i])) for i in range(n)]
+    lanes = _Lanes(spec, cfg.lanes)
+    svc = ReservationService(spec, "ecmp" if cfg.mode == "ecmp" else cfg.mode, oracle=lanes.oracle, lease_s=1e12,
+                             dc_delay_s=cfg.dc_delay_s, clock=lambda: clock[0], metric=cfg.cc_metric)
+    for p in p_hosts:
+        for d in d_hosts:
+            svc.register_lanes(p, d, lanes.infos(p, d))
+    clock = [0.0]
+    leases: dict[int, str] = {}
+    lane_of: dict[int, int] = {}
+
+    def decide(i: int, now: float) -> int | None:
+        clock[0] = now
+        r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
+        leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
+        return lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
+                                   LANE_PORT0 + lane_of[i], KV_PORT)]
+
+    def on_end(i: int, now: float) -> None:
+        clock[0] = now
+        svc.release(leases.pop(i))
+
+    decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == "admission" else pre_end
+    if cfg.backend == "flow":
+        fct = FlowModel(spec, cfg.net).run(flows, decide=decide, decide_at=decide_at, on_end=on_end)
+    else:  # trivial: flows never meet (each is alone), so a reservation ends as soon as it is made
+        order = np.argsort(decide_at, kind="stable")
+        spines = {}
+        for i in order:
+            spines[int(i)] = decide(int(i), float(decide_at[i]))
+            svc.release(leases.pop(int(i)))
+        fct = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spines[i]) for i, f in enumerate(flows)],
+                          cfg.net)
+    ready = pre_end + fct  # never before the KV has arrived
+    dstart, first, done = decode_drain(reqs, d_of, n_d, ready, itm, cfg)
+    trace = _trace(spec, reqs, cfg, p_hosts, d_hosts, p_of, d_of, pre_start, pre_end, flows, fct, lane_of, dstart,
+                   first, done, itm)
+    return trace, {"wall_s": time.perf_counter() - t_wall}
+
+
+def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: list[str], d_hosts: list[str],
+           p_of: list[int], d_of: list[int], pre_start: np.ndarray, pre_end: np.ndarray, flows: list[FlowSpec],
+           fct: np.ndarray, lane_of: dict[int, int], dstart: np.ndarray, first: np.ndarray, done: np.ndarray,
+           itm: IterationTimeModel) -> Trace:
+    header = Header(t0_unix=0.0, mode=cfg.mode, fabric=spec.to_dict(), scale_s=cfg.scale_s,
+                    meta={"source": "simulator_bridge", "backend": cfg.backend, "pools": f"{cfg.pools[0]}P{cfg.pools[1]}D",
+                          "reserve_at": cfg.reserve_at, "dc_delay_s": cfg.dc_delay_s,
+                          "iteration_time": itm.to_dict(), "net": {"overhead_s": cfg.net.overhead_s,
+                                                                    "efficiency": cfg.net.efficiency,
+                                                                    "burst_bytes": cfg.net.burst_bytes}})
+    requests, flow_recs = [], []
+    alone = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, 0.0, lane_of.get(i, 0) % spec.spines)
+                               for i, f in enumerate(flows)], cfg.net)
+    for i, r in enumerate(reqs):
+        f = flows[i]
+        lane = lane_of.get(i, 0)
+        ft = FiveTuple(spec.host_ip(f.src), spec.host_ip(f.dst), LANE_PORT0 + lane, KV_PORT)
+        spine = f"spine{lane % spec.spines}"
+        end = float(pre_end[i] + fct[i])
+        out = max(r.output_tokens, 1)
+        requests.append(RequestRecord(
+            request_id=r.request_id, arrival_s=r.arrival_s, prompt_tokens=r.prompt_tokens, output_tokens=out,
+            p_instance=p_hosts[p_of[i]], d_instance=d_hosts[d_of[i]], prefill_start_s=float(pre_start[i]),
+            prefill_end_s=float(pre_end[i]), kv_bytes=f.bytes, push_start_s=float(pre_end[i]), push_end_s=end,
+            lane=lane, five_tuple=ft, path_predicted=spine, path_measured=spine, decode_start_s=float(dstart[i]),
+            first_token_s=float(first[i]), completion_s=float(done[i]), ttft_s=float(first[i]) - r.arrival_s,
+            tpot_s=(float(done[i]) - float(first[i])) / (out - 1) if out > 1 else None))
+        flow_recs.append(FlowRecord(flow_id=r.request_id, request_id=r.request_id, five_tuple=ft, bytes=f.bytes,
+                                    start_s=float(pre_end[i]), end_s=end, path=spine,
+                                    standalone_fct_s=float(alone[i])))
+    return Trace(header, requests, flow_recs)
+
+
+def summarize(trace: Trace, wall_s: float) -> dict[str, Any]:
+    fct = np.array([f.fct_s for f in trace.flows])
+    sd = np.array([f.fct_s / f.standalone_fct_s for f in trace.flows if f.standalone_fct_s])
+    ttft = np.array([q.ttft_s for q in trace.requests])
+    tpot = np.array([q.tpot_s for q in trace.requests if q.tpot_s is not None])
+    return {"mode": trace.header.mode, "backend": trace.header.meta.get("backend"), "requests": len(trace.requests),
+            "fct_mean_s": float(fct.mean()), "fct_p99_s": float(np.percentile(fct, 99)),
+            "slowdown_mean": float(sd.mean()) if sd.size else None,
+            "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_mean_s": float(tpot.mean()) if tpot.size else None, "wall_s": wall_s}
+

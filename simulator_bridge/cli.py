@@ -43,6 +43,66 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import re
+    from pathlib import Path
+
+    from kvpath.fabric import FabricSpec, FabricSpecError
+    from kvpath.iteration_time import IterationTimeModel
+    from kvpath.models import ModelSpecError
+    from kvpath.trace import TraceWriter
+    from kvpath.workloads import WorkloadError, load_workload
+    from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
+
+    def fail(msg: str) -> SystemExit:
+        return SystemExit(f"kvpath bridge simulate: error: {msg}")
+
+    try:
+        spec = FabricSpec.resolve(args.fabric)
+    except FabricSpecError as e:
+        raise fail(f"--fabric: {e}") from None
+    m = re.fullmatch(r"(\d+)P(\d+)D", args.pools)
+    if not m:
+        raise fail(f"--pools must look like 8P8D, got {args.pools!r}")
+    try:
+        itm = IterationTimeModel.preset(args.model, args.accelerator)
+    except (ModelSpecError, KeyError, ValueError) as e:
+        raise fail(f"--model/--accelerator: {e}") from None
+    try:
+        w = load_workload(args.workload, n=args.requests, qps=args.qps, seed=args.seed, min_prompt=args.min_prompt,
+                          max_prompt=args.max_prompt, pd_ratio=args.pd_ratio)
+    except WorkloadError as e:
+        raise fail(f"--workload: {e}") from None
+    rows = []
+    for backend in [b for b in args.backend.split(",") if b]:
+        for mode in [x for x in args.mode.split(",") if x]:
+            cfg = ServingConfig(pools=(int(m.group(1)), int(m.group(2))), mode=mode, backend=backend, lanes=args.lanes,
+                                reserve_at=args.reserve_at, dc_delay_s=args.dc_delay_s)
+            try:
+                trace, info = simulate(spec, list(w.requests), cfg, itm)
+            except ValueError as e:
+                raise fail(str(e)) from None
+            rows.append(summarize(trace, info["wall_s"]))
+            if args.out:
+                out = Path(args.out) / f"{backend}-{mode}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with TraceWriter(out, trace.header) as tw:
+                    for rec in [*trace.requests, *trace.flows]:
+                        tw.write(rec)
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    t = Table(title=f"simulated: {args.fabric}, {args.pools}, {len(w.requests)} requests at {args.qps} QPS (ms)")
+    for c in ("backend", "mode", "FCT mean", "FCT p99", "slowdown mean", "TTFT mean", "TPOT mean", "wall (s)"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["backend"], r["mode"], f"{r['fct_mean_s'] * 1e3:.2f}", f"{r['fct_p99_s'] * 1e3:.2f}",
+                  f"{r['slowdown_mean']:.2f}", f"{r['ttft_mean_s'] * 1e3:.1f}", f"{r['tpot_mean_s'] * 1e3:.2f}",
+                  f"{r['wall_s']:.2f}")
+    Console().print(t)
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     br = sub.add_parser("bridge", help="measured traces against simulation").add_subparsers(dest="bridge_cmd")
     c = br.add_parser("compare", help="replay a trace's KV flows through network backends and print the FCT errors")
@@ -54,3 +114,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="bytes a flow sends at once before the link rate applies (default: the trace's, else 0)")
     c.add_argument("--json", action="store_true", help="print the errors as JSON")
     c.set_defaults(func=_cmd_compare)
+
+    s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
+    s.add_argument("--fabric", default="rack4", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
+    s.add_argument("--pools", default="8P8D")
+    s.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
+    s.add_argument("--requests", type=int, default=500)
+    s.add_argument("--qps", type=float, default=6.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--min-prompt", type=int, default=1024)
+    s.add_argument("--max-prompt", type=int, default=4096)
+    s.add_argument("--pd-ratio", type=float, default=20.0)
+    s.add_argument("--model", default="llama-3-8b")
+    s.add_argument("--accelerator", default="h100")
+    s.add_argument("--mode", default="ecmp,cc,dc", help="comma-separated: ecmp, cc, dc")
+    s.add_argument("--backend", default="trivial,flow", help="comma-separated: flow, trivial")
+    s.add_argument("--lanes", type=int, default=4)
+    s.add_argument("--reserve-at", default="admission", choices=("admission", "push"))
+    s.add_argument("--dc-delay-s", type=float, default=0.0)
+    s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_simulate)

@@ -47,3 +47,18 @@ def test_the_cli_prints_errors_as_json_and_names_bad_input(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and field in r.stderr and "Traceback" not in r.stderr
+
+
+def test_simulate_cli_prints_one_row_per_backend_and_mode(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "simulate", "--fabric", "small", "--pools", "2P2D",
+                        "--requests", "40", "--qps", "20", "--mode", "ecmp,cc", "--backend", "flow,trivial", "--json",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["backend"], x["mode"]) for x in rows] == [("flow", "ecmp"), ("flow", "cc"), ("trivial", "ecmp"),
+                                                         ("trivial", "cc")]
+    assert all(x["requests"] == 40 and x["fct_p99_s"] >= x["fct_mean_s"] > 0 for x in rows)
+    assert len(read_trace(tmp_path / "flow-cc.jsonl").flows) == 40  # written and valid
+    bad = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "simulate", "--pools", "8x8"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--pools" in bad.stderr and "Traceback" not in bad.stderr

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_bridge.py [--flows 2000] [--reps 3]
 
-1. Set-up on fabrics of about 1K, 8K and 64K hosts (the spec, the link numbering and
+1. Set-up on fabrics of 1,024, 8,192 and 62,500 hosts (the largest the addressing allows) (the spec, the link numbering and
    capacities, and the link ids of --flows flows): median (min-max) of --reps.
 2. A run of --flows flows with random endpoints and spines, Poisson arrivals at a load
    where flows share links, on each fabric: wall time and mean FCT over standalone FCT.
@@ -31,7 +31,8 @@ from kvpath.workloads import load_workload  # noqa: E402
 from simulator_bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_fct  # noqa: E402
 from simulator_bridge.serving_sim import ServingConfig, simulate  # noqa: E402
 
-FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "64K": (256, 63, 250)}  # leaves, spines, hosts per leaf
+# leaves, spines, hosts per leaf; the spec's addressing (10.<leaf>.<host>.x) caps a fabric at 250 x 250 hosts
+FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "62.5K": (250, 63, 250)}
 
 
 def random_flows(spec: FabricSpec, n: int, rng: np.random.Generator, load: float = 0.5) -> list[FlowSpec]:

@@ -92,7 +92,11 @@ def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     valid = links >= 0
     has = valid.any(axis=1)
     rate[has] = 0.0
-    cap = capacity.astype(float).copy()
+    # only the links these flows cross: the work per call follows the flows, not the fabric
+    used, compact = np.unique(links[valid], return_inverse=True)
+    links = np.full(links.shape, -1, dtype=np.int64)
+    links[valid] = compact
+    cap = capacity[used].astype(float)
     active = has.copy()
     while active.any():
         idx = links[active][valid[active]]

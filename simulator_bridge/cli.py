@@ -12,10 +12,27 @@ from rich.table import Table
 BURST_META = "burst_bytes"  # the testbed's token-bucket burst, in a trace header's meta
 
 
+def _ns3_params(args: argparse.Namespace, cmd: str):
+    from simulator_bridge.ns3_backend import Ns3Params
+
+    try:
+        return Ns3Params(mtu=args.ns3_mtu, queue_bytes=args.ns3_queue_bytes, tcp=args.ns3_tcp)
+    except ValueError as e:
+        raise SystemExit(f"kvpath bridge {cmd}: error: --ns3-*: {e}") from None
+
+
+def _add_ns3_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ns3-mtu", type=int, default=None,
+                   help="ns3 backend: link MTU (default: the fabric's; up to 65535 for coarse segments)")
+    p.add_argument("--ns3-queue-bytes", type=int, default=16 << 20, help="ns3 backend: drop-tail queue per port")
+    p.add_argument("--ns3-tcp", default="TcpCubic", help="ns3 backend: TCP variant (ns-3 type name)")
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from kvpath.trace import TraceError, read_trace
     from simulator_bridge.compare import BACKENDS, compare_fct
     from simulator_bridge.flow_model import NetParams
+    from simulator_bridge.ns3_backend import Ns3Error
 
     backends = [b for b in args.backend.split(",") if b]
     bad = [b for b in backends if b not in BACKENDS]
@@ -28,8 +45,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     burst = args.burst_bytes if args.burst_bytes is not None else int(trace.header.meta.get(BURST_META, 0))
     try:
         params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
-        errors = compare_fct(trace, backends, params)
-    except ValueError as e:
+        errors = compare_fct(trace, backends, params, _ns3_params(args, "compare"))
+    except (ValueError, Ns3Error) as e:
         raise SystemExit(f"kvpath bridge compare: error: {e}") from None
     if args.json:
         sys.stdout.write(json.dumps({b: e.to_dict() for b, e in errors.items()}) + "\n")
@@ -52,6 +69,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvpath.models import ModelSpecError
     from kvpath.trace import TraceWriter
     from kvpath.workloads import WorkloadError, load_workload
+    from simulator_bridge.ns3_backend import Ns3Error
     from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
 
     def fail(msg: str) -> SystemExit:
@@ -77,10 +95,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for backend in [b for b in args.backend.split(",") if b]:
         for mode in [x for x in args.mode.split(",") if x]:
             cfg = ServingConfig(pools=(int(m.group(1)), int(m.group(2))), mode=mode, backend=backend, lanes=args.lanes,
-                                reserve_at=args.reserve_at, dc_delay_s=args.dc_delay_s)
+                                reserve_at=args.reserve_at, dc_delay_s=args.dc_delay_s, scale_s=args.scale_s,
+                                ns3=_ns3_params(args, "simulate"))
             try:
                 trace, info = simulate(spec, list(w.requests), cfg, itm)
-            except ValueError as e:
+            except (ValueError, Ns3Error) as e:
                 raise fail(str(e)) from None
             rows.append(summarize(trace, info["wall_s"]))
             if args.out:
@@ -107,12 +126,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     br = sub.add_parser("bridge", help="measured traces against simulation").add_subparsers(dest="bridge_cmd")
     c = br.add_parser("compare", help="replay a trace's KV flows through network backends and print the FCT errors")
     c.add_argument("trace", help="a kvpath trace (trace.jsonl, docs/trace.md)")
-    c.add_argument("--backend", default="flow,trivial", help="comma-separated: flow, trivial")
+    c.add_argument("--backend", default="flow,trivial", help="comma-separated: flow, trivial, ns3")
     c.add_argument("--overhead-s", type=float, default=0.0, help="fixed cost per flow added to its FCT")
     c.add_argument("--efficiency", type=float, default=1.0, help="share of a link's rate a flow's payload gets")
     c.add_argument("--burst-bytes", type=int, default=None,
                    help="bytes a flow sends at once before the link rate applies (default: the trace's, else 0)")
     c.add_argument("--json", action="store_true", help="print the errors as JSON")
+    _add_ns3_args(c)
     c.set_defaults(func=_cmd_compare)
 
     s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
@@ -128,10 +148,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="llama-3-8b")
     s.add_argument("--accelerator", default="h100")
     s.add_argument("--mode", default="ecmp,cc,dc", help="comma-separated: ecmp, cc, dc")
-    s.add_argument("--backend", default="trivial,flow", help="comma-separated: flow, trivial")
+    s.add_argument("--backend", default="trivial,flow", help="comma-separated: flow, trivial, ns3")
+    s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")
     s.add_argument("--lanes", type=int, default=4)
     s.add_argument("--reserve-at", default="admission", choices=("admission", "push"))
     s.add_argument("--dc-delay-s", type=float, default=0.0)
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
     s.add_argument("--json", action="store_true")
+    _add_ns3_args(s)
     s.set_defaults(func=_cmd_simulate)
+
+    from simulator_bridge import convert, sweep
+
+    convert.add_parser(br)
+    sweep.add_parser(br)

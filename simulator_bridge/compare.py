@@ -17,8 +17,9 @@ import numpy as np
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
 from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+from simulator_bridge.ns3_backend import Ns3Params, ns3_fct
 
-BACKENDS = ("flow", "trivial")
+BACKENDS = ("flow", "trivial", "ns3")
 
 
 def trace_fabric(trace: Trace) -> FabricSpec:
@@ -40,11 +41,14 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
     return flows, np.array(fct, dtype=float)
 
 
-def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams) -> np.ndarray:
+def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams,
+             ns3: Ns3Params | None = None) -> np.ndarray:
     if backend == "flow":
         return FlowModel(spec, params).run(flows)
     if backend == "trivial":
         return trivial_fct(spec, flows, params)
+    if backend == "ns3":
+        return ns3_fct(spec, flows, params, ns3)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -75,9 +79,10 @@ class Errors:
         return dataclasses.asdict(self)
 
 
-def compare_fct(trace: Trace, backends: list[str], params: NetParams) -> dict[str, Errors]:
+def compare_fct(trace: Trace, backends: list[str], params: NetParams,
+                ns3: Ns3Params | None = None) -> dict[str, Errors]:
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
     spec = trace_fabric(trace)
     flows, measured = trace_flows(trace)
-    return {b: Errors.of(measured, simulate(b, spec, flows, params)) for b in backends}
+    return {b: Errors.of(measured, simulate(b, spec, flows, params, ns3)) for b in backends}

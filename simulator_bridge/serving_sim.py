@@ -33,8 +33,10 @@ from kvpath.reservation import LaneInfo, ReservationService, default_lane
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
 from kvpath.workloads import Request
 from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+from simulator_bridge.ns3_backend import Ns3Backend, Ns3Params
 
 MODES = ("ecmp", "cc", "dc")
+BACKENDS = ("flow", "trivial", "ns3")
 LANE_PORT0 = 40000  # lane k of a P-D pair has source port LANE_PORT0 + k
 KV_PORT = 5600
 
@@ -53,6 +55,7 @@ class ServingConfig:
     max_batch_tokens: int = 8192  # prefill tokens per iteration
     max_num_seqs: int = 256  # decode sequences per iteration
     net: NetParams = field(default_factory=NetParams)
+    ns3: Ns3Params = field(default_factory=Ns3Params)
 
     def validate(self, spec: FabricSpec) -> None:
         n_p, n_d = self.pools
@@ -63,8 +66,8 @@ class ServingConfig:
             raise ValueError(f"pools {n_p}P{n_d}D do not fit this fabric")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.backend not in ("flow", "trivial"):
-            raise ValueError(f"backend must be flow or trivial, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reserve_at not in ("admission", "push"):
             raise ValueError(f"reserve_at must be admission or push, got {self.reserve_at!r}")
         if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0:
@@ -161,34 +164,41 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     clock = [0.0]
     leases: dict[int, str] = {}
     lane_of: dict[int, int] = {}
+    spine_of: dict[int, int | None] = {}
 
     def decide(i: int, now: float) -> int | None:
         clock[0] = now
         r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
         leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
-        return lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
-                                   LANE_PORT0 + lane_of[i], KV_PORT)]
+        spine_of[i] = lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
+                                          LANE_PORT0 + lane_of[i], KV_PORT)]
+        return spine_of[i]
 
     def on_end(i: int, now: float) -> None:
         clock[0] = now
         svc.release(leases.pop(i))
 
     decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == "admission" else pre_end
-    if cfg.backend == "flow":
+    info: dict[str, Any] = {}
+    if cfg.backend in ("flow", "ns3"):
         fct = FlowModel(spec, cfg.net).run(flows, decide=decide, decide_at=decide_at, on_end=on_end)
+        if cfg.backend == "ns3":
+            # one packet-level run on the lanes decided on the flow model's clock: the
+            # reservation code cannot call into a running ns-3 (docs/bridge.md)
+            pinned = [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spine_of[i]) for i, f in enumerate(flows)]
+            res = Ns3Backend(spec, cfg.net, cfg.ns3).run(pinned)
+            fct, info["ns3_drops"], info["ns3_wall_s"] = res.fct_s, res.drops, res.wall_s
     else:  # trivial: flows never meet (each is alone), so a reservation ends as soon as it is made
-        order = np.argsort(decide_at, kind="stable")
-        spines = {}
-        for i in order:
-            spines[int(i)] = decide(int(i), float(decide_at[i]))
+        for i in np.argsort(decide_at, kind="stable"):
+            decide(int(i), float(decide_at[i]))
             svc.release(leases.pop(int(i)))
-        fct = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spines[i]) for i, f in enumerate(flows)],
+        fct = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spine_of[i]) for i, f in enumerate(flows)],
                           cfg.net)
     ready = pre_end + fct  # never before the KV has arrived
     dstart, first, done = decode_drain(reqs, d_of, n_d, ready, itm, cfg)
     trace = _trace(spec, reqs, cfg, p_hosts, d_hosts, p_of, d_of, pre_start, pre_end, flows, fct, lane_of, dstart,
                    first, done, itm)
-    return trace, {"wall_s": time.perf_counter() - t_wall}
+    return trace, {"wall_s": time.perf_counter() - t_wall, **info}
 
 
 def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: list[str], d_hosts: list[str],

@@ -1,0 +1,351 @@
+// kvflows: bulk TCP flows on a leaf-spine fabric, each on the spine it is given.
+//
+// Built by simulator_bridge/ns3_backend.py against the PyPI ns3 wheel and cached;
+// run once per replay. Input: one flow per line "id src_host dst_host spine bytes
+// start_s" (spine -1: within a leaf). Output: one line per flow "id fct_s" (fct -1:
+// it did not finish before the horizon). Progress goes to stderr as "progress DONE N",
+// then "stats drops N" and "stats uplink LEAF SPINE BYTES" (bytes sent leaf -> spine,
+// headers included), so a caller can check each flow crossed the spine it was given.
+//
+// Routing is by rule on hierarchical addresses, with no global routing tables:
+// host h under leaf l owns one address per spine s, 10.(s+1).l.(h+1). A leaf sends
+// 10.(s+1).0.0/16 up to spine s and keeps /32s for its own hosts; spine s sends
+// 10.(s+1).l.0/24 down to leaf l. A flow on spine s binds its source to its host's
+// spine-s address and connects to the destination's spine-s address, so data and
+// ACKs both cross spine s, and set-up is O(hosts x spines) static routes.
+
+#include "ns3/applications-module.h"
+#include "ns3/core-module.h"
+#include "ns3/internet-module.h"
+#include "ns3/network-module.h"
+#include "ns3/point-to-point-module.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+using namespace ns3;
+
+namespace
+{
+
+const uint16_t kPort = 5600;
+const uint32_t kChunk = 1 << 20; // bytes handed to the socket per Send
+
+struct Flow
+{
+    uint64_t id;
+    uint32_t src, dst;
+    int32_t spine;
+    uint64_t bytes;
+    double start;
+    uint64_t sent = 0;
+    uint64_t rcvd = 0;
+    double end = -1;
+};
+
+std::vector<Flow> g_flows;
+std::map<std::pair<uint32_t, uint16_t>, uint32_t> g_by_source; // (source ip, port) -> flow
+NodeContainer g_hosts;
+uint32_t g_hpl = 1;
+uint32_t g_done = 0;
+uint32_t g_reported = 0;
+uint64_t g_drops = 0;
+
+std::vector<uint64_t> g_uplink_bytes; // leaf l -> spine s at l * spines + s
+
+void
+OnDrop(Ptr<const Packet>)
+{
+    ++g_drops;
+}
+
+void
+OnUplinkTx(uint32_t link, Ptr<const Packet> p)
+{
+    g_uplink_bytes[link] += p->GetSize();
+}
+
+Ipv4Address
+DataAddress(uint32_t spine, uint32_t host)
+{
+    uint32_t leaf = host / g_hpl;
+    uint32_t idx = host % g_hpl;
+    return Ipv4Address((10u << 24) | ((spine + 1) << 16) | (leaf << 8) | (idx + 1));
+}
+
+void
+Fill(uint32_t i, Ptr<Socket> s, uint32_t)
+{
+    Flow& f = g_flows[i];
+    while (f.sent < f.bytes)
+    {
+        uint32_t room = s->GetTxAvailable();
+        if (room == 0)
+        {
+            return; // called again when the buffer drains
+        }
+        uint32_t n = static_cast<uint32_t>(std::min<uint64_t>({room, f.bytes - f.sent, kChunk}));
+        int r = s->Send(Create<Packet>(n));
+        if (r <= 0)
+        {
+            return;
+        }
+        f.sent += r;
+    }
+    s->SetSendCallback(MakeNullCallback<void, Ptr<Socket>, uint32_t>());
+    s->Close(); // the FIN follows the queued data
+}
+
+void
+Connected(uint32_t i, Ptr<Socket> s)
+{
+    Fill(i, s, s->GetTxAvailable());
+}
+
+void
+StartFlow(uint32_t i)
+{
+    Flow& f = g_flows[i];
+    uint32_t spine = f.spine < 0 ? 0 : f.spine;
+    Ptr<Socket> s = Socket::CreateSocket(g_hosts.Get(f.src), TcpSocketFactory::GetTypeId());
+    s->Bind(InetSocketAddress(DataAddress(spine, f.src), 0));
+    s->SetSendCallback(MakeBoundCallback(&Fill, i));
+    s->SetConnectCallback(MakeBoundCallback(&Connected, i), MakeNullCallback<void, Ptr<Socket>>());
+    s->Connect(InetSocketAddress(DataAddress(spine, f.dst), kPort));
+    // keyed by the address the connection really uses (set by Connect's route lookup)
+    Address name;
+    s->GetSockName(name);
+    InetSocketAddress local = InetSocketAddress::ConvertFrom(name);
+    g_by_source[{local.GetIpv4().Get(), local.GetPort()}] = i;
+}
+
+void
+OnRx(Ptr<const Packet> p, const Address& from, const Address&)
+{
+    InetSocketAddress a = InetSocketAddress::ConvertFrom(from);
+    auto it = g_by_source.find({a.GetIpv4().Get(), a.GetPort()});
+    if (it == g_by_source.end())
+    {
+        return;
+    }
+    Flow& f = g_flows[it->second];
+    f.rcvd += p->GetSize();
+    if (f.end < 0 && f.rcvd >= f.bytes)
+    {
+        f.end = Simulator::Now().GetSeconds();
+        ++g_done;
+        uint32_t pct = static_cast<uint32_t>(100.0 * g_done / g_flows.size());
+        if (pct > g_reported || g_done == g_flows.size())
+        {
+            g_reported = pct;
+            std::fprintf(stderr, "progress %u %zu\n", g_done, g_flows.size());
+            std::fflush(stderr);
+        }
+        if (g_done == g_flows.size())
+        {
+            Simulator::Stop(); // the remaining events are FIN/ACK exchanges
+        }
+    }
+}
+
+uint32_t
+AddInterface(Ptr<Node> node, Ptr<NetDevice> dev, Ipv4Address addr, Ipv4Mask mask = Ipv4Mask("255.255.255.255"))
+{
+    Ptr<Ipv4> ip = node->GetObject<Ipv4>();
+    int32_t k = ip->AddInterface(dev);
+    ip->AddAddress(k, Ipv4InterfaceAddress(addr, mask));
+    ip->SetUp(k);
+    return k;
+}
+
+Ptr<Ipv4StaticRouting>
+Static(Ptr<Node> node)
+{
+    Ipv4StaticRoutingHelper h;
+    return h.GetStaticRouting(node->GetObject<Ipv4>());
+}
+
+} // namespace
+
+int
+main(int argc, char* argv[])
+{
+    uint32_t leaves = 2, spines = 2, hpl = 2, mtu = 9000;
+    double host_gbps = 100, spine_gbps = 100, delay_us = 1, horizon_s = 3600, min_rto_ms = 5;
+    uint64_t queue_bytes = 16 << 20, buf_bytes = 1 << 20;
+    std::string tcp = "TcpCubic", flows_file, out_file;
+    CommandLine cmd(__FILE__);
+    cmd.AddValue("leaves", "leaves", leaves);
+    cmd.AddValue("spines", "spines", spines);
+    cmd.AddValue("hostsPerLeaf", "hosts per leaf", hpl);
+    cmd.AddValue("hostGbps", "host link rate (Gbit/s)", host_gbps);
+    cmd.AddValue("spineGbps", "leaf-spine link rate (Gbit/s)", spine_gbps);
+    cmd.AddValue("mtu", "link MTU (bytes); the TCP segment is MTU - 52", mtu);
+    cmd.AddValue("delayUs", "propagation delay per link (us)", delay_us);
+    cmd.AddValue("queueBytes", "drop-tail queue per egress port (bytes)", queue_bytes);
+    cmd.AddValue("bufBytes", "TCP send and receive buffers (bytes)", buf_bytes);
+    cmd.AddValue("minRtoMs", "TCP minimum RTO (ms)", min_rto_ms);
+    cmd.AddValue("tcp", "TCP congestion control (ns-3 type name without ns3::)", tcp);
+    cmd.AddValue("horizonS", "stop this long after the last flow start (s)", horizon_s);
+    cmd.AddValue("flows", "input: id src dst spine bytes start_s per line", flows_file);
+    cmd.AddValue("out", "output: id fct_s per line", out_file);
+    cmd.Parse(argc, argv);
+    g_hpl = hpl;
+
+    std::ifstream in(flows_file);
+    if (!in)
+    {
+        std::fprintf(stderr, "error: cannot read --flows %s\n", flows_file.c_str());
+        return 2;
+    }
+    for (std::string line; std::getline(in, line);)
+    {
+        if (line.empty())
+        {
+            continue;
+        }
+        std::istringstream ls(line);
+        Flow f;
+        if (!(ls >> f.id >> f.src >> f.dst >> f.spine >> f.bytes >> f.start))
+        {
+            std::fprintf(stderr, "error: bad flow line: %s\n", line.c_str());
+            return 2;
+        }
+        g_flows.push_back(f);
+    }
+
+    Config::SetDefault("ns3::TcpL4Protocol::SocketType", StringValue("ns3::" + tcp));
+    Config::SetDefault("ns3::TcpSocket::SegmentSize", UintegerValue(mtu - 52));
+    Config::SetDefault("ns3::TcpSocket::SndBufSize", UintegerValue(buf_bytes));
+    Config::SetDefault("ns3::TcpSocket::RcvBufSize", UintegerValue(buf_bytes));
+    Config::SetDefault("ns3::TcpSocket::InitialCwnd", UintegerValue(10));
+    Config::SetDefault("ns3::TcpSocket::ConnTimeout", TimeValue(MilliSeconds(10)));
+    Config::SetDefault("ns3::TcpSocketBase::MinRto", TimeValue(MicroSeconds(min_rto_ms * 1000)));
+    Config::SetDefault("ns3::TcpSocketBase::ClockGranularity", TimeValue(MicroSeconds(100)));
+
+    uint32_t n_hosts = leaves * hpl;
+    g_hosts.Create(n_hosts);
+    NodeContainer leaf_nodes, spine_nodes;
+    leaf_nodes.Create(leaves);
+    spine_nodes.Create(spines);
+    InternetStackHelper stack;
+    Ipv4StaticRoutingHelper static_routing;
+    stack.SetRoutingHelper(static_routing); // static only: no global routing tables
+    stack.Install(g_hosts);
+    stack.Install(leaf_nodes);
+    stack.Install(spine_nodes);
+
+    auto link = [&](double gbps) {
+        PointToPointHelper p;
+        std::ostringstream rate;
+        rate << gbps << "Gbps";
+        p.SetDeviceAttribute("DataRate", StringValue(rate.str()));
+        p.SetDeviceAttribute("Mtu", UintegerValue(mtu));
+        p.SetChannelAttribute("Delay", TimeValue(NanoSeconds(delay_us * 1000)));
+        p.SetQueue("ns3::DropTailQueue", "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::BYTES, queue_bytes)));
+        return p;
+    };
+    PointToPointHelper host_link = link(host_gbps), spine_link = link(spine_gbps);
+    g_uplink_bytes.assign(leaves * spines, 0);
+    uint32_t infra = 11u << 24; // switch interface addresses: unique /32s, never routed to
+
+    for (uint32_t h = 0; h < n_hosts; ++h)
+    {
+        uint32_t l = h / hpl;
+        NetDeviceContainer d = host_link.Install(g_hosts.Get(h), leaf_nodes.Get(l));
+        Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();
+        // /16 masks: ns-3 takes a TCP connection's source address from the route's source
+        // selection (not from Bind), which prefers the address in the destination's /16,
+        // so a flow to a spine-s address leaves from this host's spine-s address
+        uint32_t hk = AddInterface(g_hosts.Get(h), d.Get(0), DataAddress(0, h), Ipv4Mask("255.255.0.0"));
+        for (uint32_t s = 1; s < spines; ++s)
+        {
+            ip->AddAddress(hk, Ipv4InterfaceAddress(DataAddress(s, h), Ipv4Mask("255.255.0.0")));
+        }
+        Static(g_hosts.Get(h))->AddNetworkRouteTo(Ipv4Address("0.0.0.0"), Ipv4Mask("0.0.0.0"), hk);
+        uint32_t lk = AddInterface(leaf_nodes.Get(l), d.Get(1), Ipv4Address(infra++));
+        for (uint32_t s = 0; s < spines; ++s)
+        {
+            Static(leaf_nodes.Get(l))->AddHostRouteTo(DataAddress(s, h), lk);
+        }
+    }
+    for (uint32_t l = 0; l < leaves; ++l)
+    {
+        for (uint32_t s = 0; s < spines; ++s)
+        {
+            NetDeviceContainer d = spine_link.Install(leaf_nodes.Get(l), spine_nodes.Get(s));
+            uint32_t up = AddInterface(leaf_nodes.Get(l), d.Get(0), Ipv4Address(infra++));
+            d.Get(0)->TraceConnectWithoutContext("PhyTxEnd", MakeBoundCallback(&OnUplinkTx, l * spines + s));
+            uint32_t down = AddInterface(spine_nodes.Get(s), d.Get(1), Ipv4Address(infra++));
+            Static(leaf_nodes.Get(l))
+                ->AddNetworkRouteTo(Ipv4Address((10u << 24) | ((s + 1) << 16)), Ipv4Mask("255.255.0.0"), up);
+            Static(spine_nodes.Get(s))
+                ->AddNetworkRouteTo(Ipv4Address((10u << 24) | ((s + 1) << 16) | (l << 8)),
+                                    Ipv4Mask("255.255.255.0"),
+                                    down);
+        }
+    }
+
+    // every egress queue's drops, so a run says whether it stayed lossless
+    for (NodeList::Iterator it = NodeList::Begin(); it != NodeList::End(); ++it)
+    {
+        for (uint32_t k = 0; k < (*it)->GetNDevices(); ++k)
+        {
+            Ptr<PointToPointNetDevice> dev = DynamicCast<PointToPointNetDevice>((*it)->GetDevice(k));
+            if (dev)
+            {
+                dev->GetQueue()->TraceConnectWithoutContext("Drop", MakeCallback(&OnDrop));
+            }
+        }
+    }
+
+    std::vector<bool> receives(n_hosts, false);
+    double last_start = 0;
+    for (uint32_t i = 0; i < g_flows.size(); ++i)
+    {
+        const Flow& f = g_flows[i];
+        if (f.src >= n_hosts || f.dst >= n_hosts || f.spine >= static_cast<int32_t>(spines))
+        {
+            std::fprintf(stderr, "error: flow %llu: host or spine out of range\n", (unsigned long long)f.id);
+            return 2;
+        }
+        receives[f.dst] = true;
+        last_start = std::max(last_start, f.start);
+        Simulator::Schedule(Seconds(f.start), &StartFlow, i);
+    }
+    for (uint32_t h = 0; h < n_hosts; ++h)
+    {
+        if (!receives[h])
+        {
+            continue;
+        }
+        PacketSinkHelper sink("ns3::TcpSocketFactory", InetSocketAddress(Ipv4Address::GetAny(), kPort));
+        ApplicationContainer app = sink.Install(g_hosts.Get(h));
+        app.Start(Seconds(0));
+        app.Get(0)->TraceConnectWithoutContext("RxWithAddresses", MakeCallback(&OnRx));
+    }
+
+    Simulator::Stop(Seconds(last_start + horizon_s));
+    Simulator::Run();
+    std::ofstream out(out_file);
+    out.precision(12);
+    for (const Flow& f : g_flows)
+    {
+        out << f.id << ' ' << (f.end < 0 ? -1.0 : f.end - f.start) << '\n';
+    }
+    std::fprintf(stderr, "stats drops %llu\n", (unsigned long long)g_drops);
+    for (uint32_t k = 0; k < g_uplink_bytes.size(); ++k)
+    {
+        if (g_uplink_bytes[k])
+        {
+            std::fprintf(stderr, "stats uplink %u %u %llu\n", k / spines, k % spines,
+                         (unsigned long long)g_uplink_bytes[k]);
+        }
+    }
+    Simulator::Destroy();
+    return 0;
+}

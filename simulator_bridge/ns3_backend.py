@@ -1,0 +1,224 @@
+"""The ``ns3`` backend: packet-level TCP on the leaf-spine fabric, from the PyPI ns3 wheel.
+
+``simulator_bridge/ns3/kvflows.cc`` is compiled with g++ against the wheel's headers
+and libraries on first use and cached under ``~/.cache/kvpath/ns3`` (keyed by the
+source, the ns-3 version and the flags), because importing the Python bindings costs
+~10 s and 0.7 GB per process. Each run writes the flows to a file, runs the binary
+and reads one FCT per flow back.
+
+The model (documented in docs/bridge.md): point-to-point links at the spec's rates with
+a propagation delay per link, drop-tail queues at every egress port, TCP (Cubic by
+default) with one connection per flow, segments of MTU - 52 bytes, and each flow
+pinned to its spine by addressing (see the scenario's header comment). Queues are deep
+and windows bounded by default (16 MiB queues, 1 MiB socket buffers): a lossless
+approximation, the way a RoCE fabric with PFC carries KV traffic, which also keeps
+ns-3's TCP out of the loss-recovery pathology measured here (flows stuck in repeated
+RTOs for seconds under incast with shallow queues). Each run reports its drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kvpath.fabric import FabricSpec
+from simulator_bridge.flow_model import FlowSpec, NetParams
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("ns3") / "kvflows.cc"
+NS3_LIBS = ("applications", "point-to-point", "internet", "traffic-control", "network", "core")
+CXXFLAGS = ("-std=c++20", "-O2", "-w")
+
+
+class Ns3Error(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Ns3Params:
+    """The transport and queue model (the testbed's TCP variant is Cubic)."""
+
+    tcp: str = "TcpCubic"
+    mtu: int | None = None  # None: the fabric spec's; larger = coarser segments, fewer packets
+    queue_bytes: int = 16 << 20  # drop-tail queue of every egress port
+    buf_bytes: int = 1 << 20  # TCP send and receive buffers: bound each flow's window
+    delay_us: float = 1.0  # propagation delay per link
+    min_rto_ms: float = 5.0
+    horizon_s: float = 3600.0  # simulated time after the last start before giving up
+    timeout_s: float | None = None  # wall-clock limit of one run
+
+    def __post_init__(self) -> None:
+        if self.mtu is not None and not 576 <= self.mtu <= 65535:
+            raise ValueError(f"ns3 mtu must be in [576, 65535], got {self.mtu}")
+        if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or self.min_rto_ms <= 0:
+            raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0")
+
+
+def ns3_root() -> Path:
+    """The wheel's install directory (headers in include/, libraries in lib64/)."""
+    root = Path(sysconfig.get_paths()["purelib"]) / "ns3"
+    if not (root / "include" / "ns3").is_dir() or not (root / "lib64").is_dir():
+        raise Ns3Error("the ns3 backend needs the PyPI ns3 wheel: pip install -r requirements/bridge.txt")
+    return root
+
+
+def _version(root: Path) -> str:
+    libs = sorted(p.name for p in (root / "lib64").glob("libns3*-core*.so"))
+    if not libs:
+        raise Ns3Error(f"no libns3*-core*.so in {root / 'lib64'}: a broken ns3 install")
+    return libs[0].removeprefix("lib").split("-core")[0]  # "ns3.44"
+
+
+def binary(cache_dir: Path | None = None) -> Path:
+    """The compiled scenario, built on first use (~10-20 s) and cached; concurrent
+    callers (a parallel sweep) wait on a lock instead of compiling twice."""
+    root = ns3_root()
+    ver = _version(root)
+    key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(CXXFLAGS).encode()).hexdigest()[:16]
+    cache = cache_dir or Path(os.environ.get("KVPATH_CACHE", Path.home() / ".cache" / "kvpath")) / "ns3"
+    cache.mkdir(parents=True, exist_ok=True)
+    exe = cache / f"kvflows-{ver}-{key}"
+    if exe.exists():
+        return exe
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise Ns3Error("the ns3 backend compiles a C++ scenario on first use: install g++ (apt-get install g++)")
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if exe.exists():
+            return exe
+        log.info("compiling the ns-3 scenario against %s (once)", ver)
+        lib = root / "lib64"
+        tmp = exe.with_suffix(".tmp")
+        cmd = [cxx, *CXXFLAGS, f"-I{root / 'include'}", "-o", str(tmp), str(SOURCE), f"-L{lib}",
+               f"-Wl,-rpath,{lib}", *(f"-l{ver}-{m}" for m in NS3_LIBS)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise Ns3Error(f"compiling {SOURCE.name} failed:\n{r.stderr[-4000:]}")
+        tmp.rename(exe)
+    return exe
+
+
+@dataclass
+class Ns3Result:
+    fct_s: np.ndarray
+    drops: int  # packets dropped at any egress queue
+    wall_s: float
+    uplink_bytes: dict[tuple[int, int], int]  # (leaf, spine) -> bytes sent up, headers included
+
+
+class Ns3Backend:
+    """Replays flows, each on its spine, in ns-3; FCTs in seconds (+ ``net.overhead_s``).
+
+    Of :class:`NetParams` only ``overhead_s`` applies: ns-3 models the headers and the
+    transport itself (no ``efficiency``) and its links have no token bucket (no
+    ``burst_bytes``)."""
+
+    def __init__(self, spec: FabricSpec, net: NetParams | None = None, params: Ns3Params | None = None):
+        self.spec = spec
+        self.net = net or NetParams()
+        self.params = params or Ns3Params()
+        if spec.leaves > 255 or spec.hosts_per_leaf > 254 or spec.spines > 254:
+            raise ValueError("the ns3 backend addresses at most 255 leaves, 254 spines and 254 hosts per leaf")
+
+    def run(self, flows: list[FlowSpec], progress: Callable[[int, int], None] | None = None) -> Ns3Result:
+        n = len(flows)
+        fct = np.zeros(n)
+        t0 = time.perf_counter()
+        hpl = self.spec.hosts_per_leaf
+        lines = []
+        for i, f in enumerate(flows):
+            sl, sh = self.spec.locate(f.src)
+            dl, dh = self.spec.locate(f.dst)
+            src, dst = sl * hpl + sh, dl * hpl + dh
+            if src == dst or f.bytes <= 0:
+                continue  # nothing crosses a link: FCT 0, as in the flow model
+            spine = -1 if sl == dl else f.spine
+            if spine is None or not -1 <= spine < self.spec.spines:
+                raise ValueError(f"flow {i} ({f.src} -> {f.dst}) crosses the spines: give its spine")
+            lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r}\n")
+        if not lines:
+            return Ns3Result(fct + self.net.overhead_s, 0, time.perf_counter() - t0, {})
+        p = self.params
+        exe = binary()
+        with tempfile.TemporaryDirectory(prefix="kvpath-ns3-") as tmp:
+            fin, fout = Path(tmp) / "flows.txt", Path(tmp) / "fct.txt"
+            fin.write_text("".join(lines))
+            cmd = [str(exe), f"--flows={fin}", f"--out={fout}", f"--leaves={self.spec.leaves}",
+                   f"--spines={self.spec.spines}", f"--hostsPerLeaf={hpl}",
+                   f"--hostGbps={self.spec.host_link_gbps!r}", f"--spineGbps={self.spec.spine_link_gbps!r}",
+                   f"--mtu={p.mtu or self.spec.mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
+                   f"--bufBytes={p.buf_bytes}", f"--minRtoMs={p.min_rto_ms!r}", f"--tcp={p.tcp}",
+                   f"--horizonS={p.horizon_s!r}"]
+            drops, uplinks, err = self._execute(cmd, len(lines), progress)
+            got = np.loadtxt(fout, ndmin=2) if fout.exists() else np.zeros((0, 2))
+        if got.shape[0] != len(lines):
+            raise Ns3Error(f"ns-3 returned {got.shape[0]} of {len(lines)} flows: {err[-2000:]}")
+        ids, vals = got[:, 0].astype(np.int64), got[:, 1]
+        if (vals < 0).any():
+            raise Ns3Error(f"{int((vals < 0).sum())} flows did not finish within horizon_s={p.horizon_s} "
+                           f"of simulated time ({drops} drops)")
+        fct[ids] = vals
+        return Ns3Result(fct + self.net.overhead_s, drops, time.perf_counter() - t0, uplinks)
+
+    def _execute(self, cmd: list[str], n: int,
+                 progress: Callable[[int, int], None] | None) -> tuple[int, dict[tuple[int, int], int], str]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        drops, tail, uplinks = 0, [], {}
+        assert proc.stderr is not None
+        # the progress lines block the reader, so the wall-clock limit is a timer that kills
+        timer = threading.Timer(self.params.timeout_s, proc.kill) if self.params.timeout_s else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stderr:
+                if line.startswith("progress "):
+                    if progress:
+                        progress(int(line.split()[1]), n)
+                elif line.startswith("stats drops "):
+                    drops = int(line.split()[2])
+                elif line.startswith("stats uplink "):
+                    _, _, leaf, spine, nbytes = line.split()
+                    uplinks[(int(leaf), int(spine))] = int(nbytes)
+                else:
+                    tail.append(line)
+            rc = proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if timer and rc < 0:
+            raise Ns3Error(f"ns-3 run exceeded timeout_s={self.params.timeout_s} and was stopped")
+        if rc != 0:
+            raise Ns3Error(f"ns-3 exited with {rc}: {''.join(tail)[-2000:]}")
+        if drops:
+            log.warning("ns-3 run dropped %d packets: queues were not deep enough to stay lossless", drops)
+        return drops, uplinks, "".join(tail)
+
+
+def ns3_fct(spec: FabricSpec, flows: list[FlowSpec], net: NetParams | None = None,
+            params: Ns3Params | None = None) -> np.ndarray:
+    return Ns3Backend(spec, net, params).run(flows).fct_s
+
+
+def coarse(params: Ns3Params, mtu: int = 65535) -> Ns3Params:
+    """Coarse segments: the same model with fewer, larger packets (see docs/bridge.md)."""
+    return dataclasses.replace(params, mtu=mtu)
+

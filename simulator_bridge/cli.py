@@ -158,7 +158,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_ns3_args(s)
     s.set_defaults(func=_cmd_simulate)
 
-    from simulator_bridge import convert, sweep
+    from simulator_bridge import convert, report, sweep
 
     convert.add_parser(br)
+    report.add_parser(br)
     sweep.add_parser(br)

@@ -1,0 +1,365 @@
+"""``kvpath bridge report``: one HTML page with figures of one or more traces.
+
+``write_report`` reads nothing from disk: it takes traces, writes ``index.html`` and its
+PNGs (``report_figures.py``) into a directory and returns where they are. The page has a
+summary table, then five sections: per-request Gantt timelines, the FCT slowdown CDF,
+flows in flight, a ``dc`` broadcast-delay sweep of the first trace's workload in the
+serving simulation, and each trace's flows replayed through a network backend against
+their measured FCTs. ``docs/report.md`` describes each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.trace import Header, Trace, TraceError, read_trace
+from kvpath.workloads import Request
+from simulator_bridge import report_figures as figs
+from simulator_bridge.compare import BACKENDS, Errors, simulate, trace_fabric, trace_flows
+from simulator_bridge.flow_model import NetParams
+from simulator_bridge.ns3_backend import Ns3Error
+from simulator_bridge.serving_sim import ServingConfig
+from simulator_bridge.serving_sim import simulate as serve
+
+logger = logging.getLogger(__name__)
+
+PROG = "kvpath bridge report"
+DEFAULT_DELAYS = (0.0, 0.001, 0.005, 0.02, 0.1)
+KINDS = ("gantt", "slowdown", "inflight", "dc-sweep", "scatter")
+# every name a report writes: older figures matching these are removed so the page and
+# the directory agree
+PATTERNS = ("gantt-*.png", "slowdown-cdf.png", "inflight-*.png", "dc-sweep.png", "scatter-*.png")
+DEFAULT_ITM = ("llama-3-8b", "h100")
+
+
+@dataclass
+class Report:
+    index: Path
+    figures: dict[str, list[Path]]  # kind (KINDS) -> the PNGs written, in page order
+    notes: list[str] = field(default_factory=list)  # what was skipped, as the page says it
+
+
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"{PROG}: error: {msg}")
+
+
+# -- numbers ----------------------------------------------------------------------------
+def _mean_p99(values: Sequence[float]) -> tuple[float | None, float | None]:
+    v = np.asarray(values, dtype=float)
+    return (float(v.mean()), float(np.percentile(v, 99))) if v.size else (None, None)
+
+
+def metrics(trace: Trace) -> dict[str, float | None]:
+    """FCT (flows), TTFT and TPOT (requests that have one): mean and p99, in seconds."""
+    fct = _mean_p99([f.fct_s for f in trace.flows])
+    ttft = _mean_p99([q.ttft_s for q in trace.requests if q.ttft_s is not None])
+    tpot = _mean_p99([q.tpot_s for q in trace.requests if q.tpot_s is not None])
+    return {"fct_mean_s": fct[0], "fct_p99_s": fct[1], "ttft_mean_s": ttft[0], "ttft_p99_s": ttft[1],
+            "tpot_mean_s": tpot[0]}
+
+
+def _pct(v: float) -> str:
+    return f"{round(100 * v, 1) + 0.0:+.1f}%"  # + 0.0: a rounded -0.0 reads +0.0
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.2f}"
+
+
+def labels(names: Sequence[str], traces: Sequence[Trace]) -> list[str]:
+    """``mode (source/backend)`` per trace; the name (path) is added where two would read
+    alike, and the position where even that does."""
+    out = []
+    for t in traces:
+        extra = "/".join(str(x) for x in (t.header.meta.get("source"), t.header.meta.get("backend")) if x)
+        out.append(f"{t.header.mode or '?'}" + (f" ({extra})" if extra else ""))
+    out = [f"{lab} [{n}]" if out.count(lab) > 1 else lab for lab, n in zip(out, names)]
+    return [f"{lab} #{i}" if out.count(lab) > 1 else lab for i, lab in enumerate(out, 1)]
+
+
+# -- inputs the replays take from a header ------------------------------------------------
+def net_params(header: Header) -> NetParams:
+    """The serving simulation's own ``meta.net`` when there, else the testbed's burst."""
+    net = header.meta.get("net")
+    try:
+        if isinstance(net, dict):
+            return NetParams(**{k: net[k] for k in ("overhead_s", "efficiency", "burst_bytes") if k in net})
+        return NetParams(burst_bytes=int(header.meta.get("burst_bytes", 0)))
+    except (TypeError, ValueError) as e:  # meta is free-form: a wrong type is the trace's error, not ours
+        raise ValueError(f"header meta.net / meta.burst_bytes: {e}") from None
+
+
+def iteration_model(header: Header) -> tuple[IterationTimeModel, str]:
+    """The header's ``meta.iteration_time``, else the llama-3-8b/h100 preset; and a caption line."""
+    d = header.meta.get("iteration_time")
+    if isinstance(d, dict):
+        try:
+            itm = IterationTimeModel.from_dict(d)
+            return itm, f"iteration-time model from the trace header ({itm.model.name} on {itm.accel.name})"
+        except (ValueError, KeyError) as e:  # ModelSpecError is a ValueError; an unknown preset a KeyError
+            why = f"the header's iteration_time is unusable ({e})"
+    else:
+        why = "the header has no iteration_time"
+    return IterationTimeModel.preset(*DEFAULT_ITM), f"{why}: the {DEFAULT_ITM[0]} on {DEFAULT_ITM[1]} preset is used"
+
+
+def pools(trace: Trace) -> tuple[int, int]:
+    """``meta.pools`` (``8P8D``), else the distinct P and D instances of the requests."""
+    m = re.fullmatch(r"(\d+)P(\d+)D", str(trace.header.meta.get("pools", "")))
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    n_p = len({q.p_instance for q in trace.requests if q.p_instance})
+    n_d = len({q.d_instance for q in trace.requests if q.d_instance})
+    if not n_p or not n_d:
+        raise ValueError("no meta.pools and no p_instance/d_instance in the requests: the pools are unknown")
+    return n_p, n_d
+
+
+def workload(trace: Trace) -> list[Request]:
+    """The trace's requests as a workload. A failed request received no tokens but asked
+    for some: lengths are raised to the workload's minimum of 1."""
+    return [Request(q.request_id, max(q.arrival_s, 0.0), max(q.prompt_tokens, 1), max(q.output_tokens, 1))
+            for q in sorted(trace.requests, key=lambda q: q.arrival_s)]
+
+
+def time_scale(header: Header) -> float:
+    """Compute-time multiplier that puts the simulation on the trace's clock: B/S when the
+    fabric runs at the testbed's rate (``link_mbit``), as the emulated engines do; else 1."""
+    return header.scale_b / header.scale_s if header.link_mbit else 1.0
+
+
+# -- the dc sweep -------------------------------------------------------------------------
+def dc_sweep(trace: Trace, delays: Sequence[float], progress: Progress) -> dict[str, Any]:
+    """The trace's workload re-simulated (flow backend) in dc at each delay and in ecmp and
+    cc once. Raises ValueError when the trace cannot be re-simulated."""
+    spec, (n_p, n_d), reqs = trace_fabric(trace), pools(trace), workload(trace)
+    itm, itm_note = iteration_model(trace.header)
+    base = dict(pools=(n_p, n_d), backend="flow", scale_s=trace.header.scale_s, time_scale=time_scale(trace.header),
+                net=net_params(trace.header))
+    rs = trace.header.meta.get("reserve_at")
+    if rs in ("admission", "push"):
+        base["reserve_at"] = rs
+    runs = [("dc", d) for d in delays] + [("ecmp", 0.0), ("cc", 0.0)]
+    task = progress.add_task("dc sweep", total=len(runs))
+    out: dict[str, Any] = {"dc": [], "refs": {}}
+    for mode, delay in runs:
+        sim, _ = serve(spec, reqs, ServingConfig(mode=mode, dc_delay_s=delay, **base), itm)
+        if mode == "dc":
+            out["dc"].append(metrics(sim))
+        else:
+            out["refs"][mode] = metrics(sim)
+        progress.advance(task)
+    out.update(base, spec=spec, pools=f"{n_p}P{n_d}D", requests=len(reqs), itm_note=itm_note)
+    return out
+
+
+# -- the sections ---------------------------------------------------------------------------
+def _sweep_items(name: str, trace: Trace, delays: Sequence[float], out: Path,
+                 progress: Progress) -> tuple[list[figs.Item], str]:
+    try:
+        r = dc_sweep(trace, delays, progress)
+    except ValueError as e:
+        return [figs.Item(f"the first trace ({name}) cannot be re-simulated: {e}")], ""
+    p = figs.sweep_plot(delays, r["dc"], r["refs"], out / "dc-sweep.png", f"dc sweep: {len(delays)} delays")
+    s = r["spec"]
+    text = (f"The first trace's workload ({r['requests']} requests of {name}) re-simulated by the serving simulation "
+            f"(flow backend) on its fabric ({s.leaves} leaves x {s.spines} spines, {s.spine_link_gbps:g} Gbit/s "
+            f"spine links), pools {r['pools']}, scale_s {r['scale_s']:g}, compute time scale {r['time_scale']:g}: "
+            f"dc at each broadcast delay (solid), ecmp and cc once (dashed). "
+            f"{r['itm_note'][0].upper()}{r['itm_note'][1:]}.")
+    rows = [(f"dc, {d * 1e3:g} ms", m) for d, m in zip(delays, r["dc"])] + list(r["refs"].items())
+    table = "".join(f"<tr><td>{html.escape(k)}</td><td>{_ms(m['fct_p99_s'])}</td><td>{_ms(m['ttft_mean_s'])}</td></tr>"
+                    for k, m in rows)
+    head = "<tr><th>run</th><th>FCT p99 (ms)</th><th>TTFT mean (ms)</th></tr>"
+    return [figs.Item(text, p, "dc sweep")], f'<table id="sweep">{head}{table}</table>'
+
+
+def _scatter_item(i: int, t: Trace, lab: str, out: Path, backend: str) -> figs.Item:
+    if not t.flows:
+        return figs.Item(f"{lab}: the trace has no flows: nothing to replay (a pull-connector run records none).")
+    try:
+        params = net_params(t.header)
+        flows, measured = trace_flows(t)
+        simulated = simulate(backend, trace_fabric(t), flows, params)
+    except (ValueError, Ns3Error) as e:  # a flow across the spines without a path, no ns-3, a bad header
+        return figs.Item(f"{lab}: the flows cannot be replayed: {e}")
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero measured FCT makes an error inf, not a crash
+        err = Errors.of(measured, simulated)
+    p = figs.scatter_plot(measured, simulated, out / f"scatter-{i}.png", lab, backend)
+    return figs.Item(
+        f"{lab}: {err.n} flows replayed with the {backend} backend on the trace's fabric, each on its measured "
+        f"spine (burst_bytes {params.burst_bytes}, overhead_s {params.overhead_s:g}, efficiency "
+        f"{params.efficiency:g}). Relative error, simulated vs measured: mean {_pct(err.mean)}, "
+        f"p99 {_pct(err.p99)}.", p, f"scatter {i}")
+
+
+def _scatter_items(traces: list[Trace], labs: list[str], out: Path, backend: str,
+                   progress: Progress) -> list[figs.Item]:
+    items = []
+    task = progress.add_task(f"replay ({backend})", total=len(traces))
+    for i, (t, lab) in enumerate(zip(traces, labs), 1):
+        items.append(_scatter_item(i, t, lab, out, backend))
+        progress.advance(task)
+    return items
+
+
+# -- the page -----------------------------------------------------------------------------
+CSS = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}"
+       "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:3px 8px;text-align:right}"
+       "td:nth-child(-n+3){text-align:left}img{max-width:100%}figcaption{font-size:90%;color:#333}"
+       ".note{color:#a40;font-style:italic}")
+
+
+def _summary(names: list[str], traces: list[Trace]) -> str:
+    head = ("#", "trace", "mode", "source", "requests", "flows", "FCT mean (ms)", "FCT p99 (ms)", "TTFT mean (ms)",
+            "TTFT p99 (ms)", "TPOT mean (ms)")
+    rows = []
+    for i, (n, t) in enumerate(zip(names, traces), 1):
+        m = metrics(t)
+        cells = [str(i), n, t.header.mode, str(t.header.meta.get("source", "")), str(len(t.requests)),
+                 str(len(t.flows)), *(_ms(m[k]) for k in ("fct_mean_s", "fct_p99_s", "ttft_mean_s", "ttft_p99_s",
+                                                           "tpot_mean_s"))]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return ('<table id="summary"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+            + "".join(rows) + "</tbody></table>")
+
+
+def _section(kind: str, title: str, items: list[figs.Item], extra: str = "") -> str:
+    parts = [f'<section id="{kind}"><h2>{html.escape(title)}</h2>']
+    for it in items:
+        if it.path is None:
+            parts.append(f'<p class="note">{html.escape(it.text)}</p>')
+        else:
+            parts.append(f'<figure class="{kind}"><img src="{html.escape(it.path.name)}" alt="{html.escape(it.alt)}">'
+                         f"<figcaption>{html.escape(it.text)}</figcaption></figure>")
+    return "\n".join([*parts, extra, "</section>"])
+
+
+def _named(traces: Sequence[Trace | tuple[str, Trace]]) -> tuple[list[str], list[Trace]]:
+    pairs = [t if isinstance(t, tuple) else (f"trace {i}", t) for i, t in enumerate(traces, 1)]
+    return [n for n, _ in pairs], [t for _, t in pairs]
+
+
+def write_report(traces: Sequence[Trace | tuple[str, Trace]], out_dir: str | Path, *, backend: str = "flow",
+                 dc_delays: Sequence[float] = DEFAULT_DELAYS, gantt_requests: int = 40,
+                 show_progress: bool = True) -> Report:
+    """Write ``out_dir/index.html`` and its figures for ``traces`` (each a Trace or a
+    (name, Trace)); the dc sweep takes the first. Raises ValueError on bad arguments."""
+    names, ts = _named(traces)
+    if not ts:
+        raise ValueError("give at least one trace")
+    empty = [n for n, t in zip(names, ts) if not t.requests]
+    if empty:
+        raise ValueError(f"empty trace(s), no requests: {', '.join(empty)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not dc_delays or any(not math.isfinite(d) or d < 0 for d in dc_delays):
+        raise ValueError(f"dc delays must be finite numbers >= 0, at least one, got {list(dc_delays)}")
+    if gantt_requests < 1:
+        raise ValueError(f"gantt_requests must be >= 1, got {gantt_requests}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labs = labels(names, ts)
+    with Progress(console=Console(stderr=True), transient=True, disable=not show_progress) as progress:
+        sweep, sweep_table = _sweep_items(names[0], ts[0], dc_delays, out, progress)
+        sections = [("gantt", "1. Per-request timeline", figs.gantt_items(names, ts, labs, out, gantt_requests), ""),
+                    ("slowdown", "2. FCT slowdown CDF", figs.slowdown_items(ts, labs, out), ""),
+                    ("inflight", "3. KV flows in flight", figs.inflight_items(ts, labs, out), ""),
+                    ("dc-sweep", "4. dc broadcast-delay sweep (simulated)", sweep, sweep_table),
+                    ("scatter", f"5. Measured vs simulated FCT ({backend})",
+                     _scatter_items(ts, labs, out, backend, progress), "")]
+    body = "\n".join(_section(*s) for s in sections)
+    page = (f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{PROG}</title><style>{CSS}</style></head>'
+            f"<body>\n<h1>{PROG}</h1>\n<p>{len(ts)} trace(s); times in milliseconds on each trace's own clock "
+            f"(testbed time for a testbed trace).</p>\n{_summary(names, ts)}\n{body}\n</body></html>\n")
+    index = out / "index.html"
+    index.write_text(page)
+    figures = {kind: [it.path for it in items if it.path] for kind, _, items, _ in sections}
+    _remove_stale(out, {p for ps in figures.values() for p in ps})
+    notes = [it.text for _, _, items, _ in sections for it in items if it.path is None]
+    for n in notes:
+        logger.warning("%s", n)
+    logger.info("report written to %s", index)
+    return Report(index, figures, notes)
+
+
+def _remove_stale(out: Path, written: set[Path]) -> None:
+    for pattern in PATTERNS:
+        for p in out.glob(pattern):
+            if p not in written:
+                logger.info("removing %s: an older report's figure this page does not show", p)
+                p.unlink()
+
+
+# -- the command --------------------------------------------------------------------------
+def parse_delays(text: str) -> list[float]:
+    """``0,0.001,...`` -> sorted distinct seconds; SystemExit naming --dc-delays otherwise."""
+    out = set()
+    for x in (s.strip() for s in text.split(",")):
+        if not x:
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise _fail(f"--dc-delays: not a number: {x!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise _fail(f"--dc-delays: each delay must be a finite number of seconds >= 0, got {x!r}")
+        out.add(v)
+    if not out:
+        raise _fail(f"--dc-delays: give at least one delay, got {text!r}")
+    return sorted(out)
+
+
+def load(path: str) -> Trace:
+    try:
+        trace = read_trace(path)
+    except TraceError as e:  # read_trace turns OSError into TraceError too
+        raise _fail(f"TRACE: {e}") from None
+    if not trace.requests:
+        raise _fail(f"TRACE: {path}: empty trace (no requests)")
+    return trace
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    if args.backend not in BACKENDS:
+        raise _fail(f"--backend: choose from {', '.join(BACKENDS)}, got {args.backend!r}")
+    try:
+        n = int(args.gantt_requests)
+    except ValueError:
+        raise _fail(f"--gantt-requests: not an integer: {args.gantt_requests!r}") from None
+    if n < 1:
+        raise _fail(f"--gantt-requests must be >= 1, got {n}")
+    delays = parse_delays(args.dc_delays)
+    traces = [(p, load(p)) for p in args.trace]
+    try:
+        rep = write_report(traces, args.out, backend=args.backend, dc_delays=delays, gantt_requests=n)
+    except OSError as e:
+        raise _fail(f"--out {args.out}: {e}") from None
+    except ValueError as e:  # the arguments were checked above: this is a trace the report cannot read
+        raise _fail(str(e)) from None
+    Console().print(f"report: {rep.index} ({sum(map(len, rep.figures.values()))} figures, {len(rep.notes)} notes)")
+    return 0
+
+
+def add_parser(br: argparse._SubParsersAction) -> None:
+    r = br.add_parser("report", help="an HTML page with figures of traces: timelines, slowdowns, a dc delay sweep")
+    r.add_argument("trace", nargs="+", help="kvpath traces (docs/trace.md); the first one's workload is swept")
+    r.add_argument("--out", required=True, help="directory for index.html and its PNGs")
+    r.add_argument("--backend", default="flow", help=f"network backend of the measured-vs-simulated replay: "
+                                                     f"{', '.join(BACKENDS)}")
+    r.add_argument("--dc-delays", default=",".join(f"{d:g}" for d in DEFAULT_DELAYS),
+                   help="comma-separated dc broadcast delays in seconds (trace clock)")
+    r.add_argument("--gantt-requests", default="40", help="requests per timeline (the first by arrival)")
+    r.set_defaults(func=_cmd_report)

@@ -28,35 +28,94 @@ def _add_ns3_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ns3-tcp", default="TcpCubic", help="ns3 backend: TCP variant (ns-3 type name)")
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _load_trace(path: str, cmd: str):
     from kvpath.trace import TraceError, read_trace
-    from simulator_bridge.compare import BACKENDS, compare_fct
+
+    try:
+        return read_trace(path)
+    except (OSError, TraceError) as e:
+        raise SystemExit(f"kvpath bridge {cmd}: error: {path}: {e}") from None
+
+
+def _backends(arg: str, cmd: str) -> list[str]:
+    from simulator_bridge.compare import BACKENDS
+
+    backends = [b for b in arg.split(",") if b]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        raise SystemExit(f"kvpath bridge {cmd}: error: --backend: choose from {', '.join(BACKENDS)}, got {arg!r}")
+    return backends
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:+.1f}%"
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from simulator_bridge.compare import compare
     from simulator_bridge.flow_model import NetParams
     from simulator_bridge.ns3_backend import Ns3Error
 
-    backends = [b for b in args.backend.split(",") if b]
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad or not backends:
-        raise SystemExit(f"kvpath bridge compare: error: --backend: choose from {', '.join(BACKENDS)}, got {args.backend!r}")
-    try:
-        trace = read_trace(args.trace)
-    except (OSError, TraceError) as e:
-        raise SystemExit(f"kvpath bridge compare: error: {args.trace}: {e}") from None
+    backends = _backends(args.backend, "compare")
+    trace = _load_trace(args.trace, "compare")
     burst = args.burst_bytes if args.burst_bytes is not None else int(trace.header.meta.get(BURST_META, 0))
     try:
         params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
-        errors = compare_fct(trace, backends, params, _ns3_params(args, "compare"))
+        errors = compare(trace, backends, params, _ns3_params(args, "compare"))
     except (ValueError, Ns3Error) as e:
         raise SystemExit(f"kvpath bridge compare: error: {e}") from None
     if args.json:
-        sys.stdout.write(json.dumps({b: e.to_dict() for b, e in errors.items()}) + "\n")
+        sys.stdout.write(json.dumps({b: {q: (e.to_dict() if e else None) for q, e in row.items()}
+                                     for b, row in errors.items()}) + "\n")
         return 0
-    t = Table(title=f"FCT, simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error")
-    for c in ("backend", "mean", "p50", "p99", "per-flow bias (median)", "per-flow |error| (mean)"):
+    t = Table(title=f"simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error")
+    for c in ("backend", "quantity", "n", "mean", "p50", "p99", "bias (median)", "|error| (mean)"):
         t.add_column(c)
-    for b, e in errors.items():
-        t.add_row(b, *(f"{100 * v:+.1f}%" for v in (e.mean, e.p50, e.p99, e.bias)), f"{100 * e.mean_abs:.1f}%")
+    for b, row in errors.items():
+        for q, e in row.items():
+            if e is not None:
+                t.add_row(b, q.upper(), str(e.n), *(_pct(v) for v in (e.mean, e.p50, e.p99, e.bias)),
+                          f"{100 * e.mean_abs:.1f}%")
     Console().print(t)
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from simulator_bridge.calibrate import calibrate
+    from simulator_bridge.ns3_backend import Ns3Error
+
+    backends = _backends(args.backend, "calibrate")
+    trace = _load_trace(args.trace, "calibrate")
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  disable=args.json, transient=True) as prog:
+        task = prog.add_task("calibrating", total=None)
+        for b in backends:
+            try:
+                results.append(calibrate(trace, b, args.train_frac, _ns3_params(args, "calibrate"),
+                                         progress=lambda msg: prog.update(task, description=msg)))
+            except (ValueError, Ns3Error) as e:
+                raise SystemExit(f"kvpath bridge calibrate: error: {e}") from None
+    if args.json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
+        return 0
+    c = Console()
+    for r in results:
+        t = Table(title=f"{r.backend}: held-out error ({r.held_requests} requests; fitted on the first "
+                        f"{r.train_requests} by arrival, {r.runs} network runs)")
+        for col in ("quantity", "mean before", "mean after", "p99 before", "p99 after", "bias after"):
+            t.add_column(col)
+        for q in ("fct", "ttft", "tpot"):
+            h = getattr(r, q)
+            t.add_row(q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99), _pct(h.after.p99),
+                      _pct(h.after.bias))
+        c.print(t)
+        n, k = r.net, r.compute
+        c.print(f"  network: overhead_s={n.overhead_s:.6f} efficiency={n.efficiency} burst_bytes={n.burst_bytes}; "
+                f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
+                f"request_overhead_s={k.request_overhead_s:.6f}")
     return 0
 
 
@@ -134,6 +193,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true", help="print the errors as JSON")
     _add_ns3_args(c)
     c.set_defaults(func=_cmd_compare)
+
+    k = br.add_parser("calibrate", help="fit the network and compute constants on part of a trace; "
+                                        "held-out errors before and after")
+    k.add_argument("trace", help="a kvpath trace (trace.jsonl, docs/trace.md)")
+    k.add_argument("--backend", default="flow", help="comma-separated: flow, trivial, ns3")
+    k.add_argument("--train-frac", type=float, default=0.5,
+                   help="the first share of requests by arrival that the fit sees (the rest is held out)")
+    k.add_argument("--json", action="store_true")
+    _add_ns3_args(k)
+    k.set_defaults(func=_cmd_calibrate)
 
     s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
     s.add_argument("--fabric", default="rack4", help="preset (small, rack4, rack8) or a JSON/YAML spec file")

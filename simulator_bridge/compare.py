@@ -81,8 +81,32 @@ class Errors:
 
 def compare_fct(trace: Trace, backends: list[str], params: NetParams,
                 ns3: Ns3Params | None = None) -> dict[str, Errors]:
+    return {b: e["fct"] for b, e in compare(trace, backends, params, ns3).items()}  # type: ignore[misc]
+
+
+def compare(trace: Trace, backends: list[str], params: NetParams,
+            ns3: Ns3Params | None = None) -> dict[str, dict[str, Errors | None]]:
+    """Per backend: FCT errors per flow, and TTFT and TPOT errors per request (None when
+    the trace has no completed request with a flow: a flows-only trace) from the
+    request replay (``request_replay.py``) with the default compute constants."""
+    from simulator_bridge.request_replay import ComputeParams, ReplayInput, replay
+
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
     spec = trace_fabric(trace)
     flows, measured = trace_flows(trace)
-    return {b: Errors.of(measured, simulate(b, spec, flows, params, ns3)) for b in backends}
+    try:
+        inp: ReplayInput | None = ReplayInput.of(trace)
+    except ValueError:
+        inp = None
+    out: dict[str, dict[str, Errors | None]] = {}
+    for b in backends:
+        fct = simulate(b, spec, flows, params, ns3)
+        row: dict[str, Errors | None] = {"fct": Errors.of(measured, fct), "ttft": None, "tpot": None}
+        if inp is not None:
+            ttft, tpot = replay(inp, fct, ComputeParams(iteration_overhead_s=inp.base.overhead_s))
+            row["ttft"] = Errors.of(inp.ttft, ttft)
+            ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
+            row["tpot"] = Errors.of(inp.tpot[ok], tpot[ok]) if ok.any() else None
+        out[b] = row
+    return out

@@ -35,13 +35,15 @@ class FlowSpec:
 
 @dataclass(frozen=True)
 class NetParams:
+    # a fixed offset per flow, signed: calibration may find a negative one where the
+    # measured links do something faster than the model (a burst ns-3 does not model)
     overhead_s: float = 0.0
     efficiency: float = 1.0
     burst_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.overhead_s < 0 or not 0 < self.efficiency <= 1 or self.burst_bytes < 0:
-            raise ValueError("overhead_s must be >= 0, efficiency in (0, 1], burst_bytes >= 0")
+        if not math.isfinite(self.overhead_s) or not 0 < self.efficiency <= 1 or self.burst_bytes < 0:
+            raise ValueError("overhead_s must be finite, efficiency in (0, 1], burst_bytes >= 0")
 
 
 class LinkIndex:

@@ -42,7 +42,8 @@ def test_the_cli_prints_errors_as_json_and_names_bad_input(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"flow", "trivial"} and abs(out["flow"]["p99"]) < 1e-9
+    assert set(out) == {"flow", "trivial"} and abs(out["flow"]["fct"]["p99"]) < 1e-9
+    assert out["flow"]["ttft"] is None  # a flows-only trace has no requests to replay
     for args, field in ((["--backend", "ns4"], "--backend"), (["--efficiency", "0"], "efficiency")):
         r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), *args],
                            capture_output=True, text=True, timeout=60)

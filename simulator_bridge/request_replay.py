@@ -1,0 +1,98 @@
+"""A measured trace's requests replayed through the serving model: simulated TTFT and TPOT
+per request, to put next to the measured ones.
+
+Each request keeps its measured arrival, prompt and output lengths and its P and D
+instance. Prefill and decode run on the iteration-time model (the emulated engines'
+one) times the trace's compute scale (B/S for a testbed trace). The KV transfer of a
+request takes the FCT a network backend gives its flow when the trace's flows are
+replayed at their measured start times on their measured spines, so the network runs
+once however often the compute constants change (calibration). A fixed
+``request_overhead_s`` (proxy, HTTP, the engines' own bookkeeping) is added to the
+first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.trace import Trace
+from kvpath.workloads import Request
+from simulator_bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
+
+
+@dataclass(frozen=True)
+class ComputeParams:
+    """The compute constants calibration fits: the iteration-time model's per-iteration
+    overhead, a speed factor on its compute and memory rates, and a fixed cost per
+    request."""
+
+    iteration_overhead_s: float = 0.002
+    speed: float = 1.0  # > 1: the engines iterate faster than the model says
+    request_overhead_s: float = 0.0
+
+    def model(self, base: IterationTimeModel) -> IterationTimeModel:
+        # mfu and mbu cap at 1, so the speed factor scales time directly instead
+        return dataclasses.replace(base, overhead_s=self.iteration_overhead_s)
+
+
+def trace_time_scale(trace: Trace) -> float:
+    """Modelled seconds -> trace seconds: B/S for a testbed trace, else the simulated
+    trace's own (1 unless its header says otherwise)."""
+    h = trace.header
+    if h.link_mbit:
+        return h.scale_b / h.scale_s
+    return float(h.meta.get("time_scale", 1.0))
+
+
+def trace_iteration_model(trace: Trace) -> IterationTimeModel:
+    d = trace.header.meta.get("iteration_time")
+    return IterationTimeModel.from_dict(d) if d else IterationTimeModel.preset("llama-3-8b", "h100")
+
+
+@dataclass
+class ReplayInput:
+    """What the replay needs from a trace, extracted once."""
+
+    reqs: list[Request]
+    p_of: list[int]
+    d_of: list[int]
+    flow_index: np.ndarray  # per request: its flow's index in trace.flows
+    ttft: np.ndarray  # measured
+    tpot: np.ndarray  # measured (NaN for single-token outputs)
+    base: IterationTimeModel
+    time_scale: float
+
+    @classmethod
+    def of(cls, trace: Trace) -> "ReplayInput":
+        flow_of = {f.request_id: i for i, f in enumerate(trace.flows)}
+        rows = [q for q in trace.requests if q.status == "ok" and q.request_id in flow_of
+                and q.p_instance and q.d_instance and q.ttft_s is not None]
+        if not rows:
+            raise ValueError("the trace has no completed request with a KV flow to replay")
+        ps = {p: k for k, p in enumerate(sorted({q.p_instance for q in rows}))}
+        ds = {d: k for k, d in enumerate(sorted({q.d_instance for q in rows}))}
+        return cls(reqs=[Request(q.request_id, q.arrival_s, q.prompt_tokens, max(q.output_tokens, 1)) for q in rows],
+                   p_of=[ps[q.p_instance] for q in rows], d_of=[ds[q.d_instance] for q in rows],
+                   flow_index=np.array([flow_of[q.request_id] for q in rows]),
+                   ttft=np.array([q.ttft_s for q in rows], dtype=float),
+                   tpot=np.array([np.nan if q.tpot_s is None else q.tpot_s for q in rows], dtype=float),
+                   base=trace_iteration_model(trace), time_scale=trace_time_scale(trace))
+
+
+def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams) -> tuple[np.ndarray, np.ndarray]:
+    """Simulated (TTFT, TPOT) per request of ``inp``; ``flow_fct``: FCT per trace flow."""
+    itm = compute.model(inp.base)
+    cfg = ServingConfig(time_scale=inp.time_scale / compute.speed)
+    pre_start, pre_end = prefill_drain(inp.reqs, inp.p_of, max(inp.p_of) + 1, itm, cfg)
+    ready = pre_end + flow_fct[inp.flow_index]  # never before the KV has arrived
+    _, first, done = decode_drain(inp.reqs, inp.d_of, max(inp.d_of) + 1, ready, itm, cfg)
+    arrival = np.array([r.arrival_s for r in inp.reqs])
+    out = np.array([r.output_tokens for r in inp.reqs], dtype=float)
+    ttft = first - arrival + compute.request_overhead_s
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(out > 1, (done - first) / (out - 1), np.nan)
+    return ttft, tpot

@@ -1,0 +1,80 @@
+"""``calibrate`` and the request replay on simulated traces whose constants are known:
+a trace made by the serving simulation with a given per-flow overhead and link
+efficiency must be recovered exactly, and the held-out error must fall to zero."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpath.fabric import FabricSpec
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.trace import TraceWriter
+from kvpath.workloads import load_workload
+from simulator_bridge.calibrate import calibrate
+from simulator_bridge.compare import compare
+from simulator_bridge.flow_model import NetParams
+from simulator_bridge.request_replay import ComputeParams, ReplayInput, replay
+from simulator_bridge.serving_sim import ServingConfig, simulate
+
+SPEC = dataclasses.replace(FabricSpec.resolve("rack4"), host_link_gbps=2.0, spine_link_gbps=2.0)
+TRUE_NET = NetParams(overhead_s=0.004, efficiency=0.9)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    itm = IterationTimeModel.preset("llama-3-8b", "h100")
+    w = load_workload("zipf", n=120, qps=30, seed=2, min_prompt=1024, max_prompt=4096, pd_ratio=20)
+    tr, _ = simulate(SPEC, list(w.requests), ServingConfig(mode="ecmp", scale_s=100, net=TRUE_NET), itm)
+    return tr
+
+
+def test_the_replay_reproduces_a_simulated_trace_exactly(trace):
+    inp = ReplayInput.of(trace)
+    fct = np.array([f.fct_s for f in trace.flows])
+    ttft, tpot = replay(inp, fct, ComputeParams())
+    assert np.allclose(ttft, inp.ttft, rtol=0, atol=1e-9)
+    ok = np.isfinite(inp.tpot)
+    assert np.allclose(tpot[ok], inp.tpot[ok], rtol=0, atol=1e-9)
+    # a slower network shows up in TTFT and never makes a request earlier
+    ttft2, _ = replay(inp, fct + 0.01, ComputeParams())
+    assert (ttft2 >= ttft + 0.01 - 1e-9).all()
+
+
+def test_calibrate_recovers_the_known_network_constants(trace):
+    c = calibrate(trace, "flow", train_frac=0.5)
+    assert c.net.efficiency == pytest.approx(TRUE_NET.efficiency)
+    assert c.net.overhead_s == pytest.approx(TRUE_NET.overhead_s, abs=1e-9)
+    assert c.net.burst_bytes == 0
+    assert abs(c.fct.before.mean) > 0.05  # uncalibrated, the model is off ...
+    for e in (c.fct.after, c.ttft.after, c.tpot.after):  # ... and calibrated, exact on held-out requests
+        assert max(abs(e.mean), abs(e.p99), abs(e.bias)) < 1e-6
+    assert c.train_requests == 60 and c.held_requests == 60
+
+
+def test_compare_gives_fct_ttft_and_tpot_per_backend(trace):
+    out = compare(trace, ["flow", "trivial"], TRUE_NET)
+    assert abs(out["flow"]["fct"].mean) < 1e-9 and abs(out["flow"]["ttft"].mean) < 1e-9
+    assert out["trivial"]["fct"].p99 < 0  # alone, every flow is faster: trivial is optimistic
+
+
+def test_calibrate_cli_json_and_errors(tmp_path, trace):
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path, trace.header) as w:
+        for rec in [*trace.requests, *trace.flows]:
+            w.write(rec)
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(path), "--backend", "trivial",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert res["backend"] == "trivial" and set(res) >= {"net", "compute", "fct", "ttft", "tpot"}
+    assert set(res["fct"]) == {"before", "after"}
+    for args, field in ((["--train-frac", "1.5"], "train_frac"), (["--backend", "ns4"], "--backend")):
+        r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(path), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and field in r.stderr and "Traceback" not in r.stderr

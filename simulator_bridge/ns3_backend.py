@@ -58,15 +58,26 @@ class Ns3Params:
     queue_bytes: int = 16 << 20  # drop-tail queue of every egress port
     buf_bytes: int = 1 << 20  # TCP send and receive buffers: bound each flow's window
     delay_us: float = 1.0  # propagation delay per link
-    min_rto_ms: float = 5.0
+    min_rto_ms: float | None = None  # None: auto_min_rto_ms (a floor well above the base RTT)
     horizon_s: float = 3600.0  # simulated time after the last start before giving up
     timeout_s: float | None = None  # wall-clock limit of one run
 
     def __post_init__(self) -> None:
         if self.mtu is not None and not 576 <= self.mtu <= 65535:
             raise ValueError(f"ns3 mtu must be in [576, 65535], got {self.mtu}")
-        if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or self.min_rto_ms <= 0:
+        if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or (
+                self.min_rto_ms is not None and self.min_rto_ms <= 0):
             raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0")
+
+
+def auto_min_rto_ms(spec: FabricSpec, mtu: int, delay_us: float) -> float:
+    """ns-3's RTO floor: 5 ms, or 10x the base RTT of one full segment where that is
+    longer. A coarse segment on a slow (scaled) link takes milliseconds per hop, and
+    with a floor below the RTT ns-3 retransmits without any loss (measured: a lone
+    flow 5.9x its line-rate time at 0.2 Gbit/s with 64 KB segments and a 5 ms floor)."""
+    gbps = min(spec.host_link_gbps, spec.spine_link_gbps)
+    hop_s = mtu * 8 / (gbps * 1e9) + delay_us * 1e-6
+    return max(5.0, 10 * 8 * hop_s * 1e3)  # 4 hops out and 4 back
 
 
 def ns3_root() -> Path:
@@ -156,14 +167,16 @@ class Ns3Backend:
             return Ns3Result(fct + self.net.overhead_s, 0, time.perf_counter() - t0, {})
         p = self.params
         exe = binary()
+        mtu = p.mtu or self.spec.mtu
+        min_rto = p.min_rto_ms if p.min_rto_ms is not None else auto_min_rto_ms(self.spec, mtu, p.delay_us)
         with tempfile.TemporaryDirectory(prefix="kvpath-ns3-") as tmp:
             fin, fout = Path(tmp) / "flows.txt", Path(tmp) / "fct.txt"
             fin.write_text("".join(lines))
             cmd = [str(exe), f"--flows={fin}", f"--out={fout}", f"--leaves={self.spec.leaves}",
                    f"--spines={self.spec.spines}", f"--hostsPerLeaf={hpl}",
                    f"--hostGbps={self.spec.host_link_gbps!r}", f"--spineGbps={self.spec.spine_link_gbps!r}",
-                   f"--mtu={p.mtu or self.spec.mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
-                   f"--bufBytes={p.buf_bytes}", f"--minRtoMs={p.min_rto_ms!r}", f"--tcp={p.tcp}",
+                   f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
+                   f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
                    f"--horizonS={p.horizon_s!r}"]
             drops, uplinks, err = self._execute(cmd, len(lines), progress)
             got = np.loadtxt(fout, ndmin=2) if fout.exists() else np.zeros((0, 2))

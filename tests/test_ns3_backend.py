@@ -21,7 +21,7 @@ try:
 except Ns3Error as e:  # pragma: no cover - the setup script installs it
     pytest.skip(f"ns3 wheel not installed: {e}", allow_module_level=True)
 
-# 10 Gbit/s links keep packet counts (and so run time) small; 5 MB is ~400 BDPs here
+# 10 Gbit/s links keep packet counts (and so run time) small; 5 MB is over 100 BDPs here
 SPEC = dataclasses.replace(FabricSpec.resolve("rack4"), host_link_gbps=10.0, spine_link_gbps=10.0)
 H = SPEC.hosts()
 MB = 5_000_000

@@ -9,6 +9,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from simulator_bridge.cli_args import add_workload_args
+
 BURST_META = "burst_bytes"  # the testbed's token-bucket burst, in a trace header's meta
 
 
@@ -207,15 +209,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
     s.add_argument("--fabric", default="rack4", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
     s.add_argument("--pools", default="8P8D")
-    s.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
-    s.add_argument("--requests", type=int, default=500)
+    add_workload_args(s)
     s.add_argument("--qps", type=float, default=6.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--min-prompt", type=int, default=1024)
-    s.add_argument("--max-prompt", type=int, default=4096)
-    s.add_argument("--pd-ratio", type=float, default=20.0)
-    s.add_argument("--model", default="llama-3-8b")
-    s.add_argument("--accelerator", default="h100")
     s.add_argument("--mode", default="ecmp,cc,dc", help="comma-separated: ecmp, cc, dc")
     s.add_argument("--backend", default="trivial,flow", help="comma-separated: flow, trivial, ns3")
     s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator
 
+from simulator_bridge.cli_args import add_workload_args
+
 logger = logging.getLogger(__name__)
 
 PROG = "kvpath bridge sweep"
@@ -430,14 +432,7 @@ def add_parser(br: argparse._SubParsersAction) -> None:
     s.add_argument("--pools", default="8P8D", help="comma list, e.g. 4P4D,8P8D")
     s.add_argument("--backend", default="trivial,flow", help="comma list of network backends (flow, trivial, ...)")
     s.add_argument("--mode", default="ecmp,cc,dc", help="comma list: ecmp, cc, dc")
-    s.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
-    s.add_argument("--requests", type=int, default=500)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--min-prompt", type=int, default=1024)
-    s.add_argument("--max-prompt", type=int, default=4096)
-    s.add_argument("--pd-ratio", type=float, default=20.0)
-    s.add_argument("--model", default="llama-3-8b")
-    s.add_argument("--accelerator", default="h100")
+    add_workload_args(s)
     s.add_argument("--lanes", type=int, default=4)
     s.add_argument("--reserve-at", default="admission", choices=("admission", "push"))
     s.add_argument("--workers", type=int, default=None,

@@ -18,13 +18,13 @@ RTOs for seconds under incast with shallow queues). Each run reports its drops.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -115,7 +115,7 @@ def binary(cache_dir: Path | None = None) -> Path:
             return exe
         log.info("compiling the ns-3 scenario against %s (once)", ver)
         lib = root / "lib64"
-        tmp = exe.with_suffix(".tmp")
+        tmp = exe.parent / f"{exe.name}.tmp"
         cmd = [cxx, *CXXFLAGS, f"-I{root / 'include'}", "-o", str(tmp), str(SOURCE), f"-L{lib}",
                f"-Wl,-rpath,{lib}", *(f"-l{ver}-{m}" for m in NS3_LIBS)]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -178,7 +178,15 @@ class Ns3Backend:
                    f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
                    f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
                    f"--horizonS={p.horizon_s!r}"]
-            drops, uplinks, err = self._execute(cmd, len(lines), progress)
+            if progress is None and sys.stderr.isatty():
+                # a run can take minutes: show ns-3's own completion count on a terminal
+                from rich.progress import Progress
+
+                with Progress(transient=True) as bar:
+                    task = bar.add_task("ns-3", total=len(lines))
+                    drops, uplinks, err = self._execute(cmd, len(lines), lambda d, _: bar.update(task, completed=d))
+            else:
+                drops, uplinks, err = self._execute(cmd, len(lines), progress)
             got = np.loadtxt(fout, ndmin=2) if fout.exists() else np.zeros((0, 2))
         if got.shape[0] != len(lines):
             raise Ns3Error(f"ns-3 returned {got.shape[0]} of {len(lines)} flows: {err[-2000:]}")
@@ -229,9 +237,4 @@ class Ns3Backend:
 def ns3_fct(spec: FabricSpec, flows: list[FlowSpec], net: NetParams | None = None,
             params: Ns3Params | None = None) -> np.ndarray:
     return Ns3Backend(spec, net, params).run(flows).fct_s
-
-
-def coarse(params: Ns3Params, mtu: int = 65535) -> Ns3Params:
-    """Coarse segments: the same model with fewer, larger packets (see docs/bridge.md)."""
-    return dataclasses.replace(params, mtu=mtu)
 

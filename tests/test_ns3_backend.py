@@ -115,3 +115,12 @@ def test_coarse_segments_on_a_slow_link_do_not_retransmit_spuriously():
     h = slow.hosts()
     fct = Ns3Backend(slow, params=Ns3Params(mtu=65535)).run([FlowSpec(h[0], h[8], MB, 0.0, 0)]).fct_s
     assert fct[0] == pytest.approx(MB * 8 / 0.2e9, rel=0.10)
+
+
+def test_drops_are_counted_where_queues_overflow():
+    # two flows through one 64 KiB port buffer with 8 MiB windows must lose packets, and
+    # the run must say so (a counter on the wrong queue once reported 0 here)
+    flows = [FlowSpec(H[0], H[4], MB, 0.0, 1), FlowSpec(H[1], H[5], MB, 0.0, 1)]
+    res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20)).run(flows)
+    assert res.drops > 0
+    assert res.fct_s.max() > 2 * WIRE  # the losses cost time

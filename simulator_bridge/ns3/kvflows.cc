@@ -19,6 +19,7 @@
 #include "ns3/internet-module.h"
 #include "ns3/network-module.h"
 #include "ns3/point-to-point-module.h"
+#include "ns3/traffic-control-module.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -59,6 +60,12 @@ std::vector<uint64_t> g_uplink_bytes; // leaf l -> spine s at l * spines + s
 
 void
 OnDrop(Ptr<const Packet>)
+{
+    ++g_drops;
+}
+
+void
+OnQueueDiscDrop(Ptr<const QueueDiscItem>)
 {
     ++g_drops;
 }
@@ -186,7 +193,7 @@ main(int argc, char* argv[])
     cmd.AddValue("spineGbps", "leaf-spine link rate (Gbit/s)", spine_gbps);
     cmd.AddValue("mtu", "link MTU (bytes); the TCP segment is MTU - 52", mtu);
     cmd.AddValue("delayUs", "propagation delay per link (us)", delay_us);
-    cmd.AddValue("queueBytes", "drop-tail queue per egress port (bytes)", queue_bytes);
+    cmd.AddValue("queueBytes", "FIFO buffer per egress port (bytes), drop-tail", queue_bytes);
     cmd.AddValue("bufBytes", "TCP send and receive buffers (bytes)", buf_bytes);
     cmd.AddValue("minRtoMs", "TCP minimum RTO (ms)", min_rto_ms);
     cmd.AddValue("tcp", "TCP congestion control (ns-3 type name without ns3::)", tcp);
@@ -246,8 +253,21 @@ main(int argc, char* argv[])
         p.SetDeviceAttribute("DataRate", StringValue(rate.str()));
         p.SetDeviceAttribute("Mtu", UintegerValue(mtu));
         p.SetChannelAttribute("Delay", TimeValue(NanoSeconds(delay_us * 1000)));
-        p.SetQueue("ns3::DropTailQueue", "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::BYTES, queue_bytes)));
+        // the port's buffer is the FIFO queue disc installed below; the device holds one
+        // packet, so the queue disc is where packets wait and are dropped (and counted)
+        p.SetQueue("ns3::DropTailQueue", "MaxSize", StringValue("1p"));
         return p;
+    };
+    TrafficControlHelper port_buffer;
+    port_buffer.SetRootQueueDisc("ns3::FifoQueueDisc",
+                                 "MaxSize",
+                                 QueueSizeValue(QueueSize(QueueSizeUnit::BYTES, queue_bytes)));
+    auto install_buffers = [&](NetDeviceContainer d) {
+        QueueDiscContainer q = port_buffer.Install(d);
+        for (uint32_t k = 0; k < q.GetN(); ++k)
+        {
+            q.Get(k)->TraceConnectWithoutContext("Drop", MakeCallback(&OnQueueDiscDrop));
+        }
     };
     PointToPointHelper host_link = link(host_gbps), spine_link = link(spine_gbps);
     g_uplink_bytes.assign(leaves * spines, 0);
@@ -257,6 +277,7 @@ main(int argc, char* argv[])
     {
         uint32_t l = h / hpl;
         NetDeviceContainer d = host_link.Install(g_hosts.Get(h), leaf_nodes.Get(l));
+        install_buffers(d);
         Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();
         // /16 masks: ns-3 takes a TCP connection's source address from the route's source
         // selection (not from Bind), which prefers the address in the destination's /16,
@@ -278,6 +299,7 @@ main(int argc, char* argv[])
         for (uint32_t s = 0; s < spines; ++s)
         {
             NetDeviceContainer d = spine_link.Install(leaf_nodes.Get(l), spine_nodes.Get(s));
+            install_buffers(d);
             uint32_t up = AddInterface(leaf_nodes.Get(l), d.Get(0), Ipv4Address(infra++));
             d.Get(0)->TraceConnectWithoutContext("PhyTxEnd", MakeBoundCallback(&OnUplinkTx, l * spines + s));
             uint32_t down = AddInterface(spine_nodes.Get(s), d.Get(1), Ipv4Address(infra++));
@@ -290,7 +312,7 @@ main(int argc, char* argv[])
         }
     }
 
-    // every egress queue's drops, so a run says whether it stayed lossless
+    // a device queue that overflows despite the queue disc in front would drop here
     for (NodeList::Iterator it = NodeList::Begin(); it != NodeList::End(); ++it)
     {
         for (uint32_t k = 0; k < (*it)->GetNDevices(); ++k)

@@ -63,6 +63,8 @@ class Point:
     accelerator: str = "h100"
     lanes: int = 4
     reserve_at: str = "admission"
+    scale_s: float = 1.0  # KV bytes divided by S
+    ns3_mtu: int | None = None  # the ns3 backend's link MTU (None: the fabric's)
 
     def coords(self) -> dict[str, Any]:
         return {"fabric": self.fabric, "pools": self.pools, "backend": self.backend, "mode": self.mode,
@@ -106,12 +108,14 @@ def run_point(point: Point) -> dict[str, Any]:
     from kvpath.fabric import FabricSpec
     from kvpath.iteration_time import IterationTimeModel
     from kvpath.workloads import load_workload
+    from simulator_bridge.ns3_backend import Ns3Params
     from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
 
     try:
         spec = FabricSpec.from_dict(point.fabric_spec)
         cfg = ServingConfig(pools=parse_pools(point.pools), mode=point.mode, backend=point.backend, lanes=point.lanes,
-                            reserve_at=point.reserve_at, dc_delay_s=point.dc_delay_s or 0.0)
+                            reserve_at=point.reserve_at, dc_delay_s=point.dc_delay_s or 0.0, scale_s=point.scale_s,
+                            ns3=Ns3Params(mtu=point.ns3_mtu))
         cfg.validate(spec)  # before building the workload: a point that cannot run fails fast
         itm = IterationTimeModel.preset(point.model, point.accelerator)
         w = load_workload(point.workload, n=point.requests, qps=point.qps, seed=point.seed,
@@ -361,6 +365,10 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
             raise _fail(f"--pools: {e}") from None
     if args.requests < 1:
         raise _fail(f"--requests must be >= 1, got {args.requests}")
+    if not args.scale_s > 0:
+        raise _fail(f"--scale-s must be > 0, got {args.scale_s}")
+    if args.ns3_mtu is not None and not 576 <= args.ns3_mtu <= 65535:
+        raise _fail(f"--ns3-mtu must be in [576, 65535], got {args.ns3_mtu}")
     if args.workers is not None and args.workers < 1:
         raise _fail(f"--workers must be >= 1, got {args.workers}")
     try:
@@ -378,7 +386,8 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
     return expand_grid(fabrics=fabrics, pools=pools, backends=backends, modes=modes, dc_delays=delays, qps=qps,
                        workload=workload, requests=args.requests, seed=args.seed, min_prompt=args.min_prompt,
                        max_prompt=args.max_prompt, pd_ratio=args.pd_ratio, model=args.model,
-                       accelerator=args.accelerator, lanes=args.lanes, reserve_at=args.reserve_at)
+                       accelerator=args.accelerator, lanes=args.lanes, reserve_at=args.reserve_at,
+                       scale_s=args.scale_s, ns3_mtu=args.ns3_mtu)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -434,6 +443,8 @@ def add_parser(br: argparse._SubParsersAction) -> None:
     s.add_argument("--mode", default="ecmp,cc,dc", help="comma list: ecmp, cc, dc")
     add_workload_args(s)
     s.add_argument("--lanes", type=int, default=4)
+    s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")
+    s.add_argument("--ns3-mtu", type=int, default=None, help="the ns3 backend's link MTU (default: the fabric's)")
     s.add_argument("--reserve-at", default="admission", choices=("admission", "push"))
     s.add_argument("--workers", type=int, default=None,
                    help="local processes (default: the CPU count; 1: inline); with --ray local, the instance's CPUs")

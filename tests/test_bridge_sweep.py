@@ -186,3 +186,21 @@ def test_ray_local_gives_the_same_rows_as_inline(slow_fabric: str, capsys: pytes
     assert rc == 1 and len(on_ray) == 2 * 2 * 4
     assert _metrics(on_ray) == _metrics(inline)
     assert sum(1 for r in on_ray if r["error"]) == 8  # small does not hold 4P4D
+
+
+def test_scale_s_reaches_every_point():
+    # KV bytes / 4 on the same links: every flow is 4x shorter, so the mean FCT drops
+    import argparse as _ap
+
+    from simulator_bridge.sweep import add_parser, points_from_args, run_point
+
+    p = _ap.ArgumentParser()
+    add_parser(p.add_subparsers())
+    rows = {}
+    for s in ("1", "4"):
+        args = p.parse_args(["sweep", "--fabric", "small", "--pools", "2P2D", "--requests", "12", "--qps", "5",
+                             "--backend", "trivial", "--mode", "ecmp", "--scale-s", s])
+        (pt,) = points_from_args(args)
+        assert pt.scale_s == float(s)
+        rows[s] = run_point(pt)
+    assert rows["4"]["fct_mean_s"] < rows["1"]["fct_mean_s"] / 3

@@ -62,3 +62,22 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
         else:  # before P saw the request
             assert q.arrival_s - 1e-3 <= at <= q.prefill_start_s
         assert d["lane"] == q.lane
+    if reserve_at == "admission":
+        _bridge_reads_the_real_trace(trace)
+
+
+def _bridge_reads_the_real_trace(trace) -> None:
+    """The simulator bridge on this measured trace: each backend replays every flow on its
+    measured spine and every request through the serving model, and calibration runs."""
+    import math
+
+    from simulator_bridge.calibrate import calibrate
+    from simulator_bridge.compare import compare
+    from simulator_bridge.flow_model import NetParams
+
+    errs = compare(trace, ["flow", "trivial", "ns3"], NetParams(burst_bytes=trace.header.meta["burst_bytes"]))
+    for row in errs.values():
+        assert row["fct"].n == 16 and row["ttft"].n == 16 and row["tpot"] is not None
+        assert all(math.isfinite(v) for e in row.values() for v in (e.mean, e.p99))
+    c = calibrate(trace, "flow", train_frac=0.5)
+    assert (c.train_requests, c.held_requests) == (8, 8) and math.isfinite(c.fct.after.mean)

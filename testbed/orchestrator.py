@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 ENGINE_PORT = vllm_engines.API_PORT  # every engine's HTTP port, on its management address
 KV_PORT = vllm_engines.KV_PORT  # P's KV side channel, on its fabric address
 PROXY_PORT = 18000
+HEALTH_TIMEOUT_S = 30.0  # the proxy's /health probe timeout (see _proxy_argv)
 MODES = ("ecmp", "cc", "dc")
 
 
@@ -152,6 +153,7 @@ class RunData:
     cpu_idle: list[float] = field(default_factory=list)
     lone_flow_ratio: float | None = None  # a lone flow's rate / the link rate, before the run
     burst_bytes: int = 0  # tbf burst of the links
+    queue_bytes: int = 0  # tbf limit of the links: the buffer of each egress port
     decode_only: dict[str, Any] | None = None  # vllm engines: P/D output against P alone
     started: float = 0.0
     ended: float = 0.0
@@ -190,7 +192,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
     logs.mkdir(exist_ok=True)
     with NetnsFabric(spec, shaping, mgmt=True) as fabric:
         data = RunData(asdict(cfg), fabric.prefix, p_hosts, d_hosts, shaping.spine_mbit,
-                       burst_bytes=shaping.burst_bytes)
+                       burst_bytes=shaping.burst_bytes, queue_bytes=shaping.queue_bytes)
         proxy_url = f"http://{fabric.MGMT_ROOT_IP}:{PROXY_PORT}"
         # pacing check: one flow alone, P's first host to D's first, about 0.3 s of bytes
         from testbed.flowcheck import Flow, run_flows
@@ -269,8 +271,13 @@ def _minus(now: dict[Any, dict[str, int]], base: dict[Any, dict[str, int]]) -> d
 def _proxy_argv(fabric: NetnsFabric, cfg: RunConfig, spec_file: Path, p_hosts: list[str],
                 d_hosts: list[str]) -> list[str]:
     spec = fabric.spec
+    # every engine shares this machine's cores (2 here): a /health answered late is a busy
+    # engine, not a dead one, and with one instance per pool a probe timing out twice
+    # would take the pool out of rotation and fail requests (a dead engine still leaves
+    # rotation at once: its refused connections count as failed probes)
     argv = [sys.executable, "-m", "kvpath.cli", "proxy", "--host", fabric.MGMT_ROOT_IP, "--port", str(PROXY_PORT),
-            "--first-byte-timeout-s", str(cfg.timeout_s), "--policy", cfg.policy]
+            "--first-byte-timeout-s", str(cfg.timeout_s), "--policy", cfg.policy,
+            "--health-timeout-s", str(HEALTH_TIMEOUT_S)]
     if cfg.connector == "nixl":
         argv += ["--mode", "pull"]
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,7 +180,9 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
     agree = sum(r["path_predicted"] == r["path_measured"] for r in judged)
     out: dict[str, Any] = {
         "mode": data.config["mode"], "requests": len(j.requests), "ok": len(ok),
-        "failed": len(j.requests) - len(ok), "recomputed": sum(r["recomputed"] for r in j.requests),
+        "failed": len(j.requests) - len(ok),
+        "failures": dict(Counter(r["status"] for r in j.requests if r["status"] != "ok")),  # status -> count
+        "recomputed": sum(r["recomputed"] for r in j.requests),
         "pushes": len(pushes), "pushes_with_path": len(judged), "path_agreement": agree / len(judged) if judged else None,
         "reservations_unused": sum(bool(r.get("reservation_unused")) for r in pushes),
         "fidelity": fid, "time_scale_testbed_per_dc": scale, "engine": data.config["engine"],

@@ -29,7 +29,8 @@ def _run(tmp_path, connector: str, mode: str) -> tuple[subprocess.CompletedProce
 
 
 def _common(summary: dict, trace) -> None:
-    assert (summary["requests"], summary["ok"], summary["failed"]) == (N, N, 0)
+    assert (summary["requests"], summary["ok"], summary["failed"]) == (N, N, 0), summary["failures"]
+    assert summary["failures"] == {}
     # every completion through P/D is the text P alone makes for the same prompt
     assert summary["decode_only"]["checked"] == N and summary["decode_only"]["equal"] == N
     assert len(trace.requests) == N

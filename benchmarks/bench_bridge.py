@@ -4,9 +4,9 @@
 
 Sections (``--only`` picks some; all by default):
 
-setup    The flow model's set-up on fabrics of 1,024, 8,192 and 62,500 hosts (the largest
-         the addressing allows): the link numbering, the capacities and the link ids of
-         --flows flows; median (min-max) of --reps.
+setup    The flow model's set-up on fabrics of 1,024, 8,192 and 65,536 hosts: the link
+         numbering, the capacities and the link ids of --flows flows; median (min-max)
+         of --reps.
 run      A run of --flows flows with random endpoints and spines, Poisson arrivals at a
          load where flows share links, on each fabric: wall time (median (min-max) of
          --run-reps) and mean FCT over standalone FCT.
@@ -51,8 +51,8 @@ from simulator_bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_
 from simulator_bridge.ns3_backend import Ns3Backend, Ns3Params  # noqa: E402
 from simulator_bridge.serving_sim import ServingConfig, simulate, summarize  # noqa: E402
 
-# leaves, spines, hosts per leaf; the spec's addressing (10.<leaf>.<host>.x) caps a fabric at 250 x 250 hosts
-FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "62.5K": (250, 63, 250)}
+# leaves, spines, hosts per leaf: 1,024, 8,192 and 65,536 hosts
+FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "64K": (256, 32, 256)}
 SECTIONS = ("setup", "run", "serving", "ns3")
 HEADER_BYTES = 52  # ns-3 segments carry MTU - 52 bytes of payload (IP + TCP with timestamps)
 

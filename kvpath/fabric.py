@@ -1,8 +1,10 @@
 """The fabric spec: one declarative leaf-spine description shared by every part.
 
 Addressing is hierarchical: host ``h`` under leaf ``l`` is ``l{l}h{h}`` with IP
-``<base>.<l>.<h+2>.1`` (one /16 of the /8 per leaf); its leaf's side of the host
-link is ``<base>.<l>.<h+2>.2`` (a /30). The link between leaf ``l`` and spine ``s``
+``<base>.<l>.<2 + h mod 254>.<1 + 4 (h div 254)>`` (one /16 of the /8 per leaf; the
+first 254 hosts of a leaf are ``<base>.<l>.<h+2>.1``); its leaf's side of the host
+link is the next address of the same /30. So a leaf holds up to 254 x 64 = 16,256
+hosts and a fabric up to 256 leaves. The link between leaf ``l`` and spine ``s``
 is ``<base>.<l>.1.<4s>/30``: the leaf is ``.4s+1``, the spine ``.4s+2``. So every
 address names its place, and routes are one /16 per leaf. Paths follow the up-down rule and are
 computed by rule, never by routing tables: hosts under one leaf talk through the
@@ -56,6 +58,10 @@ class Path:
         return self.links[1:-1]
 
 
+MAX_LEAVES = 256
+MAX_HOSTS_PER_LEAF = 254 * 64
+
+
 @dataclass(frozen=True)
 class FabricSpec:
     leaves: int = 4
@@ -74,8 +80,11 @@ class FabricSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise FabricSpecError(f"fabric.{name} must be a positive integer, got {v!r}")
-        if self.leaves > 250 or self.hosts_per_leaf > 250:
-            raise FabricSpecError("fabric.leaves and fabric.hosts_per_leaf must be <= 250 (one /24 per leaf)")
+        if self.leaves > MAX_LEAVES:
+            raise FabricSpecError(f"fabric.leaves must be <= {MAX_LEAVES} (one /16 of the base /8 per leaf)")
+        if self.hosts_per_leaf > MAX_HOSTS_PER_LEAF:
+            raise FabricSpecError(f"fabric.hosts_per_leaf must be <= {MAX_HOSTS_PER_LEAF} "
+                                  "(254 third octets x 64 host /30s in each leaf's /16)")
         if self.spines > 63:
             raise FabricSpecError("fabric.spines must be <= 63 (one /30 per leaf-spine link in <base>.<leaf>.1.0/24)")
         for name in ("host_link_gbps", "spine_link_gbps"):
@@ -166,7 +175,9 @@ class FabricSpec:
                 base = ipaddress.ip_network(self.base_net).network_address.packed
                 if octets[0] != base[0]:
                     raise ValueError
-                leaf, idx = octets[1], octets[2] - 2
+                if octets[2] < 2:
+                    raise ValueError  # <base>.<l>.0-1.x: leaf-spine links, not hosts
+                leaf, idx = octets[1], octets[2] - 2 + 254 * (octets[3] // 4)
         except ValueError:
             raise FabricSpecError(f"{host!r} is not a host of this fabric") from None
         if not (0 <= leaf < self.leaves and 0 <= idx < self.hosts_per_leaf):
@@ -175,8 +186,7 @@ class FabricSpec:
 
     def host_ip(self, host: str) -> str:
         leaf, idx = self.locate(host)
-        base = ipaddress.ip_network(self.base_net).network_address.packed[0]
-        return f"{base}.{leaf}.{idx + 2}.1"
+        return f"{self._base_octet()}.{leaf}.{2 + idx % 254}.{1 + 4 * (idx // 254)}"
 
     def canonical(self, host: str) -> str:
         return self.host_name(*self.locate(host))
@@ -194,7 +204,7 @@ class FabricSpec:
     def host_gateway_ip(self, host: str) -> str:
         """The leaf's address on the link to ``host``."""
         leaf, idx = self.locate(host)
-        return f"{self._base_octet()}.{leaf}.{idx + 2}.2"
+        return f"{self._base_octet()}.{leaf}.{2 + idx % 254}.{2 + 4 * (idx // 254)}"
 
     def uplink_ips(self, leaf: int, spine: int) -> tuple[str, str]:
         """(leaf side, spine side) addresses of the leaf-spine link, each in a /30."""

@@ -87,3 +87,32 @@ def test_link_addresses_are_hierarchical_and_distinct():
     for l in range(4):
         net = ipaddress.ip_network(f.leaf_prefix(l))
         assert all(ipaddress.ip_address(f.host_ip(h)) in net for h in f.hosts() if h.startswith(f"l{l}h"))
+
+
+def test_addresses_reach_64k_hosts_and_locate_back():
+    f = FabricSpec(leaves=256, spines=32, hosts_per_leaf=256)
+    hosts = f.hosts()
+    assert len(hosts) == 65_536
+    ips = [f.host_ip(h) for h in hosts]
+    gws = [f.host_gateway_ip(h) for h in hosts]
+    assert len(set(ips) | set(gws)) == 2 * len(hosts)
+    # the first 254 hosts of a leaf keep <base>.<l>.<h+2>.1; the next ones take the next /30
+    assert (f.host_ip("l0h253"), f.host_ip("l0h254"), f.host_ip("l255h255")) == ("10.0.255.1", "10.0.2.5", "10.255.3.5")
+    assert f.host_gateway_ip("l0h254") == "10.0.2.6"
+    import ipaddress
+
+    for h, ip, gw in zip(hosts, ips, gws):
+        assert f.canonical(ip) == h and f.canonical(gw) == h
+        a, b = ipaddress.ip_address(ip), ipaddress.ip_address(gw)
+        assert int(a) % 4 == 1 and int(b) == int(a) + 1  # host and leaf sides of one /30
+    # leaf-spine link addresses (<base>.<l>.1.x) never name a host
+    with pytest.raises(FabricSpecError, match="not a host"):
+        f.locate(f.uplink_ips(3, 2)[0])
+
+
+def test_fabric_size_limits_name_the_field():
+    FabricSpec(leaves=256, hosts_per_leaf=254 * 64)
+    with pytest.raises(FabricSpecError, match="fabric.leaves"):
+        FabricSpec(leaves=257)
+    with pytest.raises(FabricSpecError, match="fabric.hosts_per_leaf"):
+        FabricSpec(hosts_per_leaf=254 * 64 + 1)

@@ -85,8 +85,14 @@ class LinkIndex:
 
 
 def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
-    """Max-min fair rates of flows over links (progressive filling). ``links``: (n, k)
-    link ids, -1 for none. A flow with no link gets an infinite rate."""
+    """Max-min fair rates of flows over links. ``links``: (n, k) link ids, -1 for none.
+    A flow with no link gets an infinite rate.
+
+    Progressive filling, several bottlenecks per round: a link whose fair share
+    (capacity left / unsettled flows) is no larger than that of any link its flows also
+    cross saturates at exactly that share whatever happens elsewhere (the other links'
+    shares only grow as flows settle below them), so every such locally-minimal link
+    is settled in the same round, not only the global minimum."""
     n = links.shape[0]
     rate = np.full(n, np.inf)
     if n == 0:
@@ -98,22 +104,25 @@ def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     used, compact = np.unique(links[valid], return_inverse=True)
     links = np.full(links.shape, -1, dtype=np.int64)
     links[valid] = compact
+    safe = np.where(valid, links, 0)  # -1 would index the last link: mask it with inf
     cap = capacity[used].astype(float)
-    active = has.copy()
-    while active.any():
-        idx = links[active][valid[active]]
-        count = np.bincount(idx, minlength=cap.size)
+    active = np.flatnonzero(has)
+    while active.size:
+        lk, ok = safe[active], valid[active]
+        count = np.bincount(lk[ok], minlength=cap.size)
         with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(count > 0, cap / np.maximum(count, 1), np.inf)
-        level = share.min()
-        saturated = share <= level * (1 + 1e-12)
-        # every active flow grows by the level; those on a saturated link stop there
-        act = np.flatnonzero(active)
-        rate[act] += level
-        cap -= level * count
-        on_sat = (saturated[np.where(valid[act], links[act], 0)] & valid[act]).any(axis=1)
-        active[act[on_sat]] = False
-        cap[saturated] = 0.0
+            share = np.where(count > 0, np.maximum(cap, 0.0) / np.maximum(count, 1), np.inf)
+        flow_min = np.where(ok, share[lk], np.inf).min(axis=1)
+        link_min = np.full(cap.size, np.inf)
+        np.minimum.at(link_min, lk[ok], np.broadcast_to(flow_min[:, None], lk.shape)[ok])
+        bottleneck = (count > 0) & (share <= link_min * (1 + 1e-12))
+        done = (bottleneck[lk] & ok).any(axis=1)
+        settled = active[done]
+        rate[settled] = flow_min[done]
+        w = np.broadcast_to(flow_min[done][:, None], lk[done].shape)[ok[done]]
+        cap -= np.bincount(lk[done][ok[done]], weights=w, minlength=cap.size)
+        cap[bottleneck] = 0.0
+        active = active[~done]
     return rate
 
 

@@ -87,3 +87,48 @@ def test_decisions_see_exactly_the_flows_that_ended_before_them():
     assert chosen == {0: 0, 1: 1, 2: 0}
     assert fct == pytest.approx([t, t, t], rel=1e-9)  # host links differ, spines split: nobody shares
     assert [i for i, _ in ended] == [0, 1, 2] and ended[0][1] == pytest.approx(t)
+
+
+def _progressive_filling(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """Textbook progressive filling: every unfrozen flow grows by the smallest fair
+    share; the flows of the links that saturate freeze. One bottleneck level a round."""
+    n = links.shape[0]
+    rate = np.where((links >= 0).any(axis=1), 0.0, np.inf)
+    cap = capacity.astype(float).copy()
+    active = [i for i in range(n) if (links[i] >= 0).any()]
+    while active:
+        count = {}
+        for i in active:
+            for l in links[i][links[i] >= 0]:
+                count[l] = count.get(l, 0) + 1
+        level = min(cap[l] / c for l, c in count.items())
+        full = {l for l, c in count.items() if cap[l] / c <= level * (1 + 1e-12)}
+        for i in active:
+            rate[i] += level
+        for l, c in count.items():
+            cap[l] -= level * c
+        active = [i for i in active if not full.intersection(links[i][links[i] >= 0].tolist())]
+    return rate
+
+
+def test_max_min_matches_textbook_progressive_filling():
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        n_links, n_flows = int(rng.integers(3, 40)), int(rng.integers(1, 120))
+        capacity = rng.choice([1.0, 2.5, 10.0, 40.0], size=n_links) * rng.uniform(0.5, 1.5, n_links)
+        links = np.full((n_flows, 4), -1, dtype=np.int64)
+        for i in range(n_flows):
+            k = int(rng.integers(0, min(4, n_links) + 1))  # 0-4 links; a flow with none is unconstrained
+            links[i, :k] = rng.choice(n_links, size=k, replace=False)
+        got, want = max_min_rates(links, capacity), _progressive_filling(links, capacity)
+        assert np.array_equal(np.isinf(got), np.isinf(want)), trial
+        fin = np.isfinite(want)
+        assert np.allclose(got[fin], want[fin], rtol=1e-9), trial
+        # feasible, and every flow has a saturated link where it gets the largest rate
+        for l in range(n_links):
+            on = (links == l).any(axis=1)
+            assert got[on].sum() <= capacity[l] * (1 + 1e-9)
+        for i in np.flatnonzero(fin):
+            mine = links[i][links[i] >= 0]
+            assert any(got[(links == l).any(axis=1)].sum() >= capacity[l] * (1 - 1e-9)
+                       and got[i] >= got[(links == l).any(axis=1)].max() * (1 - 1e-9) for l in mine), trial

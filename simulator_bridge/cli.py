@@ -5,20 +5,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from simulator_bridge.cli_args import add_workload_args
 
+if TYPE_CHECKING:
+    from kvpath.trace import Trace
+
 BURST_META = "burst_bytes"  # the testbed's token-bucket burst, in a trace header's meta
+QUEUE_META = "queue_bytes"  # the testbed's buffer per egress port, in a trace header's meta
+DEFAULT_NS3_QUEUE = 16 << 20  # deep: a lossless approximation where no trace says otherwise
 
 
-def _ns3_params(args: argparse.Namespace, cmd: str):
+def _ns3_params(args: argparse.Namespace, cmd: str, trace: Trace | None = None):
+    """The ns3 options; the queue per port is the trace header's when the run recorded
+    it (a testbed trace), so ns-3 drops where the testbed's links would."""
     from simulator_bridge.ns3_backend import Ns3Params
 
+    queue = args.ns3_queue_bytes
+    if queue is None:
+        queue = int(trace.header.meta.get(QUEUE_META, DEFAULT_NS3_QUEUE)) if trace is not None else DEFAULT_NS3_QUEUE
     try:
-        return Ns3Params(mtu=args.ns3_mtu, queue_bytes=args.ns3_queue_bytes, tcp=args.ns3_tcp)
+        return Ns3Params(mtu=args.ns3_mtu, queue_bytes=queue, tcp=args.ns3_tcp)
     except ValueError as e:
         raise SystemExit(f"kvpath bridge {cmd}: error: --ns3-*: {e}") from None
 
@@ -26,7 +37,8 @@ def _ns3_params(args: argparse.Namespace, cmd: str):
 def _add_ns3_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ns3-mtu", type=int, default=None,
                    help="ns3 backend: link MTU (default: the fabric's; up to 65535 for coarse segments)")
-    p.add_argument("--ns3-queue-bytes", type=int, default=16 << 20, help="ns3 backend: drop-tail queue per port")
+    p.add_argument("--ns3-queue-bytes", type=int, default=None,
+                   help="ns3 backend: drop-tail queue per port (default: the trace header's queue_bytes, else 16 MiB)")
     p.add_argument("--ns3-tcp", default="TcpCubic", help="ns3 backend: TCP variant (ns-3 type name)")
 
 
@@ -63,7 +75,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     burst = args.burst_bytes if args.burst_bytes is not None else int(trace.header.meta.get(BURST_META, 0))
     try:
         params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
-        errors = compare(trace, backends, params, _ns3_params(args, "compare"))
+        errors = compare(trace, backends, params, _ns3_params(args, "compare", trace))
     except (ValueError, Ns3Error) as e:
         raise SystemExit(f"kvpath bridge compare: error: {e}") from None
     if args.json:
@@ -90,13 +102,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     backends = _backends(args.backend, "calibrate")
     trace = _load_trace(args.trace, "calibrate")
+    if args.burst_bytes is not None and args.burst_bytes < 0:
+        raise SystemExit(f"kvpath bridge calibrate: error: --burst-bytes must be >= 0, got {args.burst_bytes}")
+    ns3 = _ns3_params(args, "calibrate", trace)
     results = []
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   disable=args.json, transient=True) as prog:
         task = prog.add_task("calibrating", total=None)
         for b in backends:
             try:
-                results.append(calibrate(trace, b, args.train_frac, _ns3_params(args, "calibrate"),
+                results.append(calibrate(trace, b, args.train_frac, ns3, burst_bytes=args.burst_bytes,
                                          progress=lambda msg: prog.update(task, description=msg)))
             except (ValueError, Ns3Error) as e:
                 raise SystemExit(f"kvpath bridge calibrate: error: {e}") from None
@@ -202,6 +217,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--backend", default="flow", help="comma-separated: flow, trivial, ns3")
     k.add_argument("--train-frac", type=float, default=0.5,
                    help="the first share of requests by arrival that the fit sees (the rest is held out)")
+    k.add_argument("--burst-bytes", type=int, default=None,
+                   help="the links' token-bucket burst (default: the trace header's; fitted when neither gives it)")
     k.add_argument("--json", action="store_true")
     _add_ns3_args(k)
     k.set_defaults(func=_cmd_calibrate)

@@ -14,6 +14,8 @@ and windows bounded by default (16 MiB queues, 1 MiB socket buffers): a lossless
 approximation, the way a RoCE fabric with PFC carries KV traffic, which also keeps
 ns-3's TCP out of the loss-recovery pathology measured here (flows stuck in repeated
 RTOs for seconds under incast with shallow queues). Each run reports its drops.
+With ``NetParams.burst_bytes`` > 0 every port is a token bucket at the link's rate in
+front of a device ``line_x`` times faster, as the testbed's tbf-shaped links are.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Ns3Params:
     buf_bytes: int = 1 << 20  # TCP send and receive buffers: bound each flow's window
     delay_us: float = 1.0  # propagation delay per link
     min_rto_ms: float | None = None  # None: auto_min_rto_ms (a floor well above the base RTT)
+    line_x: float = 100.0  # with a token bucket: the device rate over the link rate (the burst's speed)
     horizon_s: float = 3600.0  # simulated time after the last start before giving up
     timeout_s: float | None = None  # wall-clock limit of one run
 
@@ -66,8 +69,8 @@ class Ns3Params:
         if self.mtu is not None and not 576 <= self.mtu <= 65535:
             raise ValueError(f"ns3 mtu must be in [576, 65535], got {self.mtu}")
         if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or (
-                self.min_rto_ms is not None and self.min_rto_ms <= 0):
-            raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0")
+                self.min_rto_ms is not None and self.min_rto_ms <= 0) or self.line_x < 1:
+            raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0, line_x >= 1")
 
 
 def auto_min_rto_ms(spec: FabricSpec, mtu: int, delay_us: float) -> float:
@@ -136,9 +139,9 @@ class Ns3Result:
 class Ns3Backend:
     """Replays flows, each on its spine, in ns-3; FCTs in seconds (+ ``net.overhead_s``).
 
-    Of :class:`NetParams` only ``overhead_s`` applies: ns-3 models the headers and the
-    transport itself (no ``efficiency``) and its links have no token bucket (no
-    ``burst_bytes``)."""
+    Of :class:`NetParams`, ``overhead_s`` and ``burst_bytes`` apply (a token bucket
+    per port; it must hold a packet, so it exceeds the MTU); ns-3 models the headers
+    and the transport itself, so ``efficiency`` does not."""
 
     def __init__(self, spec: FabricSpec, net: NetParams | None = None, params: Ns3Params | None = None):
         self.spec = spec
@@ -166,8 +169,11 @@ class Ns3Backend:
         if not lines:
             return Ns3Result(fct + self.net.overhead_s, 0, time.perf_counter() - t0, {})
         p = self.params
-        exe = binary()
         mtu = p.mtu or self.spec.mtu
+        burst = self.net.burst_bytes
+        if 0 < burst <= mtu:
+            raise ValueError(f"burst_bytes {burst} must exceed the ns3 MTU {mtu}: a token bucket holds a packet")
+        exe = binary()
         min_rto = p.min_rto_ms if p.min_rto_ms is not None else auto_min_rto_ms(self.spec, mtu, p.delay_us)
         with tempfile.TemporaryDirectory(prefix="kvpath-ns3-") as tmp:
             fin, fout = Path(tmp) / "flows.txt", Path(tmp) / "fct.txt"
@@ -177,7 +183,7 @@ class Ns3Backend:
                    f"--hostGbps={self.spec.host_link_gbps!r}", f"--spineGbps={self.spec.spine_link_gbps!r}",
                    f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
                    f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
-                   f"--horizonS={p.horizon_s!r}"]
+                   f"--horizonS={p.horizon_s!r}", f"--burstBytes={burst}", f"--lineX={p.line_x!r}"]
             if progress is None and sys.stderr.isatty():
                 # a run can take minutes: show ns-3's own completion count on a terminal
                 from rich.progress import Progress

@@ -71,7 +71,8 @@ def write_trace(path: Path, data: Any, j: Any, spec: FabricSpec) -> None:
                     scale_s=data.config["scale_s"], link_mbit=data.link_mbit,
                     meta={"pools": data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
                           "seed": data.config["seed"], "engine": data.config["engine"], "connector": data.config["connector"],
-                          "netns_prefix": data.prefix, "burst_bytes": data.burst_bytes})
+                          "netns_prefix": data.prefix, "burst_bytes": data.burst_bytes,
+                          "queue_bytes": data.queue_bytes})
     with TraceWriter(path, header) as w:
         for r in j.requests:
             ft = (FiveTuple(r["src_ip"], r["dst_ip"], r["src_port"], r["dst_port"] or 0)

@@ -78,3 +78,61 @@ def test_calibrate_cli_json_and_errors(tmp_path, trace):
         r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(path), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and field in r.stderr and "Traceback" not in r.stderr
+
+
+NS3_SPEC = dataclasses.replace(FabricSpec.resolve("rack4"), host_link_gbps=0.5, spine_link_gbps=0.5)
+NS3_NET = NetParams(overhead_s=0.004, burst_bytes=64 << 10)  # the testbed's links have token buckets
+
+
+@pytest.fixture(scope="module")
+def ns3_trace():
+    from simulator_bridge.ns3_backend import Ns3Error, ns3_root
+
+    try:
+        ns3_root()
+    except Ns3Error as e:  # pragma: no cover - the setup script installs it
+        pytest.skip(f"ns3 wheel not installed: {e}")
+    itm = IterationTimeModel.preset("llama-3-8b", "h100")
+    w = load_workload("zipf", n=40, qps=8, seed=3, min_prompt=1024, max_prompt=4096, pd_ratio=20)
+    tr, _ = simulate(NS3_SPEC, list(w.requests), ServingConfig(mode="ecmp", backend="ns3", scale_s=100, net=NS3_NET),
+                     itm)
+    assert "burst_bytes" not in tr.header.meta  # so calibrate has to find it
+    return tr
+
+
+def test_calibrate_recovers_an_ns3_token_bucket_and_offset(ns3_trace):
+    c = calibrate(ns3_trace, "ns3", train_frac=0.5)
+    assert c.net.burst_bytes == NS3_NET.burst_bytes
+    assert c.net.overhead_s == pytest.approx(NS3_NET.overhead_s, abs=1e-9)
+    assert c.runs == 5  # burst 0 and the four grid bursts above the MTU
+    assert abs(c.fct.before.mean) > 0.02
+    assert max(abs(c.fct.after.mean), abs(c.fct.after.p99)) < 1e-6
+    # a known burst is not fitted: one network run
+    k = calibrate(ns3_trace, "ns3", train_frac=0.5, burst_bytes=64 << 10)
+    assert (k.runs, k.net.burst_bytes) == (1, 64 << 10)
+    with pytest.raises(ValueError, match="exceed the ns3 MTU"):
+        calibrate(ns3_trace, "ns3", burst_bytes=4096)
+
+
+def test_best_offset_zeroes_the_mean_or_the_p99():
+    from simulator_bridge.calibrate import best_offset
+    from simulator_bridge.compare import Errors
+
+    rng = np.random.default_rng(0)
+    meas = rng.lognormal(0, 0.5, 400)
+    sim = meas * 0.8 + rng.exponential(0.3, 400)  # skewed residuals: the median is neither
+    c = best_offset(meas, sim)
+    e = Errors.of(meas, sim + c)
+    assert min(abs(e.mean), abs(e.p99)) < 1e-9
+    med = Errors.of(meas, sim + float(np.median(meas - sim)))
+    assert abs(e.mean) + abs(e.p99) <= abs(med.mean) + abs(med.p99)
+
+
+def test_calibrate_cli_rejects_a_bad_burst(tmp_path, trace):
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path, trace.header) as w:
+        for rec in [*trace.requests, *trace.flows]:
+            w.write(rec)
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(path), "--burst-bytes", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--burst-bytes" in r.stderr and "Traceback" not in r.stderr

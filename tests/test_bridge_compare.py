@@ -63,3 +63,29 @@ def test_simulate_cli_prints_one_row_per_backend_and_mode(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "simulate", "--pools", "8x8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--pools" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_path, ns3_wheel):
+    import argparse
+
+    from simulator_bridge.cli import _ns3_params
+
+    # a lone 10 MB push on links with a 1 MiB token bucket ends in (size - burst) / rate
+    burst = 1 << 20
+    path = tmp_path / "trace.jsonl"
+    header = Header(t0_unix=0.0, mode="ecmp", fabric=SPEC.to_dict(), link_mbit=800.0,
+                    meta={"burst_bytes": burst, "queue_bytes": 4 << 20})
+    with TraceWriter(path, header) as w:
+        w.write(FlowRecord(flow_id="f0", request_id=None, five_tuple=FiveTuple("10.0.2.1", "10.1.2.1", 40000, 5600),
+                           bytes=SIZE, start_s=0.0, end_s=(SIZE - burst) / RATE, path="spine1"))
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), "--backend", "flow,ns3",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert abs(out["flow"]["fct"]["mean"]) < 1e-9
+    assert abs(out["ns3"]["fct"]["mean"]) < 0.03  # without the bucket: +12%
+    args = argparse.Namespace(ns3_mtu=None, ns3_queue_bytes=None, ns3_tcp="TcpCubic")
+    assert _ns3_params(args, "compare", read_trace(path)).queue_bytes == 4 << 20
+    assert _ns3_params(args, "compare").queue_bytes == 16 << 20  # no trace: deep, lossless
+    args.ns3_queue_bytes = 1 << 20  # the command line wins
+    assert _ns3_params(args, "compare", read_trace(path)).queue_bytes == 1 << 20

@@ -124,3 +124,46 @@ def test_drops_are_counted_where_queues_overflow():
     res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20)).run(flows)
     assert res.drops > 0
     assert res.fct_s.max() > 2 * WIRE  # the losses cost time
+
+
+BURST = 1 << 20  # a token bucket of 1 MiB per port
+
+
+def bucket(flows: list[FlowSpec], burst: int = BURST, **kw) -> Ns3Backend:
+    return Ns3Backend(SPEC, NetParams(burst_bytes=burst), Ns3Params(**kw))
+
+
+def test_a_token_bucket_lets_the_burst_through_at_once():
+    # a lone flow on idle ports: its first BURST bytes leave at line speed (100x), the
+    # rest at the link rate, so it ends in (size - burst) / rate, as the testbed's tbf does
+    fct = bucket([]).run([FlowSpec(H[0], H[4], MB, 0.0, 0)]).fct_s
+    want = (MB - BURST) * 8 / 10e9
+    assert fct[0] == pytest.approx(want, rel=0.05)
+    assert fct[0] < 0.9 * WIRE  # without the bucket it takes WIRE: the burst is modelled
+
+
+def test_a_bucket_spent_by_one_flow_is_not_there_for_the_next():
+    # two flows back to back on one path share one bucket: together they take
+    # (2 size - burst) / rate, not 2 (size - burst) / rate
+    a = FlowSpec(H[0], H[4], MB, 0.0, 0)
+    b = FlowSpec(H[0], H[4], MB, (MB - BURST) * 8 / 10e9, 0)  # starts as the first ends
+    fct = bucket([]).run([a, b]).fct_s
+    assert b.start_s + fct[1] == pytest.approx((2 * MB - BURST) * 8 / 10e9, rel=0.03)
+
+
+def test_a_bucket_refills_while_its_port_is_idle():
+    # the second flow starts long after the first (the bucket is full again): both alone
+    gap = 10 * WIRE
+    fct = bucket([]).run([FlowSpec(H[0], H[4], MB, 0.0, 0), FlowSpec(H[0], H[4], MB, gap, 0)]).fct_s
+    assert fct == pytest.approx([(MB - BURST) * 8 / 10e9] * 2, rel=0.05)
+
+
+def test_a_bucket_smaller_than_a_packet_is_an_error():
+    with pytest.raises(ValueError, match="exceed the ns3 MTU"):
+        bucket([], burst=SPEC.mtu).run([FlowSpec(H[0], H[4], MB, 0.0, 0)])
+
+
+def test_drops_behind_a_bucket_are_counted():
+    flows = [FlowSpec(H[0], H[4], MB, 0.0, 1), FlowSpec(H[1], H[5], MB, 0.0, 1)]
+    res = bucket([], burst=64 << 10, queue_bytes=64 << 10, buf_bytes=8 << 20).run(flows)
+    assert res.drops > 0

@@ -75,7 +75,13 @@ def _bridge_reads_the_real_trace(trace) -> None:
     from simulator_bridge.compare import compare
     from simulator_bridge.flow_model import NetParams
 
-    errs = compare(trace, ["flow", "trivial", "ns3"], NetParams(burst_bytes=trace.header.meta["burst_bytes"]))
+    from simulator_bridge.ns3_backend import Ns3Params
+
+    # the links' token bucket and buffer, as the run shaped them, travel in the header
+    meta = trace.header.meta
+    assert (meta["burst_bytes"], meta["queue_bytes"]) == (128 << 10, 1 << 20)
+    errs = compare(trace, ["flow", "trivial", "ns3"], NetParams(burst_bytes=meta["burst_bytes"]),
+                   Ns3Params(queue_bytes=meta["queue_bytes"]))
     for row in errs.values():
         assert row["fct"].n == 16 and row["ttft"].n == 16 and row["tpot"] is not None
         assert all(math.isfinite(v) for e in row.values() for v in (e.mean, e.p99))

@@ -13,6 +13,11 @@
 // 10.(s+1).l.0/24 down to leaf l. A flow on spine s binds its source to its host's
 // spine-s address and connects to the destination's spine-s address, so data and
 // ACKs both cross spine s, and set-up is O(hosts x spines) static routes.
+//
+// Every egress port is a buffer of --queueBytes. With --burstBytes > 0 it is a token
+// bucket instead, as the testbed's tbf shaping is: a TbfQueueDisc at the link's rate
+// with that bucket, in front of a device --lineX times faster, so a port idle long
+// enough lets a burst through at (near) line speed and then paces at the link rate.
 
 #include "ns3/applications-module.h"
 #include "ns3/core-module.h"
@@ -183,7 +188,8 @@ main(int argc, char* argv[])
 {
     uint32_t leaves = 2, spines = 2, hpl = 2, mtu = 9000;
     double host_gbps = 100, spine_gbps = 100, delay_us = 1, horizon_s = 3600, min_rto_ms = 5;
-    uint64_t queue_bytes = 16 << 20, buf_bytes = 1 << 20;
+    uint64_t queue_bytes = 16 << 20, buf_bytes = 1 << 20, burst_bytes = 0;
+    double line_x = 100;
     std::string tcp = "TcpCubic", flows_file, out_file;
     CommandLine cmd(__FILE__);
     cmd.AddValue("leaves", "leaves", leaves);
@@ -194,6 +200,8 @@ main(int argc, char* argv[])
     cmd.AddValue("mtu", "link MTU (bytes); the TCP segment is MTU - 52", mtu);
     cmd.AddValue("delayUs", "propagation delay per link (us)", delay_us);
     cmd.AddValue("queueBytes", "FIFO buffer per egress port (bytes), drop-tail", queue_bytes);
+    cmd.AddValue("burstBytes", "token bucket per egress port (bytes); 0: a plain FIFO buffer", burst_bytes);
+    cmd.AddValue("lineX", "with a token bucket, the device rate over the link rate", line_x);
     cmd.AddValue("bufBytes", "TCP send and receive buffers (bytes)", buf_bytes);
     cmd.AddValue("minRtoMs", "TCP minimum RTO (ms)", min_rto_ms);
     cmd.AddValue("tcp", "TCP congestion control (ns-3 type name without ns3::)", tcp);
@@ -202,6 +210,11 @@ main(int argc, char* argv[])
     cmd.AddValue("out", "output: id fct_s per line", out_file);
     cmd.Parse(argc, argv);
     g_hpl = hpl;
+    if (burst_bytes > 0 && (burst_bytes <= mtu || line_x < 1))
+    {
+        std::fprintf(stderr, "error: --burstBytes must exceed --mtu (a packet must fit the bucket), --lineX >= 1\n");
+        return 2;
+    }
 
     std::ifstream in(flows_file);
     if (!in)
@@ -246,11 +259,15 @@ main(int argc, char* argv[])
     stack.Install(leaf_nodes);
     stack.Install(spine_nodes);
 
-    auto link = [&](double gbps) {
-        PointToPointHelper p;
+    auto gbps_rate = [](double gbps) {
         std::ostringstream rate;
         rate << gbps << "Gbps";
-        p.SetDeviceAttribute("DataRate", StringValue(rate.str()));
+        return rate.str();
+    };
+    auto link = [&](double gbps) {
+        PointToPointHelper p;
+        std::string rate = gbps_rate(burst_bytes > 0 ? gbps * line_x : gbps);
+        p.SetDeviceAttribute("DataRate", StringValue(rate));
         p.SetDeviceAttribute("Mtu", UintegerValue(mtu));
         p.SetChannelAttribute("Delay", TimeValue(NanoSeconds(delay_us * 1000)));
         // the port's buffer is the FIFO queue disc installed below; the device holds one
@@ -258,12 +275,26 @@ main(int argc, char* argv[])
         p.SetQueue("ns3::DropTailQueue", "MaxSize", StringValue("1p"));
         return p;
     };
-    TrafficControlHelper port_buffer;
-    port_buffer.SetRootQueueDisc("ns3::FifoQueueDisc",
-                                 "MaxSize",
-                                 QueueSizeValue(QueueSize(QueueSizeUnit::BYTES, queue_bytes)));
-    auto install_buffers = [&](NetDeviceContainer d) {
-        QueueDiscContainer q = port_buffer.Install(d);
+    auto port_buffer = [&](double gbps) {
+        TrafficControlHelper t;
+        QueueSizeValue size(QueueSize(QueueSizeUnit::BYTES, queue_bytes));
+        if (burst_bytes > 0)
+        {
+            t.SetRootQueueDisc("ns3::TbfQueueDisc",
+                               "MaxSize", size,
+                               "Burst", UintegerValue(burst_bytes),
+                               "Mtu", UintegerValue(mtu),
+                               "Rate", DataRateValue(DataRate(gbps_rate(gbps))));
+        }
+        else
+        {
+            t.SetRootQueueDisc("ns3::FifoQueueDisc", "MaxSize", size);
+        }
+        return t;
+    };
+    TrafficControlHelper host_buffer = port_buffer(host_gbps), spine_buffer = port_buffer(spine_gbps);
+    auto install_buffers = [&](TrafficControlHelper& t, NetDeviceContainer d) {
+        QueueDiscContainer q = t.Install(d);
         for (uint32_t k = 0; k < q.GetN(); ++k)
         {
             q.Get(k)->TraceConnectWithoutContext("Drop", MakeCallback(&OnQueueDiscDrop));
@@ -277,7 +308,7 @@ main(int argc, char* argv[])
     {
         uint32_t l = h / hpl;
         NetDeviceContainer d = host_link.Install(g_hosts.Get(h), leaf_nodes.Get(l));
-        install_buffers(d);
+        install_buffers(host_buffer, d);
         Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();
         // /16 masks: ns-3 takes a TCP connection's source address from the route's source
         // selection (not from Bind), which prefers the address in the destination's /16,
@@ -299,7 +330,7 @@ main(int argc, char* argv[])
         for (uint32_t s = 0; s < spines; ++s)
         {
             NetDeviceContainer d = spine_link.Install(leaf_nodes.Get(l), spine_nodes.Get(s));
-            install_buffers(d);
+            install_buffers(spine_buffer, d);
             uint32_t up = AddInterface(leaf_nodes.Get(l), d.Get(0), Ipv4Address(infra++));
             d.Get(0)->TraceConnectWithoutContext("PhyTxEnd", MakeBoundCallback(&OnUplinkTx, l * spines + s));
             uint32_t down = AddInterface(spine_nodes.Get(s), d.Get(1), Ipv4Address(infra++));

@@ -189,27 +189,29 @@ def section_ns3(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     with progress_bar(console) as prog:
         # 1. the traces, once per point and mode
         built = []
-        task = prog.add_task("serving simulation (traces)", total=len(points) * len(args.modes))
-        for qps, g in points:
+        task = prog.add_task("serving simulation (traces)", total=len(points) * len(args.seeds) * len(args.modes))
+        for (qps, g), seed in ((pt, sd) for pt in points for sd in args.seeds):
             spec_pt = dataclasses.replace(rack4, host_link_gbps=g, spine_link_gbps=g)
-            w = load_workload("zipf", n=args.requests, qps=qps, seed=0, min_prompt=1024, max_prompt=4096,
+            w = load_workload("zipf", n=args.requests, qps=qps, seed=seed, min_prompt=1024, max_prompt=4096,
                               pd_ratio=20)
             for k, mode in enumerate(args.modes):
                 trace, info = simulate(spec_pt, list(w.requests), ServingConfig(mode=mode, backend="flow"), itm)
-                built.append((qps, g, mode, k == 0, trace, summarize(trace, info["wall_s"])))
+                # only the first seed's first mode pays for the second (cost) scale
+                built.append((qps, g, seed, mode, k == 0 and seed == args.seeds[0], trace,
+                              summarize(trace, info["wall_s"])))
                 prog.advance(task)
         prog.remove_task(task)
 
         n_ns3 = sum(len(mtus) * (1 + (first and args.ns3_cost_scale > 0)) for *_, first, _, _ in built)
         ns3_task = prog.add_task("ns-3 runs", total=n_ns3 * args.ns3_reps)
-        for qps, g, mode, first, trace, summ in built:
+        for qps, g, seed, mode, first, trace, summ in built:
             spec = trace_fabric(trace)
             flows, fct_trace = trace_flows(trace)
-            label = f"{qps:g} QPS, {g:g}G"
+            label = f"{qps:g} QPS, {g:g}G" + (f", seed {seed}" if len(args.seeds) > 1 else "")
             # flow at full size (S = 1): its cost does not depend on the bytes
             fct_full, walls_full = timed(lambda: FlowModel(spec).run(flows), args.reps)
             scales = [args.ns3_scale] + ([args.ns3_cost_scale] if first and args.ns3_cost_scale > 0 else [])
-            tr_row = {"point": label, "qps": qps, "link_gbps": g, "mode": mode, "flows": len(flows),
+            tr_row = {"point": label, "qps": qps, "link_gbps": g, "seed": seed, "mode": mode, "flows": len(flows),
                       "bytes": int(sum(f.bytes for f in flows)), "slowdown_mean": summ["slowdown_mean"],
                       "fct_mean_s": summ["fct_mean_s"], "fct_p99_s": summ["fct_p99_s"],
                       "replay_vs_trace_max_rel": max_rel(fct_full, fct_trace), "flow_s_full": walls_full,
@@ -234,8 +236,8 @@ def section_ns3(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     res = results[-1]
                     ns3_walls = [x.wall_s for x in results]
                     err = Errors.of(measured=res.fct_s, simulated=fct_s)
-                    runs.append({"point": label, "mode": mode, "scale": s, "link_gbps": spec.host_link_gbps / s,
-                                 "mtu": mtu, "bytes": int(sum(f.bytes for f in sflows)),
+                    runs.append({"point": label, "qps": qps, "seed": seed, "mode": mode, "scale": s,
+                                 "link_gbps": spec.host_link_gbps / s, "mtu": mtu, "bytes": int(sum(f.bytes for f in sflows)),
                                  "segments": segments(sflows, mtu), "flow_s": walls_s, "ns3_s": ns3_walls,
                                  "ratio": statistics.median(ns3_walls) / statistics.median(walls_s),
                                  "drops": res.drops, "errors": err.to_dict(),
@@ -291,6 +293,16 @@ def section_ns3(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                   f"{r['flow_fct_p99_s'] * 1e3:.2f} / {r['ns3_fct_p99_s'] * 1e3:.2f}", pct(e["p99"]))
     console.print(t)
 
+    spread = seed_spread(runs) if len(args.seeds) > 1 else []
+    if spread:
+        t = Table(title=f"flow vs ns3 over seeds {','.join(map(str, args.seeds))}: error median (min..max)")
+        for c in ("QPS", "Gbit/s", "mode", "S", "MTU", "seeds", "mean FCT err", "p99 FCT err", "|p99 err| <= 10%"):
+            t.add_column(c, justify="right")
+        for r in spread:
+            t.add_row(f"{r['qps']:g}", f"{r['link_gbps']:g}", r["mode"], f"{r['scale']:g}", str(r["mtu"]),
+                      str(r["n"]), rng_pct(r["mean"]), rng_pct(r["p99"]), f"{r['p99_within_10']}/{r['n']}")
+        console.print(t)
+
     if cost:
         t = Table(title="ns-3's cost against bytes: measured at two byte scales, and EXTRAPOLATED to the full-size "
                         "trace (S=1) linearly in bytes (ns3 s = a + b x bytes through the two measured points)")
@@ -305,7 +317,25 @@ def section_ns3(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                       f"{c_['ns3_s_full_extrapolated']:.0f}", f"{c_['flow_s_full']:.3f}",
                       f"{c_['ratio_full_extrapolated']:.0f}x")
         console.print(t)
-    return {"compile_s": compile_s, "traces": traces, "runs": runs, "cost_extrapolation": cost}
+    return {"compile_s": compile_s, "traces": traces, "runs": runs, "cost_extrapolation": cost,
+            "seed_spread": spread}
+
+
+def seed_spread(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The flow-vs-ns3 errors of each (point, mode, S, MTU) over the seeds: a range, not one draw."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["qps"], r["link_gbps"] * r["scale"], r["mode"], r["scale"], r["mtu"]), []).append(r)
+    out = []
+    for (qps, g, mode, scale, mtu), rs in groups.items():
+        mean, p99 = [r["errors"]["mean"] for r in rs], [r["errors"]["p99"] for r in rs]
+        out.append({"qps": qps, "link_gbps": g, "mode": mode, "scale": scale, "mtu": mtu, "n": len(rs),
+                    "mean": mean, "p99": p99, "p99_within_10": sum(abs(x) <= 0.10 for x in p99)})
+    return out
+
+
+def rng_pct(v: list[float]) -> str:
+    return f"{pct(statistics.median(v))} ({pct(min(v))}..{pct(max(v))})"
 
 
 def floats(s: str) -> list[float]:
@@ -318,14 +348,16 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {','.join(SECTIONS)}")
     ap.add_argument("--flows", type=int, default=2000, help="flows of the set-up and run sections")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of set-up and of every flow-model timing")
-    ap.add_argument("--run-reps", type=int, default=1,
-                    help="repetitions of the run section (a 1K-host run takes about a minute)")
+    ap.add_argument("--run-reps", type=int, default=3,
+                    help="repetitions of the run section")
     ap.add_argument("--qps", type=floats, default=[6.0, 30.0], help="load points of the ns3 section")
     ap.add_argument("--link-gbps", type=floats, default=[100.0, 20.0],
                     help="the fabric's link rate at each --qps point (one value: all)")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["ecmp", "cc"],
                     help="modes of the ns3 section's traces (the first also gets the cost scale)")
     ap.add_argument("--requests", type=int, default=500, help="requests of the ns3 section's traces")
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[0],
+                    help="workload seeds of the ns3 section (several: a table of the error's range over them)")
     ap.add_argument("--ns3-scale", type=float, default=100.0, help="S = B: link rates and KV bytes divided by it")
     ap.add_argument("--ns3-cost-scale", type=float, default=20.0,
                     help="a second byte scale for ns-3's cost (each point's first mode); 0: none")

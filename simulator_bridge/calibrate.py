@@ -118,7 +118,8 @@ def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Param
     inp = ReplayInput.of(trace)
     req_train, flow_train, _ = _split(trace, inp, train_frac)
     known_burst = burst_bytes if burst_bytes is not None else trace.header.meta.get("burst_bytes")
-    if known_burst is not None and (isinstance(known_burst, bool) or not isinstance(known_burst, int) or known_burst < 0):
+    bad = isinstance(known_burst, bool) or not isinstance(known_burst, int) or known_burst < 0
+    if known_burst is not None and bad:
         raise ValueError(f"burst_bytes must be an integer >= 0, got {known_burst!r}")
     mtu = ((ns3.mtu if ns3 else None) or spec.mtu) if backend == "ns3" else 0
     if backend == "ns3" and known_burst and known_burst <= mtu:

@@ -70,7 +70,8 @@ class Ns3Params:
             raise ValueError(f"ns3 mtu must be in [576, 65535], got {self.mtu}")
         if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or (
                 self.min_rto_ms is not None and self.min_rto_ms <= 0) or self.line_x < 1:
-            raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0, line_x >= 1")
+            raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0, "
+                             "line_x >= 1")
 
 
 def auto_min_rto_ms(spec: FabricSpec, mtu: int, delay_us: float) -> float:

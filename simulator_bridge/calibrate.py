@@ -10,10 +10,10 @@ share links), but only the training part's errors steer the fit.
   models headers itself); and ``burst_bytes``, the links' token-bucket burst, when
   neither the caller nor the trace header gives it (for ``ns3`` only bursts above the
   MTU: a bucket holds a packet). For each (efficiency, burst) on a grid, one network
-  run; the overhead then is closed-form (:func:`best_offset`). The loss is
+  run; the overhead then is the median residual (:func:`offset_of`). The loss is
   |mean error| + |p99 error| of FCT on the training flows.
 - **Compute**: the iteration-time model's per-iteration overhead and a speed factor
-  (grid), then the fixed cost per request, the same way from the TTFT residuals. The
+  (grid), then the fixed cost per request, the median TTFT residual. The
   loss is |mean TTFT error| + |p99 TTFT error| + |mean TPOT error| on the training
   requests, with the network's FCTs from the fitted network constants.
 """
@@ -73,19 +73,17 @@ def _loss(e: Errors) -> float:
     return abs(e.mean) + abs(e.p99)
 
 
-def best_offset(measured: np.ndarray, simulated: np.ndarray) -> float:
-    """The constant c minimising |mean error| + |p99 error| of ``simulated + c``.
+def offset_of(measured: np.ndarray, simulated: np.ndarray) -> float:
+    """The fitted constant offset: the median residual, measured - simulated.
 
-    Both errors are linear in c (a constant shifts the mean and every percentile by c),
-    so the sum of their magnitudes is smallest where one of them is zero: c makes the
-    mean exact or the p99 exact, whichever leaves the other error smaller. (The median
-    residual, the obvious choice, is neither when the residuals are skewed; it is kept
-    as a candidate only so that ties favour the typical flow.)"""
+    Robust, not mean-exact, on purpose: a testbed run's first pushes (fresh lanes, first
+    transfers) sit well above the rest, and they all fall in the training part of a
+    split by time. On six testbed traces the first fifth's mean residual was 1.1-2.7x
+    the later fifths' (its median 1.1-2.4x), and an offset making the training mean
+    exact overshot the held-out mean by up to +7.6% (the median: at most -6.3%)."""
     if measured.size == 0:
         return 0.0
-    cands = (float(np.median(measured - simulated)), float(measured.mean() - simulated.mean()),
-             float(np.percentile(measured, 99) - np.percentile(simulated, 99)))
-    return min(cands, key=lambda c: _loss(Errors.of(measured, simulated + c)))
+    return float(np.median(measured - simulated))
 
 
 def _split(trace: Trace, inp: ReplayInput, train_frac: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -146,7 +144,7 @@ def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Param
     for eff, burst in grid:
         p = dataclasses.replace(default_net, efficiency=eff, burst_bytes=burst)
         sim = fct0 if p == default_net else net_run(p)
-        over = best_offset(measured[flow_train], sim[flow_train])
+        over = offset_of(measured[flow_train], sim[flow_train])
         loss = _loss(Errors.of(measured[flow_train], sim[flow_train] + over))
         if best is None or loss < best[0]:
             best = (loss, dataclasses.replace(p, overhead_s=over), sim + over)
@@ -164,7 +162,7 @@ def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Param
     for ov, speed in itertools.product(ITER_OVERHEAD_GRID, SPEED_GRID):
         c = ComputeParams(iteration_overhead_s=ov, speed=speed)
         ttft, _ = replay(inp, fct1, c)
-        c = dataclasses.replace(c, request_overhead_s=best_offset(*_finite(inp.ttft, ttft, req_train)))
+        c = dataclasses.replace(c, request_overhead_s=offset_of(*_finite(inp.ttft, ttft, req_train)))
         e_ttft, e_tpot = req_errors(c, fct1, req_train)
         loss = _loss(e_ttft) + abs(e_tpot.mean)
         if best_c is None or loss < best_c[0]:

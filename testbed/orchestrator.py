@@ -155,6 +155,7 @@ class RunData:
     burst_bytes: int = 0  # tbf burst of the links
     queue_bytes: int = 0  # tbf limit of the links: the buffer of each egress port
     decode_only: dict[str, Any] | None = None  # vllm engines: P/D output against P alone
+    kv_loss: dict[str, int] | None = None  # vllm engines: vLLM's own count of lost KV transfers
     started: float = 0.0
     ended: float = 0.0
 
@@ -225,6 +226,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
                 prompts = {r.request_id: _prompt(i, r.prompt_tokens, cfg) for i, r in enumerate(workload.requests)}
                 data.decode_only = vllm_engines.decode_only_check(
                     f"http://{fabric.mgmt_ip(p_hosts[0])}:{ENGINE_PORT}", data.client, prompts)
+                data.kv_loss = vllm_engines.kv_loss_counts(
+                    [f"http://{fabric.mgmt_ip(h)}:{ENGINE_PORT}" for h in p_hosts + d_hosts])
             else:
                 _settle(fabric, p_hosts + d_hosts)
                 for h in p_hosts + d_hosts:

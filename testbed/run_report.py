@@ -186,7 +186,7 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
         "pushes": len(pushes), "pushes_with_path": len(judged), "path_agreement": agree / len(judged) if judged else None,
         "reservations_unused": sum(bool(r.get("reservation_unused")) for r in pushes),
         "fidelity": fid, "time_scale_testbed_per_dc": scale, "engine": data.config["engine"],
-        "connector": data.config["connector"], "decode_only": data.decode_only,
+        "connector": data.config["connector"], "decode_only": data.decode_only, "vllm_kv_loss": data.kv_loss,
         "kv_bytes_on_spines": spine_bytes_p_to_d(data, ip_of),
         "push_overhead_s": j.overhead_s, "lone_pushes": j.lone_flows,
     }

@@ -156,3 +156,44 @@ def cpus_for(n: int) -> list[int]:
     if n > len(cores):
         raise ValueError(f"{n} vLLM engines need {n} cores (one each); this machine gives {len(cores)}")
     return cores[:n]
+
+
+# vLLM's NIXL counters of KV that did not arrive (Prometheus names without "_total"):
+# a pull that failed, a notification that did not get through, P's blocks freed when
+# D's lease ran out before it read them
+KV_LOSS_METRICS = {"vllm:nixl_num_failed_transfers": "failed_transfers",
+                   "vllm:nixl_num_failed_notifications": "failed_notifications",
+                   "vllm:nixl_num_kv_expired_reqs": "expired_leases"}
+
+
+def parse_kv_loss(text: str) -> dict[str, int] | None:
+    """The KV-loss counters of one engine's Prometheus text; None if it has none (not a
+    NIXL connector)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] | None = None
+    for fam in text_string_to_metric_families(text):
+        key = KV_LOSS_METRICS.get(fam.name.removesuffix("_total"))
+        if key:
+            out = out or dict.fromkeys(KV_LOSS_METRICS.values(), 0)
+            out[key] += int(sum(s.value for s in fam.samples if s.name.endswith("_total")))
+    return out
+
+
+def kv_loss_counts(urls: list[str]) -> dict[str, int]:
+    """vLLM's own count of lost KV transfers over the engines at ``urls`` (their
+    ``/metrics``), so that a failed request can be told apart: vLLM reported losing its
+    KV, or something else failed. ``engines_reporting``: how many engines had the
+    counters at all."""
+    out = dict.fromkeys([*KV_LOSS_METRICS.values(), "engines_reporting"], 0)
+    for url in urls:
+        try:
+            got = parse_kv_loss(httpx.get(f"{url}/metrics", timeout=30).text)
+        except httpx.HTTPError as e:
+            logger.warning("reading %s/metrics failed: %s", url, e)
+            continue
+        if got is not None:
+            out["engines_reporting"] += 1
+            for k, v in got.items():
+                out[k] += v
+    return out

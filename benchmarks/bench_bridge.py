@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -45,11 +44,11 @@ from rich.table import Table  # noqa: E402
 from kvpath.fabric import FabricSpec  # noqa: E402
 from kvpath.iteration_time import IterationTimeModel  # noqa: E402
 from kvpath.workloads import load_workload  # noqa: E402
-from simulator_bridge import ns3_backend  # noqa: E402
-from simulator_bridge.compare import Errors, trace_fabric, trace_flows  # noqa: E402
-from simulator_bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_fct  # noqa: E402
-from simulator_bridge.ns3_backend import Ns3Backend, Ns3Params  # noqa: E402
-from simulator_bridge.serving_sim import ServingConfig, simulate, summarize  # noqa: E402
+from kvpath.bridge import ns3_backend  # noqa: E402
+from kvpath.bridge.compare import Errors, trace_fabric, trace_flows  # noqa: E402
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_fct  # noqa: E402
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params  # noqa: E402
+from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize  # noqa: E402
 
 # leaves, spines, hosts per leaf: 1,024, 8,192 and 65,536 hosts
 FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "64K": (256, 32, 256)}

@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_TLS", "tcp")
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -49,13 +48,13 @@ import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from connector.config import KVPathConfig  # noqa: E402
-from connector.layout import build_descs, layout_from_buffers  # noqa: E402
-from connector.messages import make_notif  # noqa: E402
-from connector.nixl_io import make_agent, register  # noqa: E402
-from connector.peer_process import BufferSpec, PeerProcess, make_buffers  # noqa: E402
-from connector.receiver import PushReceiver  # noqa: E402
-from connector.sender import PushSender  # noqa: E402
+from kvpath.connector.config import KVPathConfig  # noqa: E402
+from kvpath.connector.layout import build_descs, layout_from_buffers  # noqa: E402
+from kvpath.connector.messages import make_notif  # noqa: E402
+from kvpath.connector.nixl_io import make_agent, register  # noqa: E402
+from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers  # noqa: E402
+from kvpath.connector.receiver import PushReceiver  # noqa: E402
+from kvpath.connector.sender import PushSender  # noqa: E402
 from connector_common import fmt_bytes, med  # noqa: E402
 from connector_latency import bench_latency  # noqa: E402
 from connector_prefill import bench_prefill  # noqa: E402

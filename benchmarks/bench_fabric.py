@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -33,8 +32,8 @@ from rich.table import Table  # noqa: E402
 
 from kvpath.fabric import FabricSpec  # noqa: E402
 from kvpath.oracle import KernelOracle  # noqa: E402
-from testbed.flowcheck import Flow, run_flows  # noqa: E402
-from testbed.netns_fabric import LinkShaping, NetnsFabric  # noqa: E402
+from kvpath.testbed.flowcheck import Flow, run_flows  # noqa: E402
+from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric  # noqa: E402
 
 med = statistics.median
 

@@ -27,8 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,14 +36,13 @@ from rich.console import Console  # noqa: E402
 from rich.progress import track as progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from testbed.readiness import free_port, wait_http  # noqa: E402
+from kvpath.testbed.readiness import free_port, wait_http  # noqa: E402
 
 LANES = 8
 
 STUB = """
-import sys, uvicorn
-sys.path.insert(0, {root!r})
-from testbed.stub_engine import StubBehaviour, create_stub_app
+import uvicorn
+from kvpath.testbed.stub_engine import StubBehaviour, create_stub_app
 b = StubBehaviour(delay_s={delay}, token_delay_s={tok}, keep_records=False)
 uvicorn.run(create_stub_app({name!r}, b), host="127.0.0.1", port={port}, log_level="warning", backlog=4096)
 """
@@ -166,14 +163,14 @@ def main() -> int:
     rest, mine = (set(cores[:-1]), {cores[-1]}) if pin else (set(cores), set(cores))
     if pin:
         os.sched_setaffinity(0, rest)  # the client and (inherited) the stubs
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     procs = []
     ports = {k: free_port() for k in ("p", "d", "proxy")}
     token = secrets.token_hex(8)
     res_args = ["--reservation", "inproc", "--admin-token", token] if args.reservation == "inproc" else []
     try:
         for name, port in (("P", ports["p"]), ("D", ports["d"])):
-            code = STUB.format(root=str(ROOT), delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
+            code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
             procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
         procs.append(subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +

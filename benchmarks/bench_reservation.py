@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -28,7 +27,7 @@ from rich.table import Table  # noqa: E402
 
 from kvpath.fabric import FabricSpec  # noqa: E402
 from kvpath.reservation import LaneInfo, ReservationService  # noqa: E402
-from testbed.readiness import free_port, wait_http  # noqa: E402
+from kvpath.testbed.readiness import free_port, wait_http  # noqa: E402
 
 SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)
 
@@ -95,8 +94,7 @@ def bench_http(n: int, conc: int) -> dict:
     spec_file = Path(tempfile.mkdtemp()) / "fabric.json"
     spec_file.write_text(json.dumps(SPEC.to_dict()))
     proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", str(port), "--mode", "cc",
-                             "--fabric", str(spec_file)],
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                             "--fabric", str(spec_file)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout_s=30, interval_s=0.1)

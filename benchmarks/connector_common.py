@@ -1,7 +1,7 @@
 """Shared by the bench_connector.py sections: layout constants, push sizing, formatting, and the
 instrumentation of P's sender (TransferRecords, lane agents' completion stamps, registrations).
 
-Imported by bench_connector.py, which puts the repository root on sys.path and sets the UCX and
+Imported by bench_connector.py (kvpath installed, see scripts/setup.sh), which sets the UCX and
 BLAS environment before numpy is imported.
 """
 
@@ -11,8 +11,8 @@ import math
 import statistics
 import time
 
-from connector.messages import parse_notif
-from connector.sender import PushSender
+from kvpath.connector.messages import parse_notif
+from kvpath.connector.sender import PushSender
 
 MiB = 1 << 20
 REGIONS = 4  # KV regions (layers x K/V) in the benchmark layouts

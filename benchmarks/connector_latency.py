@@ -4,7 +4,7 @@ D's own stamps (TimedPeer) and the phase split (table 1b).
 TimedPeer starts D with multiprocessing "spawn": the child imports this module to find
 _serve_timed, which is why it lives in a module and not in the script.
 
-Imported by bench_connector.py, which puts the repository root on sys.path and sets the UCX and
+Imported by bench_connector.py (kvpath installed, see scripts/setup.sh), which sets the UCX and
 BLAS environment before numpy is imported.
 """
 
@@ -18,12 +18,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from connector.config import KVPathConfig
-from connector.layout import build_descs, layout_from_buffers
-from connector.messages import make_notif
-from connector.nixl_io import make_agent, register
-from connector.peer_process import BufferSpec, PeerProcess, make_buffers
-from connector.sender import PushSender
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.layout import build_descs, layout_from_buffers
+from kvpath.connector.messages import make_notif
+from kvpath.connector.nixl_io import make_agent, register
+from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+from kvpath.connector.sender import PushSender
 from connector_common import (
     LANES,
     MiB,
@@ -42,11 +42,11 @@ SETTLE_S = 0.02  # after registering, before the push: control traffic and acks 
 
 
 def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -> None:
-    """PeerProcess's D loop (connector.peer_process._serve, unchanged) plus two stamps
+    """PeerProcess's D loop (kvpath.connector.peer_process._serve, unchanged) plus two stamps
     taken inside D: when its receiver thread saw a push's completion notification
     (ReceiverState.on_done) and when the PeerProcess loop took the release
     (ReceiverState.take). ("stamps", request_ids) returns them, as time.monotonic()."""
-    from connector import peer_process, recv_state
+    from kvpath.connector import peer_process, recv_state
 
     seen: dict[str, float] = {}
     taken: dict[str, float] = {}

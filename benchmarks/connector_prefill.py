@@ -2,7 +2,7 @@
 in flight vs none, split with the engine thread's schedstat into GIL waits, CPU waits, steal
 and on-CPU time.
 
-Imported by bench_connector.py, which puts the repository root on sys.path and sets the UCX and
+Imported by bench_connector.py (kvpath installed, see scripts/setup.sh), which sets the UCX and
 BLAS environment before numpy is imported.
 """
 
@@ -18,10 +18,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from connector.config import KVPathConfig
-from connector.layout import layout_from_buffers
-from connector.peer_process import BufferSpec, PeerProcess, make_buffers
-from connector.sender import PushSender
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.layout import layout_from_buffers
+from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+from kvpath.connector.sender import PushSender
 from connector_common import (
     LANES,
     REGIONS,

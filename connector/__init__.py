@@ -1,9 +1,10 @@
-"""kvpath's KV connector: push KV from prefill to decode over NIXL lanes.
+"""kvpath's KV connector: pushes KV from prefill to decode over NIXL lanes.
 
-The transfer engine (``connector.sender``, ``connector.receiver``) does not import
-vLLM. vLLM loads the adapter with ``kv_connector_module_path: "connector"`` and
-``kv_connector: "KVPathConnector"``; it is imported lazily so that importing the
-engine never pulls vLLM in.
+vLLM finds ``KVPathConnector`` by its short name through the ``vllm.general_plugins``
+entry point (:mod:`kvpath.connector.plugin`); ``kv_connector_module_path:
+"kvpath.connector"`` works too. The transfer engine (``sender``, ``receiver``) does not
+import vLLM, and the adapter is imported lazily so that importing the engine never
+pulls vLLM in.
 """
 
 from typing import Any
@@ -13,7 +14,7 @@ __all__ = ["KVPathConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVPathConnector":
-        from connector.vllm_connector import KVPathConnector
+        from kvpath.connector.vllm_connector import KVPathConnector
 
         return KVPathConnector
-    raise AttributeError(f"module 'connector' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvpath.connector' has no attribute {name!r}")

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import zmq
 
-from connector import messages as M
-from connector.config import KVPathConfig
-from connector.nixl_io import PROBE_BYTES
-from connector.telemetry import Stats, TraceWriter
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.nixl_io import PROBE_BYTES
+from kvpath.connector.telemetry import Stats, TraceWriter
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-from connector import messages as M
-from connector.entropy import PathEntropyProvider, TcpSocketEntropy
-from connector.nixl_io import wait_xfer
+from kvpath.connector import messages as M
+from kvpath.connector.entropy import PathEntropyProvider, TcpSocketEntropy
+from kvpath.connector.nixl_io import wait_xfer
 
 logger = logging.getLogger(__name__)
 

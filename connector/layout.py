@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from connector.messages import BlockLayout, Region
+from kvpath.connector.messages import BlockLayout, Region
 
 
 class LayoutMismatch(ValueError):

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from connector.config import ConfigError, KVPathConfig
+from kvpath.connector.config import ConfigError, KVPathConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from connector.config import parse_host_port
+from kvpath.connector.config import parse_host_port
 from kvpath.reservation import default_lane  # noqa: F401  (the connector's lane rule lives with the reservations)
 
 

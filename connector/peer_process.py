@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.config import KVPathConfig
+from kvpath.connector.config import KVPathConfig
 
 
 @dataclass
@@ -55,8 +55,8 @@ def enter_netns(name: str) -> None:
 
 
 def _serve(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
-    from connector.layout import layout_from_buffers
-    from connector.receiver import PushReceiver
+    from kvpath.connector.layout import layout_from_buffers
+    from kvpath.connector.receiver import PushReceiver
 
     logging.basicConfig(level=logging.INFO, format="D %(levelname)s %(name)s: %(message)s")
     if opts.get("netns"):
@@ -121,8 +121,8 @@ def _serve(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue,
 
 def _serve_p(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
     """A P-side writer in a child process (so a test can kill P mid-push)."""
-    from connector.layout import layout_from_buffers
-    from connector.sender import PushSender
+    from kvpath.connector.layout import layout_from_buffers
+    from kvpath.connector.sender import PushSender
 
     logging.basicConfig(level=logging.INFO, format="P %(levelname)s %(name)s: %(message)s")
     if opts.get("netns"):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from connector.messages import Register
+from kvpath.connector.messages import Register
 
 
 @dataclass

@@ -19,14 +19,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from connector import messages as M
-from connector.config import KVPathConfig, parse_host_port
-from connector.engine_thread import EngineThread
-from connector.entropy import LISTEN_LOCK, listening_ports
-from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
-from connector.recv_state import ReceiverState
-from connector.tcp_table import lanes_drained
-from connector.telemetry import Stats, TraceWriter
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig, parse_host_port
+from kvpath.connector.engine_thread import EngineThread
+from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
+from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
+from kvpath.connector.recv_state import ReceiverState
+from kvpath.connector.tcp_table import lanes_drained
+from kvpath.connector.telemetry import Stats, TraceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class PushReceiver(EngineThread):
         self._wake()
 
     def take(self) -> tuple[set[str], set[str]]:
-        """(released, failed): see :mod:`connector.recv_state`."""
+        """(released, failed): see :mod:`kvpath.connector.recv_state`."""
         with self._lock:
             return self.state.take()
 

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from connector.telemetry import Stats
+from kvpath.connector.telemetry import Stats
 
 logger = logging.getLogger(__name__)
 

@@ -18,16 +18,16 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from connector import messages as M
-from connector.config import ConfigError, KVPathConfig
-from connector.engine_thread import EngineThread
-from connector.lanes import Lane, LaneSet
-from connector.layout import LayoutMismatch, build_descs, check_compatible
-from connector.params import default_lane
-from connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
-from connector.push_state import FinishedPrefill, Match, WriterState
-from connector.reservation_hooks import ReservationNotifier
-from connector.telemetry import Stats, TraceWriter, TransferRecord
+from kvpath.connector import messages as M
+from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.engine_thread import EngineThread
+from kvpath.connector.lanes import Lane, LaneSet
+from kvpath.connector.layout import LayoutMismatch, build_descs, check_compatible
+from kvpath.connector.params import default_lane
+from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
+from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
+from kvpath.connector.reservation_hooks import ReservationNotifier
+from kvpath.connector.telemetry import Stats, TraceWriter, TransferRecord
 
 logger = logging.getLogger(__name__)
 

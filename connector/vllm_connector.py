@@ -17,8 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import ConfigError, KVPathConfig
-from connector.vllm_scheduler import KVPathMetadata, KVPathScheduler
+from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.vllm_scheduler import KVPathMetadata, KVPathScheduler
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def _share_vllm_logging() -> None:
-    """Our modules log under ``connector.*``; route them through vLLM's handlers."""
-    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
+    """Our modules log under ``kvpath.*``; route them through vLLM's handlers."""
+    ours, theirs = logging.getLogger("kvpath"), logging.getLogger("vllm")
     if theirs.handlers and not ours.handlers:
         for h in theirs.handlers:
             ours.addHandler(h)
@@ -68,7 +68,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
                 f"manager this model has {len(kv_cache_config.kv_cache_groups)}. Start vLLM with "
                 "--disable-hybrid-kv-cache-manager to give it one group."
             )
-        from connector.nixl_io import load_nixl
+        from kvpath.connector.nixl_io import load_nixl
 
         load_nixl()  # fail at start-up, naming the missing piece, not at the first request
         self.engine_id = self.cfg.engine_id or ktc.engine_id
@@ -79,7 +79,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from connector.vllm_worker import KVPathWorker
+            from kvpath.connector.vllm_worker import KVPathWorker
 
             self._worker = KVPathWorker(
                 self.cfg, self.engine_id, ktc.kv_role, vllm_config.cache_config.block_size,
@@ -151,19 +151,19 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
         w = self._worker.stats.take_window()
         if w is None:
             return None
-        from connector.vllm_metrics import KVPathStats, window_to_data
+        from kvpath.connector.vllm_metrics import KVPathStats, window_to_data
 
         return KVPathStats(data=window_to_data(w))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
-        from connector.vllm_metrics import KVPathStats
+        from kvpath.connector.vllm_metrics import KVPathStats
 
         return KVPathStats(data=data) if data is not None else KVPathStats()
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from connector.vllm_metrics import KVPathPromMetrics
+        from kvpath.connector.vllm_metrics import KVPathPromMetrics
 
         return KVPathPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -8,7 +8,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from connector.telemetry import COUNTERS, StatsWindow
+from kvpath.connector.telemetry import COUNTERS, StatsWindow
 
 
 def window_to_data(w: StatsWindow) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from connector.config import KVPathConfig
-from connector.params import BadTransferParams, parse_decode, parse_prefill
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from connector.config import KVPathConfig
-from connector.layout import layout_from_tensors
-from connector.messages import Compat
-from connector.receiver import PushReceiver
-from connector.sender import PushSender
-from connector.telemetry import Stats, TraceWriter
-from connector.vllm_scheduler import KVPathMetadata
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.layout import layout_from_tensors
+from kvpath.connector.messages import Compat
+from kvpath.connector.receiver import PushReceiver
+from kvpath.connector.sender import PushSender
+from kvpath.connector.telemetry import Stats, TraceWriter
+from kvpath.connector.vllm_scheduler import KVPathMetadata
 
 if TYPE_CHECKING:
     import torch

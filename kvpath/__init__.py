@@ -1,3 +1,3 @@
 """kvpath: network-aware prefill/decode disaggregation for vLLM."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--base-port", type=int, default=8100)
     d.set_defaults(func=_cmd_connector_demo)
 
-    from proxy.cli import add_parsers
-    from simulator_bridge.cli import add_parsers as add_bridge_parsers
-    from testbed.cli import add_parsers as add_testbed_parsers
+    from kvpath.proxy.cli import add_parsers
+    from kvpath.bridge.cli import add_parsers as add_bridge_parsers
+    from kvpath.testbed.cli import add_parsers as add_testbed_parsers
 
     add_parsers(sub)
     add_testbed_parsers(sub)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kvpath.pd_client import make_prompts, pd_request
 from kvpath.tiny_model import build_tiny_model
-from testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from connector.params import decode_leg_params, prefill_leg_params
+from kvpath.connector.params import decode_leg_params, prefill_leg_params
 
 
 @dataclass

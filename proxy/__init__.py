@@ -1,1 +1,1 @@
-"""Placeholder package; filled in by later issues (see ARCHITECTURE.md)."""
+"""kvpath.proxy: the OpenAI-compatible P/D proxy and the path reservation service (FastAPI)."""

@@ -29,16 +29,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy import legs
-from proxy.auth import bearer_ok
-from proxy.errors import describe_validation_errors, is_invalid_json
-from proxy.health import HealthChecker
-from proxy.instances import POLICIES, Instance, InstancePool, NoInstance
-from proxy.metrics import ProxyMetrics
-from proxy.relay import RelayResponse, wait_for_disconnect
-from proxy.reservation_client import LaneGrant
-from proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
-from proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
+from kvpath.proxy import legs
+from kvpath.proxy.auth import bearer_ok
+from kvpath.proxy.errors import describe_validation_errors, is_invalid_json
+from kvpath.proxy.health import HealthChecker
+from kvpath.proxy.instances import POLICIES, Instance, InstancePool, NoInstance
+from kvpath.proxy.metrics import ProxyMetrics
+from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
+from kvpath.proxy.reservation_client import LaneGrant
+from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
+from kvpath.proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from kvpath.fabric import FabricSpec, FabricSpecError
-from proxy.instances import POLICIES, Instance
-from proxy.legs import MODES as PROXY_MODES
+from kvpath.proxy.instances import POLICIES, Instance
+from kvpath.proxy.legs import MODES as PROXY_MODES
 from kvpath.reservation import MODES as RES_MODES
 from kvpath.reservation import ReservationError, ReservationService
 
@@ -79,7 +79,7 @@ def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: flo
 def cmd_reservation(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from proxy.reservation_app import create_app
+    from kvpath.proxy.reservation_app import create_app
 
     svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
@@ -90,9 +90,9 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from proxy.app import Proxy, ProxyConfig, create_app
-    from proxy.reservation_app import create_app as create_reservation_app
-    from proxy.reservation_client import HttpReserver, InProcessReserver
+    from kvpath.proxy.app import Proxy, ProxyConfig, create_app
+    from kvpath.proxy.reservation_app import create_app as create_reservation_app
+    from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
     decode = [parse_instance(s, "decode") for s in args.decode]

@@ -16,7 +16,7 @@ import logging
 
 import aiohttp
 
-from proxy.instances import Instance, InstancePool
+from kvpath.proxy.instances import Instance, InstancePool
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from connector.config import parse_host_port
-from connector.params import decode_leg_params, prefill_leg_params
-from proxy.instances import Instance
+from kvpath.connector.config import parse_host_port
+from kvpath.connector.params import decode_leg_params, prefill_leg_params
+from kvpath.proxy.instances import Instance
 
 MODES = ("push", "pull", "inproc-push")
 

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field
 
-from proxy.auth import bearer_ok
-from proxy.errors import describe_validation_errors, is_invalid_json
+from kvpath.proxy.auth import bearer_ok
+from kvpath.proxy.errors import describe_validation_errors, is_invalid_json
 from kvpath.reservation import LaneInfo, ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from typing import Mapping
 
 import aiohttp
 
-from proxy.instances import Instance
+from kvpath.proxy.instances import Instance
 
 # Engine statuses passed through as they are: the client's own fault (4xx) or the
 # engine asking it to come back later (429, 503, with their Retry-After).

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpath.trace import Trace
-from simulator_bridge.compare import Errors, simulate, trace_fabric, trace_flows
-from simulator_bridge.flow_model import NetParams
-from simulator_bridge.ns3_backend import Ns3Params
-from simulator_bridge.request_replay import ComputeParams, ReplayInput, replay
+from kvpath.bridge.compare import Errors, simulate, trace_fabric, trace_flows
+from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.ns3_backend import Ns3Params
+from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
 
 EFFICIENCY_GRID = tuple(float(x) for x in np.round(np.linspace(0.80, 1.0, 11), 3))
 BURST_GRID = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10)

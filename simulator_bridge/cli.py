@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from simulator_bridge.cli_args import add_workload_args
+from kvpath.bridge.cli_args import add_workload_args
 
 if TYPE_CHECKING:
     from kvpath.trace import Trace
@@ -23,7 +23,7 @@ DEFAULT_NS3_QUEUE = 16 << 20  # deep: a lossless approximation where no trace sa
 def _ns3_params(args: argparse.Namespace, cmd: str, trace: Trace | None = None):
     """The ns3 options; the queue per port is the trace header's when the run recorded
     it (a testbed trace), so ns-3 drops where the testbed's links would."""
-    from simulator_bridge.ns3_backend import Ns3Params
+    from kvpath.bridge.ns3_backend import Ns3Params
 
     queue = args.ns3_queue_bytes
     if queue is None:
@@ -52,7 +52,7 @@ def _load_trace(path: str, cmd: str):
 
 
 def _backends(arg: str, cmd: str) -> list[str]:
-    from simulator_bridge.compare import BACKENDS
+    from kvpath.bridge.compare import BACKENDS
 
     backends = [b for b in arg.split(",") if b]
     bad = [b for b in backends if b not in BACKENDS]
@@ -66,9 +66,9 @@ def _pct(v: float) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from simulator_bridge.compare import compare
-    from simulator_bridge.flow_model import NetParams
-    from simulator_bridge.ns3_backend import Ns3Error
+    from kvpath.bridge.compare import compare
+    from kvpath.bridge.flow_model import NetParams
+    from kvpath.bridge.ns3_backend import Ns3Error
 
     backends = _backends(args.backend, "compare")
     trace = _load_trace(args.trace, "compare")
@@ -97,8 +97,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from simulator_bridge.calibrate import calibrate
-    from simulator_bridge.ns3_backend import Ns3Error
+    from kvpath.bridge.calibrate import calibrate
+    from kvpath.bridge.ns3_backend import Ns3Error
 
     backends = _backends(args.backend, "calibrate")
     trace = _load_trace(args.trace, "calibrate")
@@ -145,8 +145,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvpath.models import ModelSpecError
     from kvpath.trace import TraceWriter
     from kvpath.workloads import WorkloadError, load_workload
-    from simulator_bridge.ns3_backend import Ns3Error
-    from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
+    from kvpath.bridge.ns3_backend import Ns3Error
+    from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 
     def fail(msg: str) -> SystemExit:
         return SystemExit(f"kvpath bridge simulate: error: {msg}")
@@ -239,7 +239,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_ns3_args(s)
     s.set_defaults(func=_cmd_simulate)
 
-    from simulator_bridge import convert, report, sweep
+    from kvpath.bridge import convert, report, sweep
 
     convert.add_parser(br)
     report.add_parser(br)

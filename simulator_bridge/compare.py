@@ -16,8 +16,8 @@ import numpy as np
 
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
-from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from simulator_bridge.ns3_backend import Ns3Params, ns3_fct
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+from kvpath.bridge.ns3_backend import Ns3Params, ns3_fct
 
 BACKENDS = ("flow", "trivial", "ns3")
 
@@ -89,7 +89,7 @@ def compare(trace: Trace, backends: list[str], params: NetParams,
     """Per backend: FCT errors per flow, and TTFT and TPOT errors per request (None when
     the trace has no completed request with a flow: a flows-only trace) from the
     request replay (``request_replay.py``) with the default compute constants."""
-    from simulator_bridge.request_replay import ComputeParams, ReplayInput, replay
+    from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
 
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from kvpath.fabric import FabricSpec
-from simulator_bridge.flow_model import FlowSpec, NetParams
+from kvpath.bridge.flow_model import FlowSpec, NetParams
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from rich.progress import Progress
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import Header, Trace, TraceError, read_trace
 from kvpath.workloads import Request
-from simulator_bridge import report_figures as figs
-from simulator_bridge.compare import BACKENDS, Errors, simulate, trace_fabric, trace_flows
-from simulator_bridge.flow_model import NetParams
-from simulator_bridge.ns3_backend import Ns3Error
-from simulator_bridge.serving_sim import ServingConfig
-from simulator_bridge.serving_sim import simulate as serve
+from kvpath.bridge import report_figures as figs
+from kvpath.bridge.compare import BACKENDS, Errors, simulate, trace_fabric, trace_flows
+from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.ns3_backend import Ns3Error
+from kvpath.bridge.serving_sim import ServingConfig
+from kvpath.bridge.serving_sim import simulate as serve
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvpath.trace import FlowRecord, RequestRecord, Trace
-from testbed.plots import _cdf  # the testbed's step CDF, so both reports draw CDFs alike
+from kvpath.testbed.plots import _cdf  # the testbed's step CDF, so both reports draw CDFs alike
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import Trace
 from kvpath.workloads import Request
-from simulator_bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
+from kvpath.bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
 
 
 @dataclass(frozen=True)

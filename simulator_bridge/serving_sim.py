@@ -32,8 +32,8 @@ from kvpath.oracle import TableOracle
 from kvpath.reservation import LaneInfo, ReservationService, default_lane
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
 from kvpath.workloads import Request
-from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from simulator_bridge.ns3_backend import Ns3Backend, Ns3Params
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 
 MODES = ("ecmp", "cc", "dc")
 BACKENDS = ("flow", "trivial", "ns3")

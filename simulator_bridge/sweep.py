@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator
 
-from simulator_bridge.cli_args import add_workload_args
+from kvpath.bridge.cli_args import add_workload_args
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,8 @@ def run_point(point: Point) -> dict[str, Any]:
     from kvpath.fabric import FabricSpec
     from kvpath.iteration_time import IterationTimeModel
     from kvpath.workloads import load_workload
-    from simulator_bridge.ns3_backend import Ns3Params
-    from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
+    from kvpath.bridge.ns3_backend import Ns3Params
+    from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 
     try:
         spec = FabricSpec.from_dict(point.fabric_spec)
@@ -173,7 +173,7 @@ def connect_ray(address: str, num_cpus: int | None) -> bool:
             ray.init(num_cpus=num_cpus, include_dashboard=False)
         else:
             import kvpath
-            import simulator_bridge
+            import kvpath.bridge
 
             # a cluster's nodes need not have this project installed: ship its two packages with the job
             ray.init(address=address, runtime_env={"py_modules": [kvpath, simulator_bridge],
@@ -321,7 +321,7 @@ def _check_config(backends: list[str], modes: list[str], lanes: int, reserve_at:
     """Backend and mode names as ServingConfig itself accepts them (so a backend added there is
     accepted here), checked on a fabric that two one-host pools fit, so only the name can fail."""
     from kvpath.fabric import FabricSpec
-    from simulator_bridge.serving_sim import MODES, ServingConfig
+    from kvpath.bridge.serving_sim import MODES, ServingConfig
 
     probe = FabricSpec(leaves=2, spines=1, hosts_per_leaf=1)
     for flag, values, make in (

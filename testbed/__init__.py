@@ -1,1 +1,2 @@
-"""Placeholder package; filled in by later issues (see ARCHITECTURE.md)."""
+"""kvpath.testbed: an emulated leaf-spine fabric in network namespaces, emulated and vLLM engines on it,
+P/D runs and their traces."""

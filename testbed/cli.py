@@ -21,7 +21,7 @@ def _spec(args: argparse.Namespace):
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from testbed.netns_fabric import FabricBuildError, LinkShaping, NetnsFabric
+    from kvpath.testbed.netns_fabric import FabricBuildError, LinkShaping, NetnsFabric
 
     spec = _spec(args)
     try:
@@ -40,7 +40,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from testbed.netns_fabric import down
+    from kvpath.testbed.netns_fabric import down
 
     n = down(args.prefix)
     logger.info("removed %d namespace(s) starting with %r", n, args.prefix)
@@ -50,7 +50,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def _cmd_path(args: argparse.Namespace) -> int:
     from kvpath.fabric import FabricSpecError
     from kvpath.oracle import KernelOracle
-    from testbed.netns_fabric import PREFIX
+    from kvpath.testbed.netns_fabric import PREFIX
 
     spec = _spec(args)
     prefix = f"{PREFIX}-{args.run_id}"
@@ -66,8 +66,8 @@ def _cmd_path(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from testbed.orchestrator import RunConfig, RunConfigError
-    from testbed.run_session import run_modes
+    from kvpath.testbed.orchestrator import RunConfig, RunConfigError
+    from kvpath.testbed.run_session import run_modes
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     modes = [m for m in args.mode.split(",") if m]

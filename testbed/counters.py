@@ -8,7 +8,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from testbed.netns_fabric import NetnsFabric
+from kvpath.testbed.netns_fabric import NetnsFabric
 
 PROTO = {"tcp": "tcp", "udp": "udp", 6: "tcp", 17: "udp"}
 

@@ -3,9 +3,9 @@ with real KV bytes pushed by the connector's own transfer engine.
 
 A prefill (P) engine queues prompts, runs them in batches (a token budget per
 iteration, whole prompts), sleeps each iteration's modelled time, and hands each
-finished prompt's blocks to :class:`connector.sender.PushSender` exactly as the vLLM
+finished prompt's blocks to :class:`kvpath.connector.sender.PushSender` exactly as the vLLM
 adapter does; its blocks are freed when the sender says so. A decode (D) engine
-allocates blocks, registers them with :class:`connector.receiver.PushReceiver`,
+allocates blocks, registers them with :class:`kvpath.connector.receiver.PushReceiver`,
 waits for the KV, then decodes all its running requests together, one token per
 iteration at the modelled decode pace. A push that fails is recomputed locally (a
 modelled prefill on D), as vLLM does by default.

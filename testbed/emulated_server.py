@@ -1,6 +1,6 @@
 """An emulated vLLM engine with KVPathConnector, served OpenAI-style.
 
-    python -m testbed.emulated_server --role prefill|decode --host IP --port N
+    python -m kvpath.testbed.emulated_server --role prefill|decode --host IP --port N
         --kv-host IP --kv-port N [--model llama-3-8b] [--accelerator h100]
         [--scale-b 500] [--scale-s 500] [--lanes 4] [--fabric small --fabric-host l0h0
         --kernel-oracle kvp-ab12] [--reservation-url URL] [--ucx-dev eth0] [--trace FILE]
@@ -9,7 +9,7 @@ Towards the proxy it behaves like ``vllm serve`` with KVPathConnector in that ro
 ``/v1/completions`` (streamed or not, prompts as text or token ids), the
 ``kv_transfer_params`` of ``connector/params.py``, ``/health``, ``/v1/models``, and
 ``/metrics`` with vLLM's KV usage gauge. Compute is emulated by
-:mod:`testbed.emulated_core`; the KV bytes (the model's per token, divided by S) are
+:mod:`kvpath.testbed.emulated_core`; the KV bytes (the model's per token, divided by S) are
 real and move over the connector's lanes. ``/kvpath/records`` returns each finished
 request's timestamps for the testbed's trace.
 """
@@ -31,10 +31,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from connector.config import ConfigError, KVPathConfig
-from connector.layout import layout_from_buffers
-from connector.params import BadTransferParams, parse_decode, parse_prefill
-from testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
+from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.layout import layout_from_buffers
+from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
+from kvpath.testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +187,12 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                        idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0)
     cfg.validate()
     if args.role == "prefill":
-        from connector.sender import PushSender
+        from kvpath.connector.sender import PushSender
 
         conn: Any = PushSender(cfg, layout, spans, engine_id=cfg.engine_id).start()
         engine = EmulatedEngine(spec, model, sender=conn)
     else:
-        from connector.receiver import PushReceiver
+        from kvpath.connector.receiver import PushReceiver
 
         conn = PushReceiver(cfg, layout, spans, engine_id=cfg.engine_id).start()
         engine = EmulatedEngine(spec, model, receiver=conn)
@@ -202,7 +202,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m testbed.emulated_server", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvpath.testbed.emulated_server", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--host", default="127.0.0.1")

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 
 from kvpath.oracle import KernelOracle
-from testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
-from testbed.netns_fabric import NetnsFabric
+from kvpath.testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
+from kvpath.testbed.netns_fabric import NetnsFabric
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def run_flows(fabric: NetnsFabric, flows: list[Flow], nbytes: int, timeout_s: fl
     one receiver per destination and port) and wait for all; then compare each flow's
     kernel-predicted spine with the spine counters that carried its bytes."""
     spec = fabric.spec
-    py = [sys.executable, "-m", "testbed.flowgen"]
+    py = [sys.executable, "-m", "kvpath.testbed.flowgen"]
     servers: dict[tuple[str, int], list[Flow]] = {}
     senders: dict[tuple[str, str, int], list[Flow]] = {}
     for f in flows:

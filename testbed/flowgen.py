@@ -1,6 +1,6 @@
 """Bulk TCP flows with chosen source ports, for checking a fabric (paths, rates).
 
-Run inside a host namespace (``ip netns exec <ns> python -m testbed.flowgen ...``):
+Run inside a host namespace (``ip netns exec <ns> python -m kvpath.testbed.flowgen ...``):
 
     serve --bind IP --port P --count N       accept N connections, drain each, print JSON
     send --dst IP --port P --bind IP --sports 41000,41001 --bytes B
@@ -89,7 +89,7 @@ def send(dst: str, port: int, bind: str, sports: list[int], nbytes: int, timeout
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m testbed.flowgen")
+    ap = argparse.ArgumentParser(prog="python -m kvpath.testbed.flowgen")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--bind", required=True)

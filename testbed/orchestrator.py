@@ -29,10 +29,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvpath.fabric import FabricSpec, FabricSpecError, pd_placement as placement
-from testbed import vllm_engines
-from testbed.counters import link_bytes, spine_flow_bytes
-from testbed.netns_fabric import LinkShaping, NetnsFabric
-from testbed.readiness import wait_http
+from kvpath.testbed import vllm_engines
+from kvpath.testbed.counters import link_bytes, spine_flow_bytes
+from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric
+from kvpath.testbed.readiness import wait_http
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class RunConfig:
                 raise RunConfigError(f"--pools {self.pools}: {e}") from None
         elif self.connector != "kvpath":
             raise RunConfigError("--connector applies to --engine vllm only (emulated engines use kvpath's)")
-        from proxy.instances import POLICIES
+        from kvpath.proxy.instances import POLICIES
 
         if self.policy not in POLICIES:
             raise RunConfigError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
@@ -164,7 +164,7 @@ def _engine_argv(fabric: NetnsFabric, cfg: RunConfig, role: str, host: str, spec
                  out: Path) -> list[str]:
     ip = fabric.spec.host_ip(host)
     return fabric.exec_argv(host, [
-        sys.executable, "-m", "testbed.emulated_server", "--role", role, "--host", fabric.mgmt_ip(host),
+        sys.executable, "-m", "kvpath.testbed.emulated_server", "--role", role, "--host", fabric.mgmt_ip(host),
         "--port", str(ENGINE_PORT), "--kv-host", ip, "--kv-port", str(KV_PORT), "--ucx-dev", "eth0",
         "--model", cfg.model, "--accelerator", cfg.accelerator, "--scale-b", str(cfg.scale_b),
         "--scale-s", str(cfg.scale_s), "--lanes", str(cfg.lanes), "--fabric", spec_arg, "--fabric-host", host,
@@ -196,7 +196,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
                        burst_bytes=shaping.burst_bytes, queue_bytes=shaping.queue_bytes)
         proxy_url = f"http://{fabric.MGMT_ROOT_IP}:{PROXY_PORT}"
         # pacing check: one flow alone, P's first host to D's first, about 0.3 s of bytes
-        from testbed.flowcheck import Flow, run_flows
+        from kvpath.testbed.flowcheck import Flow, run_flows
 
         lone = run_flows(fabric, [Flow(p_hosts[0], d_hosts[0], 47000, 7000)],
                          int(shaping.spine_mbit * 1e6 / 8 * 0.3))[0]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.orchestrator import RunData
+from kvpath.testbed.orchestrator import RunData
 
 
 @dataclass

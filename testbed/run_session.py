@@ -15,10 +15,10 @@ from rich.table import Table
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
-from testbed.orchestrator import RunConfig, run
+from kvpath.testbed.orchestrator import RunConfig, run
 from kvpath.decision_replay import ReplayError, replay
-from testbed.plots import compare_modes
-from testbed.run_report import fidelity, join, summarize
+from kvpath.testbed.plots import compare_modes
+from kvpath.testbed.run_report import fidelity, join, summarize
 
 logger = logging.getLogger(__name__)
 

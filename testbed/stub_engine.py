@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from proxy.relay import wait_for_disconnect
+from kvpath.proxy.relay import wait_for_disconnect
 
 
 class StubBroke(RuntimeError):

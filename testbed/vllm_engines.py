@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.readiness import wait_http
+from kvpath.testbed.readiness import wait_http
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ def connector_config(role: str, side_channel_port: int, **extra: Any) -> dict[st
     """The --kv-transfer-config for KVPathConnector (role: kv_producer/kv_consumer/kv_both)."""
     return {
         "kv_connector": "KVPathConnector",
-        "kv_connector_module_path": "connector",
         "kv_role": role,
         "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
     }
@@ -72,9 +71,6 @@ class VLLMServer:
         env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_LOGGING_LEVEL": "INFO"})
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
-        # The connector package must be importable by vLLM's processes.
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         env.update(self.env)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         logger.info("starting %s", " ".join(self.command()))

@@ -3,7 +3,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The parts install under kvpath.* (package-dir); their folders must never be imported under
+# their old top-level names, which `python -m pytest` from the root would allow.
+OLD_TOP_LEVEL = ("connector", "proxy", "testbed", "simulator_bridge")
 # Pushes in tests must cross a TCP connection on loopback (one per lane).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -15,9 +17,34 @@ import pytest  # noqa: E402
 def ns3_wheel() -> Path:
     """The ns3 wheel's install directory; skips where it is absent (scripts/setup.sh
     installs it, so only a hand-made environment lacks it)."""
-    from simulator_bridge.ns3_backend import Ns3Error, ns3_root
+    from kvpath.bridge.ns3_backend import Ns3Error, ns3_root
 
     try:
         return ns3_root()
     except Ns3Error as e:  # pragma: no cover
         pytest.skip(f"ns3 wheel not installed: {e}")
+
+
+def _old_names_imported() -> list[str]:
+    bad = []
+    for name in OLD_TOP_LEVEL:
+        mod = sys.modules.get(name)
+        origin = str(getattr(mod, "__file__", None) or "") if mod is not None else ""
+        if origin.startswith(str(ROOT)):  # another distribution's `proxy` is not ours to judge
+            bad.append(f"{name} ({origin})")
+    return bad
+
+
+@pytest.fixture(autouse=True)
+def _no_old_top_level_names():
+    """Fails the test during which a part was imported under its old name."""
+    yield
+    bad = _old_names_imported()
+    if bad:
+        pytest.fail(f"imported under an old top-level name (use kvpath.*): {', '.join(bad)}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    bad = _old_names_imported()
+    if bad:
+        raise pytest.UsageError(f"a test module imports an old top-level name (use kvpath.*): {', '.join(bad)}")

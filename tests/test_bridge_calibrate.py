@@ -16,11 +16,11 @@ from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import TraceWriter
 from kvpath.workloads import load_workload
-from simulator_bridge.calibrate import calibrate
-from simulator_bridge.compare import compare
-from simulator_bridge.flow_model import NetParams
-from simulator_bridge.request_replay import ComputeParams, ReplayInput, replay
-from simulator_bridge.serving_sim import ServingConfig, simulate
+from kvpath.bridge.calibrate import calibrate
+from kvpath.bridge.compare import compare
+from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
+from kvpath.bridge.serving_sim import ServingConfig, simulate
 
 SPEC = dataclasses.replace(FabricSpec.resolve("rack4"), host_link_gbps=2.0, spine_link_gbps=2.0)
 TRUE_NET = NetParams(overhead_s=0.004, efficiency=0.9)
@@ -86,7 +86,7 @@ NS3_NET = NetParams(overhead_s=0.004, burst_bytes=64 << 10)  # the testbed's lin
 
 @pytest.fixture(scope="module")
 def ns3_trace():
-    from simulator_bridge.ns3_backend import Ns3Error, ns3_root
+    from kvpath.bridge.ns3_backend import Ns3Error, ns3_root
 
     try:
         ns3_root()
@@ -115,7 +115,7 @@ def test_calibrate_recovers_an_ns3_token_bucket_and_offset(ns3_trace):
 
 
 def test_the_offset_is_robust_to_a_warm_up():
-    from simulator_bridge.calibrate import offset_of
+    from kvpath.bridge.calibrate import offset_of
 
     # 3 ms everywhere, but the first tenth of the flows (fresh lanes) 30 ms more
     sim = np.linspace(0.01, 0.1, 200)

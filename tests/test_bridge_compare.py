@@ -8,8 +8,8 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, TraceWriter, read_trace
-from simulator_bridge.compare import compare_fct
-from simulator_bridge.flow_model import NetParams
+from kvpath.bridge.compare import compare_fct
+from kvpath.bridge.flow_model import NetParams
 
 SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)
 RATE = 800e6 / 8  # the trace's links: 800 Mbit/s
@@ -68,7 +68,7 @@ def test_simulate_cli_prints_one_row_per_backend_and_mode(tmp_path):
 def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_path, ns3_wheel):
     import argparse
 
-    from simulator_bridge.cli import _ns3_params
+    from kvpath.bridge.cli import _ns3_params
 
     # a lone 10 MB push on links with a 1 MiB token bucket ends in (size - burst) / rate
     burst = 1 << 20

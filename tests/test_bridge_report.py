@@ -16,9 +16,9 @@ from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace, TraceWriter
 from kvpath.workloads import load_workload
-from simulator_bridge import report
-from simulator_bridge.report_figures import in_flight
-from simulator_bridge.serving_sim import ServingConfig, simulate
+from kvpath.bridge import report
+from kvpath.bridge.report_figures import in_flight
+from kvpath.bridge.serving_sim import ServingConfig, simulate
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MODES = ("ecmp", "dc")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from simulator_bridge import serving_sim
-from simulator_bridge.sweep import COLUMNS, add_parser, expand_grid, points_from_args
+from kvpath.bridge import serving_sim
+from kvpath.bridge.sweep import COLUMNS, add_parser, expand_grid, points_from_args
 
 # links slow enough (20 Gbit/s) that pushes overlap at 30 QPS, so modes and backends differ
 SLOW_FABRIC = {"leaves": 4, "spines": 4, "hosts_per_leaf": 4, "host_link_gbps": 20.0, "spine_link_gbps": 20.0}
@@ -192,7 +192,7 @@ def test_scale_s_reaches_every_point():
     # KV bytes / 4 on the same links: every flow is 4x shorter, so the mean FCT drops
     import argparse as _ap
 
-    from simulator_bridge.sweep import add_parser, points_from_args, run_point
+    from kvpath.bridge.sweep import add_parser, points_from_args, run_point
 
     p = _ap.ArgumentParser()
     add_parser(p.add_subparsers())

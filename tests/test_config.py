@@ -1,6 +1,6 @@
 import pytest
 
-from connector.config import ConfigError, KVPathConfig, parse_host_port
+from kvpath.connector.config import ConfigError, KVPathConfig, parse_host_port
 
 
 def test_defaults_are_seconds_not_minutes():
@@ -49,7 +49,7 @@ def test_parse_host_port():
 def test_missing_nixl_is_a_clear_startup_error(monkeypatch):
     import builtins
 
-    from connector import nixl_io
+    from kvpath.connector import nixl_io
 
     real_import = builtins.__import__
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
+from kvpath.testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
 
 
 class FixedModel:

@@ -7,10 +7,10 @@ import uuid
 import pytest
 import zmq
 
-from connector.config import ConfigError, KVPathConfig
-from connector.layout import layout_from_buffers
-from connector.peer_process import BufferSpec, PeerProcess, make_buffers
-from connector.sender import PushSender
+from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.layout import layout_from_buffers
+from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+from kvpath.connector.sender import PushSender
 
 SPEC = BufferSpec(regions=3, num_blocks=96, block_len=2048, block_size=16)
 _port = [5900]
@@ -102,7 +102,7 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
             _, done, _ = d.call("wait", [f"d{i}"], 10)
             assert done == [f"d{i}"]
             assert d.call("read", [50 + i])[1] == p.expect([20 + i])  # first P block skipped
-        from connector.params import default_lane
+        from kvpath.connector.params import default_lane
 
         kv = [r for r in records if getattr(r, "transfer_id", "").startswith("lane-")]
         assert [r.lane for r in kv] == [2, 0, 1, default_lane("lane-3", 3)]
@@ -142,7 +142,7 @@ def test_lanes_are_picked_to_cover_distinct_paths_by_the_fabric_spec(tmp_path):
 def test_two_tp_ranks_push_their_own_shards_and_a_crossed_rank_is_refused():
     # TP=2 emulated: rank r of D registers with rank r of P (side channel port + r);
     # each rank pair has its own lanes and moves its own shard of the KV
-    from connector.messages import Compat
+    from kvpath.connector.messages import Compat
 
     c = cfg(lanes=2)
     ps, ds = [], []
@@ -290,7 +290,7 @@ def test_push_to_a_killed_d_fails_on_p_tears_the_lane_down_and_frees_blocks():
 
 
 def test_a_mismatched_peer_is_refused_at_the_handshake_naming_the_field(caplog):
-    from connector.messages import Compat
+    from kvpath.connector.messages import Compat
 
     c = cfg(lanes=1)
     p = PSide(c)
@@ -337,7 +337,7 @@ def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():
 
 @pytest.mark.parametrize("side", ["writer", "receiver"])
 def test_an_exception_in_an_engine_loop_is_counted_and_the_loop_keeps_serving(side, caplog):
-    from connector.receiver import PushReceiver
+    from kvpath.connector.receiver import PushReceiver
 
     c = cfg(lanes=1)
     p = PSide(c)

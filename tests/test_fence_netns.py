@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from connector.config import KVPathConfig
-from connector.peer_process import BufferSpec, PeerProcess
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.peer_process import BufferSpec, PeerProcess
 
 SPEC = BufferSpec(regions=2, num_blocks=48, block_len=64 * 1024, block_size=16)
 CANARY = 0xCD

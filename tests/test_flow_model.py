@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvpath.fabric import FabricSpec
-from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams, max_min_rates, trivial_fct
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, max_min_rates, trivial_fct
 
 SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2, host_link_gbps=100.0, spine_link_gbps=100.0)
 RATE = 100e9 / 8  # bytes/s

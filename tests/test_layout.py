@@ -3,8 +3,8 @@ import random
 import numpy as np
 import pytest
 
-from connector.layout import LayoutMismatch, build_descs, check_compatible, layout_from_buffers, layout_from_tensors, merge_spans, runs
-from connector.messages import BlockLayout, Region
+from kvpath.connector.layout import LayoutMismatch, build_descs, check_compatible, layout_from_buffers, layout_from_tensors, merge_spans, runs
+from kvpath.connector.messages import BlockLayout, Region
 
 
 def test_runs_coalesce_only_when_both_sides_are_consecutive():
@@ -94,7 +94,7 @@ def test_merge_spans_registers_each_byte_exactly_once():
 
 
 def test_pick_distinct_covers_every_path_then_fills_with_duplicates():
-    from connector.lanes import pick_distinct
+    from kvpath.connector.lanes import pick_distinct
 
     paths = ["s0", "s0", "s1", "s0", "s2", "s3", "s1"]
     opened = []

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvpath.tiny_model import build_tiny_model
-from testbed.readiness import wait_http
-from testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.readiness import wait_http
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 pytestmark = pytest.mark.e2e
 

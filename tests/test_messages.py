@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from connector import messages as M
+from kvpath.connector import messages as M
 
 LAY = M.BlockLayout([M.Region(4096, 64, 64)], 16, 16)
 

@@ -12,9 +12,9 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.workloads import load_workload
-from simulator_bridge.flow_model import FlowModel, FlowSpec, NetParams
-from simulator_bridge.ns3_backend import Ns3Backend, Ns3Error, Ns3Params, ns3_root
-from simulator_bridge.serving_sim import ServingConfig, simulate
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Error, Ns3Params, ns3_root
+from kvpath.bridge.serving_sim import ServingConfig, simulate
 
 try:
     ns3_root()

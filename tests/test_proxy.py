@@ -9,12 +9,12 @@ import httpx
 import pytest
 
 from kvpath.fabric import FabricSpec
-from proxy.app import Proxy, ProxyConfig, create_app
-from proxy.instances import Instance
+from kvpath.proxy.app import Proxy, ProxyConfig, create_app
+from kvpath.proxy.instances import Instance
 from kvpath.reservation import LaneInfo, ReservationService
-from proxy.reservation_app import create_app as create_reservation_app
-from proxy.reservation_client import HttpReserver, InProcessReserver
-from testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
+from kvpath.proxy.reservation_app import create_app as create_reservation_app
+from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 _ports = iter(range(18000, 18999))
@@ -534,7 +534,7 @@ def test_upstream_timeout_s_is_a_deprecated_alias_of_first_byte_timeout_s(monkey
 
 
 def test_event_framer_passes_whole_events_only_and_is_lossless():
-    from proxy.stream_guard import EventFramer
+    from kvpath.proxy.stream_guard import EventFramer
 
     stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     for cut in range(1, len(stream)):  # every split of the stream into two chunks
@@ -547,7 +547,7 @@ def test_event_framer_passes_whole_events_only_and_is_lossless():
 
 
 def test_gap_watch_counts_only_time_spent_waiting_on_d():
-    from proxy.stream_guard import ChunkGapTimeout, GapWatch
+    from kvpath.proxy.stream_guard import ChunkGapTimeout, GapWatch
 
     class Reader:
         exc = None
@@ -575,7 +575,7 @@ def test_gap_watch_counts_only_time_spent_waiting_on_d():
 def test_a_relay_whose_stream_never_started_still_releases_everything():
     # the client leaves while the response starts: closing a generator that never
     # ran skips its `finally`, so the relay's own clean-up must run instead
-    from proxy.relay import RelayResponse
+    from kvpath.proxy.relay import RelayResponse
 
     ran: list[str] = []
 

@@ -1,8 +1,8 @@
 """The writer's state machine: both orders, duplicates, leases, cancels, aborts."""
 
-from connector.messages import Register
-from connector.push_state import FinishedPrefill, WriterState
-from connector.recv_state import ReceiverState
+from kvpath.connector.messages import Register
+from kvpath.connector.push_state import FinishedPrefill, WriterState
+from kvpath.connector.recv_state import ReceiverState
 
 
 class Clock:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from connector.params import default_lane
+from kvpath.connector.params import default_lane
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import ModelOracle
 from kvpath.reservation import LaneInfo, ReservationError, ReservationService

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from kvpath.fabric import FabricSpec
 from kvpath.reservation import ReservationService
-from proxy.reservation_app import create_app
+from kvpath.proxy.reservation_app import create_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]
@@ -104,9 +104,9 @@ def test_reservation_command_takes_an_admin_token(monkeypatch):
 
 
 def test_p_connector_notifier_sends_the_token():
-    from connector.reservation_hooks import ReservationNotifier
-    from testbed.readiness import free_port
-    from testbed.stub_engine import ServerThread
+    from kvpath.connector.reservation_hooks import ReservationNotifier
+    from kvpath.testbed.readiness import free_port
+    from kvpath.testbed.stub_engine import ServerThread
 
     svc = ReservationService(SPEC, "cc", lease_s=5)
     with ServerThread(create_app(svc, admin_token=TOKEN), free_port()) as srv:
@@ -122,9 +122,9 @@ def test_p_connector_notifier_sends_the_token():
 def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service_is_down():
     import threading
 
-    from connector.reservation_hooks import ReservationNotifier
-    from testbed.readiness import free_port
-    from testbed.stub_engine import ServerThread
+    from kvpath.connector.reservation_hooks import ReservationNotifier
+    from kvpath.testbed.readiness import free_port
+    from kvpath.testbed.stub_engine import ServerThread
 
     svc = ReservationService(SPEC, "cc", lease_s=5)
     got: list[tuple] = []

@@ -7,7 +7,7 @@ from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import TraceWriter, read_trace
 from kvpath.workloads import Request, load_workload
-from simulator_bridge.serving_sim import ServingConfig, simulate, summarize
+from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 
 ITM = IterationTimeModel.preset()
 # links slow enough (20 Gbit/s) that pushes overlap and ECMP collides at this load, not so slow that all queue

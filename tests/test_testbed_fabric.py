@@ -35,8 +35,8 @@ def _netns_available() -> str | None:
 _why = _netns_available()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
-from testbed.flowcheck import Flow, run_flows  # noqa: E402
-from testbed.netns_fabric import LinkShaping, NetnsFabric, leftovers  # noqa: E402
+from kvpath.testbed.flowcheck import Flow, run_flows  # noqa: E402
+from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric, leftovers  # noqa: E402
 
 
 def _root_links() -> set[str]:
@@ -125,9 +125,9 @@ def test_cli_errors_name_the_bad_field():
 
 
 def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_over():
-    from proxy.cli import build_service
+    from kvpath.proxy.cli import build_service
     from kvpath.reservation import LaneInfo
-    from testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
+    from kvpath.testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
 
     spec = FabricSpec.resolve("small")
     with NetnsFabric(spec, LinkShaping.scaled(spec, 500), run_id=f"r{uuid.uuid4().hex[:4]}") as fabric:

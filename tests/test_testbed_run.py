@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 @pytest.mark.parametrize("reserve_at", ["admission", "push"])
 def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spine(tmp_path, reserve_at):
-    from testbed.netns_fabric import leftovers
+    from kvpath.testbed.netns_fabric import leftovers
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "kvpath.cli", "testbed", "run", "--fabric", "small", "--pools", "2P2D",
@@ -71,11 +71,11 @@ def _bridge_reads_the_real_trace(trace) -> None:
     measured spine and every request through the serving model, and calibration runs."""
     import math
 
-    from simulator_bridge.calibrate import calibrate
-    from simulator_bridge.compare import compare
-    from simulator_bridge.flow_model import NetParams
+    from kvpath.bridge.calibrate import calibrate
+    from kvpath.bridge.compare import compare
+    from kvpath.bridge.flow_model import NetParams
 
-    from simulator_bridge.ns3_backend import Ns3Params
+    from kvpath.bridge.ns3_backend import Ns3Params
 
     # the links' token bucket and buffer, as the run shaped them, travel in the header
     meta = trace.header.meta

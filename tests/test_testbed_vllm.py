@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvpath.trace import read_trace
-from testbed.orchestrator import RunConfig, RunConfigError
+from kvpath.testbed.orchestrator import RunConfig, RunConfigError
 from tests.test_testbed_fabric import _why
 
 N = 6
@@ -100,7 +100,7 @@ def test_vllm_defaults_fit_the_tiny_model(tmp_path):
 
 
 def test_kv_loss_counters_are_read_from_vllm_metrics():
-    from testbed.vllm_engines import parse_kv_loss
+    from kvpath.testbed.vllm_engines import parse_kv_loss
 
     text = """# HELP vllm:nixl_num_failed_transfers Number of failed NIXL KV Cache transfers.
 # TYPE vllm:nixl_num_failed_transfers counter

@@ -98,7 +98,7 @@ def test_exporters_write_the_simulators_formats(tmp_path):
 
 
 def test_standalone_fct_adds_the_fixed_cost_measured_on_lone_pushes():
-    from testbed.run_report import calibrate_standalone
+    from kvpath.testbed.run_report import calibrate_standalone
 
     lone = [{"start": 10.0 * i, "end": 10.0 * i + 0.053, "fct": 0.053, "wire_fct": 0.050} for i in range(6)]
     # two pushes that overlap: slowed by sharing, they must not set the overhead

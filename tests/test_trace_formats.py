@@ -16,7 +16,7 @@ from kvpath.trace_formats import (FlowInput, from_fct_txt, from_hpcc_flows, from
                                   src_port_for, to_fct_txt, to_hpcc_flows, to_request_metrics_csv,
                                   to_simai_csv)
 from kvpath.trace_parquet import parquet_paths, read_parquet, to_parquet
-from simulator_bridge.convert import add_parser, guess_format
+from kvpath.bridge.convert import add_parser, guess_format
 
 SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)  # = the "small" preset
 # host order: l0h0 10.0.2.1 = 0, l0h1 10.0.3.1 = 1, l1h0 10.1.2.1 = 2, l1h1 10.1.3.1 = 3

@@ -10,7 +10,7 @@ import pytest
 
 from kvpath.pd_client import direct_request, make_prompts, pd_request
 from kvpath.tiny_model import build_tiny_model
-from testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ import pytest
 
 from kvpath.pd_client import make_prompts
 from kvpath.tiny_model import build_tiny_model
-from testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 pytestmark = pytest.mark.e2e
 

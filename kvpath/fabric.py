@@ -22,21 +22,14 @@ from functools import cached_property
 import pathlib
 from typing import Any
 
+from kvpath.five_tuple import FiveTuple
+
 HASH_FIELDS = ("src_ip", "dst_ip", "proto", "src_port", "dst_port")
 PROTO_NUM = {"tcp": 6, "udp": 17}
 
 
 class FabricSpecError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class FlowKey:
-    src_ip: str
-    dst_ip: str
-    src_port: int
-    dst_port: int
-    proto: str = "tcp"
 
 
 @dataclass(frozen=True)
@@ -215,7 +208,7 @@ class FabricSpec:
         return f"{self._base_octet()}.{leaf}.0.0/16"
 
     # ---- paths by rule ---------------------------------------------------
-    def ecmp_hash(self, key: FlowKey) -> int:
+    def ecmp_hash(self, key: FiveTuple) -> int:
         parts = {
             "src_ip": key.src_ip, "dst_ip": key.dst_ip, "proto": str(PROTO_NUM.get(key.proto, 0)),
             "src_port": str(key.src_port), "dst_port": str(key.dst_port),
@@ -243,7 +236,7 @@ class FabricSpec:
 
     def flow_path(self, src_host: str, dst_host: str, src_port: int, dst_port: int = 0, proto: str = "tcp") -> Path:
         """The path ECMP gives this 5-tuple (the model's hash)."""
-        key = FlowKey(self.host_ip(src_host), self.host_ip(dst_host), src_port, dst_port, proto)
+        key = FiveTuple(self.host_ip(src_host), self.host_ip(dst_host), src_port, dst_port, proto)
         return self.path(src_host, dst_host, self.ecmp_hash(key) % self.spines)
 
     def link_gbps(self, link: tuple[str, str]) -> float:

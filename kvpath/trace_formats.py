@@ -25,17 +25,19 @@ from typing import Callable, Sequence, TypeVar, Union
 import msgspec
 
 from kvpath.fabric import FabricSpec, FabricSpecError
-from kvpath.trace import FiveTuple, FlowRecord, RequestRecord, Trace, TraceError, validate
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.five_tuple import FiveTuple
+from kvpath.trace import FlowRecord, RequestRecord, Trace, TraceError, validate
 
 SIMAI_COLUMNS = ("timestamp_ns", "src_node_id", "dst_node_id", "size_bytes")
 FCT_FIELDS = ("sip", "dip", "sport", "dport", "size", "start_ns", "fct_ns", "standalone_fct_ns")
 HPCC_FIELDS = ("src", "dst", "pg", "dport", "size", "start_s")
 HPCC_PRIORITY = 3  # HPCC's data priority group: what its traffic generator writes
 # Ports the SimAI/HPCC files do not carry: source 10000 + the flow's index (mod 55536,
-# to stay a port), so imported 5-tuples differ; destination the KV listener's 5600.
+# to stay a port), so imported 5-tuples differ; destination the KV side channel's port.
 SRC_PORT_BASE = 10000
 SRC_PORT_SPAN = 65536 - SRC_PORT_BASE
-DEFAULT_DST_PORT = 5600
+DEFAULT_DST_PORT = KV_SIDE_CHANNEL_PORT
 COLUMNS = ("arrived_at", "prefill_completed_at", "decode_arrived_at", "completed_at", "prefill_replica_id",
            "decode_replica_id", "pd_p2p_comm_size", "pd_p2p_comm_time", "request_num_prefill_tokens",
            "request_num_decode_tokens", "ttft", "tpot")

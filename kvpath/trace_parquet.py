@@ -23,11 +23,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvpath.trace import EPS, FiveTuple, FlowRecord, Header, RequestRecord, Trace, TraceError, validate
+from kvpath.five_tuple import FiveTuple
+from kvpath.trace import EPS, FlowRecord, Header, RequestRecord, Trace, TraceError, upgrade, validate
 
 HEADER_KEY = b"kvpath.header"
 TABLE_KEY = b"kvpath.table"
 TUPLE_FIELDS = FiveTuple.__struct_fields__
+# columns a version-1 trace's tables lack: read as nulls (then upgrade() fills them)
+ADDED_IN_V2 = frozenset({"lane", "path_predicted"})
 _ARROW = {mi.StrType: pa.string(), mi.IntType: pa.int64(), mi.FloatType: pa.float64(), mi.BoolType: pa.bool_()}
 
 
@@ -188,7 +191,10 @@ def _read_table(path: Path, what: str, columns: list[tuple[str, str | None, pa.D
     out = []
     for name, _, typ, nullable in columns:
         if name not in t.column_names:
-            raise TraceError(f"{path}: missing column {name}")
+            if not (nullable and what == "flows" and name in ADDED_IN_V2):
+                raise TraceError(f"{path}: missing column {name}")
+            out.append(pa.nulls(len(t), typ))
+            continue
         col = t.column(name)
         try:
             col = col.cast(typ)
@@ -249,4 +255,4 @@ def read_parquet(path: str | Path) -> Trace:
         recs = _records(t, cls, cols)
         _check(t, recs, what, lambda i, p=p: f"{p}: row {i}")
         out.append(recs)
-    return Trace(header, out[0], out[1])
+    return upgrade(Trace(header, out[0], out[1]))

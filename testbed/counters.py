@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass
 
+from kvpath.five_tuple import FiveTuple
 from kvpath.testbed.netns_fabric import NetnsFabric
 
 PROTO = {"tcp": "tcp", "udp": "udp", 6: "tcp", 17: "udp"}
-
-
-@dataclass(frozen=True)
-class FiveTuple:
-    src_ip: str
-    dst_ip: str
-    src_port: int
-    dst_port: int
-    proto: str = "tcp"
-
-    def reverse(self) -> "FiveTuple":
-        return FiveTuple(self.dst_ip, self.src_ip, self.dst_port, self.src_port, self.proto)
 
 
 def spine_flow_bytes(fabric: NetnsFabric) -> dict[FiveTuple, dict[str, int]]:

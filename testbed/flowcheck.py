@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass
 
 from kvpath.oracle import KernelOracle
-from kvpath.testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
+from kvpath.five_tuple import FiveTuple
+from kvpath.testbed.counters import measured_spine, spine_flow_bytes
 from kvpath.testbed.netns_fabric import NetnsFabric
 
 

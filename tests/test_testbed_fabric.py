@@ -127,7 +127,8 @@ def test_cli_errors_name_the_bad_field():
 def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_over():
     from kvpath.proxy.cli import build_service
     from kvpath.reservation import LaneInfo
-    from kvpath.testbed.counters import FiveTuple, measured_spine, spine_flow_bytes
+    from kvpath.five_tuple import FiveTuple
+    from kvpath.testbed.counters import measured_spine, spine_flow_bytes
 
     spec = FabricSpec.resolve("small")
     with NetnsFabric(spec, LinkShaping.scaled(spec, 500), run_id=f"r{uuid.uuid4().hex[:4]}") as fabric:

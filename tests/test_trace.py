@@ -60,11 +60,11 @@ def test_a_bad_record_is_refused_on_write_naming_the_field(tmp_path, rec, field)
 
 def test_bad_files_are_refused_with_the_line(tmp_path):
     p = _write(tmp_path, [_req()])
-    text = p.read_text().replace('"version":1', '"version":7')
+    text = p.read_text().replace(f'"version":{SCHEMA_VERSION}', '"version":7')
     p.write_text(text)
     with pytest.raises(TraceError, match="version 7"):
         read_trace(p)
-    p.write_text(text.replace('"version":7', '"version":1') + '{"type":"flow","flow_id":"x"}\n')
+    p.write_text(text.replace('"version":7', f'"version":{SCHEMA_VERSION}') + '{"type":"flow","flow_id":"x"}\n')
     with pytest.raises(TraceError, match="line 3"):
         read_trace(p)
     p.write_text("RequestRecord\n")  # not JSON
@@ -110,3 +110,48 @@ def test_standalone_fct_adds_the_fixed_cost_measured_on_lone_pushes():
     assert abs(both[0]["slowdown"] - 0.2 / 0.053) < 1e-9
     overhead, n = calibrate_standalone(lone[:4] + both)  # too few alone: wire time only
     assert (overhead, n) == (0.0, 4) and abs(lone[0]["slowdown"] - 0.053 / 0.05) < 1e-9
+
+
+# ---- schema version 1, several flows per request ----------------------------------------
+V1_TRACE = """\
+{"type":"header","version":1,"t0_unix":1795344224.26,"mode":"cc","fabric":{},"scale_b":500.0,"scale_s":500.0,"link_mbit":200.0,"meta":{"pools":"1P1D"}}
+{"type":"request","request_id":"r1","arrival_s":1.1178,"prompt_tokens":1026,"output_tokens":51,"status":"ok","p_instance":"l0h1","d_instance":"l1h1","prefill_start_s":1.12,"prefill_end_s":1.18,"kv_bytes":272480,"push_start_s":1.1809,"push_end_s":1.1908,"lane":2,"five_tuple":{"src_ip":"10.0.3.1","dst_ip":"10.1.3.1","src_port":60917,"dst_port":51563,"proto":"tcp"},"path_predicted":"spine1","path_measured":"spine0","decode_start_s":1.2,"first_token_s":1.25,"completion_s":1.5,"ttft_s":0.1322,"tpot_s":0.005,"recomputed":false}
+{"type":"flow","flow_id":"3f0c","request_id":"r1","five_tuple":{"src_ip":"10.0.3.1","dst_ip":"10.1.3.1","src_port":60917,"dst_port":51563,"proto":"tcp"},"bytes":272480,"start_s":1.1809,"end_s":1.1908,"path":"spine0","standalone_fct_s":0.00566}
+"""
+
+
+def test_a_version_1_trace_reads_as_the_current_model(tmp_path):
+    p = tmp_path / "v1.jsonl"
+    p.write_text(V1_TRACE)
+    t = read_trace(p)
+    assert SCHEMA_VERSION == 2 and t.header.version == 2 and t.header.scale_b == 500.0
+    (q,), (f,) = t.requests, t.flows
+    # what a v1 request said stays readable where it was
+    assert (q.lane, q.path_predicted, q.path_measured) == (2, "spine1", "spine0")
+    assert q.five_tuple == FiveTuple("10.0.3.1", "10.1.3.1", 60917, 51563) == f.five_tuple
+    # and its flow carries it too, as a v2 flow does
+    assert (f.lane, f.path_predicted, f.path, f.bytes) == (2, "spine1", "spine0", 272480)
+    assert t.flows_of("r1") == [f]
+
+
+def test_a_request_owns_several_flows(tmp_path):
+    ft2 = FiveTuple("10.0.2.1", "10.1.3.1", 41001, 5601)
+    req = _req(lane=None, five_tuple=None, path_predicted=None, path_measured=None, kv_bytes=2000)
+    flows = [_flow(lane=0, path_predicted="spine1"), _flow(flow_id="f1", five_tuple=ft2, lane=1, path="spine0",
+                                                           path_predicted="spine0")]
+    t = read_trace(_write(tmp_path, [req, *flows]))
+    assert t.requests == [req] and t.flows_of("r0") == flows
+    assert [(f.lane, f.five_tuple, f.path) for f in t.flows_by_request()["r0"]] == [(0, FT, "spine1"),
+                                                                                      (1, ft2, "spine0")]
+
+
+def test_five_tuple_is_one_hashable_type_with_its_reverse():
+    from kvpath.fabric import FabricSpec as F
+    from kvpath.testbed import counters
+
+    assert counters.FiveTuple is FiveTuple
+    assert FT.reverse() == FiveTuple("10.1.3.1", "10.0.2.1", 5600, 41000) and FT.reverse().reverse() == FT
+    assert {FT: 1}[FiveTuple("10.0.2.1", "10.1.3.1", 41000, 5600, "tcp")] == 1
+    assert list(FT.to_dict()) == ["src_ip", "dst_ip", "src_port", "dst_port", "proto"]
+    spec = F(leaves=2, spines=4, hosts_per_leaf=2)
+    assert spec.flow_path("l0h0", "l1h0", 41000, 5600).spine == f"spine{spec.ecmp_hash(FiveTuple(spec.host_ip('l0h0'), spec.host_ip('l1h0'), 41000, 5600)) % 4}"

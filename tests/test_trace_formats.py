@@ -190,12 +190,30 @@ def test_parquet_round_trip_jsonl_parquet_jsonl_is_equal(tmp_path):
     assert (req_path.name, flow_path.name) == ("requests.parquet", "flows.parquet")
     flows = pq.read_table(flow_path)
     assert flows.column_names == ["flow_id", "request_id", "src_ip", "dst_ip", "src_port", "dst_port", "proto", "bytes",
-                                  "start_s", "end_s", "path", "standalone_fct_s"]
+                                  "start_s", "end_s", "path", "standalone_fct_s", "lane", "path_predicted"]
     assert json.loads(flows.schema.metadata[b"kvpath.header"])["meta"] == {"seed": 3}
     back = read_parquet(tmp_path / "t.parquet")
     assert back == read_trace(src)
     assert back.requests[1].five_tuple is None and back.requests[1].recomputed is True
     assert _jsonl(tmp_path, back, "back.jsonl").read_bytes() == src.read_bytes()
+
+
+def test_a_version_1_parquet_trace_reads_as_the_current_model(tmp_path):
+    """v1 flow tables lack lane and path_predicted: read as null, then taken from the request."""
+    t = _trace()
+    _, flow_path = to_parquet(t, tmp_path / "t.parquet")
+    for path in parquet_paths(tmp_path / "t.parquet"):
+        tab = pq.read_table(path)
+        meta = dict(tab.schema.metadata)
+        meta[b"kvpath.header"] = meta[b"kvpath.header"].replace(b'"version":2', b'"version":1')
+        keep = [c for c in tab.column_names if not (path == flow_path and c in ("lane", "path_predicted"))]
+        pq.write_table(tab.select(keep).replace_schema_metadata(meta), path)
+    back = read_parquet(tmp_path / "t.parquet")
+    assert back.header.version == 2 and back.requests == t.requests
+    by_req = {q.request_id: q for q in t.requests}
+    want = [(q.lane, q.path_predicted) if (q := by_req.get(f.request_id)) else (None, None) for f in t.flows]
+    assert [(f.lane, f.path_predicted) for f in back.flows] == want
+    assert any(f.lane is not None for f in back.flows)
 
 
 def test_parquet_paths_take_a_directory_or_a_prefix(tmp_path):

@@ -1,14 +1,16 @@
 """Build a tiny random-weight Llama and a locally trained tokenizer (no downloads).
 
 vLLM's CPU attention needs head_dim in {32, 64, 80, ...}; the defaults give a
-model that loads in seconds and serves with one core.
+model that loads in seconds and serves with one core. ``kvpath model tiny`` is here too.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -117,3 +119,34 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec | None = None) -> Path
     marker.write_text(json.dumps(asdict(spec)))
     logger.info("tiny model written to %s", out)
     return out
+
+
+def _cmd_model_tiny(args: argparse.Namespace) -> int:
+    spec = TinyModelSpec(
+        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions, seed=args.seed,
+        dtype=args.dtype,
+    )
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise SystemExit(f"kvpath model tiny: error: {e}") from None
+    sys.stdout.write(f"{build_tiny_model(args.out, spec)}\n")  # the model's folder: the command's output
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``kvpath model tiny``."""
+    model = sub.add_parser("model", help="local models for tests and demos").add_subparsers(dest="model_cmd")
+    t = model.add_parser("tiny", help="write a tiny random-weight Llama and a locally trained tokenizer")
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--head-dim", type=int, default=64, help="vLLM CPU attention needs 32, 64, 80, ... (not 16)")
+    t.add_argument("--intermediate", type=int, default=512)
+    t.add_argument("--vocab", type=int, default=1024)
+    t.add_argument("--max-positions", type=int, default=4096)
+    t.add_argument("--dtype", default="float32")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_cmd_model_tiny)

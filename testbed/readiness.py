@@ -1,11 +1,13 @@
-"""Waiting for a local server to come up: free ports and HTTP readiness polls
-(tests, benchmarks and the vLLM launcher)."""
+"""Local servers coming up and going down: free ports, HTTP readiness polls (tests,
+benchmarks and the vLLM launcher), and the testbed's server processes with their logs."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -34,3 +36,23 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
             pass
         time.sleep(interval_s)
     raise TimeoutError(f"{url}: no answer after {timeout_s:.0f}s{tail}")
+
+
+def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    """A testbed server process in its own session (so a run's end stops its children),
+    stdout and stderr in ``log``, UCX on TCP."""
+    env = dict(os.environ, UCX_TLS="tcp", PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:  # the child keeps its own descriptor
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM every process still running, then SIGKILL those that outlive ``grace_s`` each."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()

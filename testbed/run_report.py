@@ -42,7 +42,7 @@ def join(data: RunData, ip_of: Any) -> Joined:
         for r in rec["records"]:
             if r.get("transfer_id"):
                 (p_rec if rec["role"] == "prefill" else d_rec)[r["transfer_id"]] = dict(r, host=host)
-    transfers = {t["transfer_id"]: t for t in data.transfers}
+    transfers = {t.record.transfer_id: t for t in data.transfers}
     decisions = {d["transfer_id"]: d for d in data.decisions}
     counts = {tuple(json.loads(k).values()): v for k, v in data.flow_bytes.items()}
     by_tuple_prefix: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -56,7 +56,7 @@ def join(data: RunData, ip_of: Any) -> Joined:
     only_d = data.d_hosts[0] if len(data.d_hosts) == 1 else None
     for c in data.client:
         tid = c.get("transfer_id", "")
-        p, d, t, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), transfers.get(tid), decisions.get(tid)
+        p, d, push, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), transfers.get(tid), decisions.get(tid)
         if c["status"] == "ok":
             p, d = {"host": only_p, **p}, {"host": only_d, **d}
         row: dict[str, Any] = {
@@ -71,28 +71,28 @@ def join(data: RunData, ip_of: Any) -> Joined:
             row["ttft"] = row["first_token"] - row["arrival"]
             n = c["tokens"]
             row["tpot"] = (row["completion"] - row["first_token"]) / (n - 1) if n > 1 else None
-        if t is not None:
-            p_ip, d_ip = ip_of(p.get("host") or t["p_host"]), ip_of(d.get("host")) if d.get("host") else None
-            sport = int(t.get("src_port") or 0)
+        if push is not None:
+            t = push.record
+            p_ip, d_ip = ip_of(p.get("host") or push.p_host), ip_of(d.get("host")) if d.get("host") else None
+            sport = int(t.src_port or 0)
             measured = by_tuple_prefix.get((p_ip, d_ip, sport), {}) if d_ip else {}
             spine = max(measured.items(), key=lambda kv: kv[1])[0] if measured else None
-            # the push ends when D has the last byte (its notification), not when UCX on P says DONE
-            end = t.get("received_at") or t.get("completed_at")
+            end = push.end
             # a push that did not wait for its reservation (reserve_at=push answered late)
             # went on the hash's lane: the reservation's spine is not its prediction
-            used = dec is not None and dec.get("lane") == t["lane"]
-            row.update({"kv_bytes": t["bytes"], "push_start": t.get("submit_at"), "push_end": end,
-                        "push_status": t["status"], "lane": t["lane"], "src_ip": p_ip, "dst_ip": d_ip,
+            used = dec is not None and dec.get("lane") == t.lane
+            row.update({"kv_bytes": t.bytes, "push_start": t.submit_at, "push_end": end,
+                        "push_status": t.status, "lane": t.lane, "src_ip": p_ip, "dst_ip": d_ip,
                         "src_port": sport, "dst_port": j.lanes.get((p_ip, d_ip, sport)),
                         "path_predicted": dec.get("spine") if used else None, "path_measured": spine,
                         "reserved_lane": dec.get("lane") if dec else None,
                         "reservation_unused": dec is not None and not used})
-            if t.get("submit_at") and end and t["status"] == "ok":
-                fct = end - t["submit_at"]
-                standalone = standalone_fct(t["bytes"], data.link_mbit, data.burst_bytes)
+            if t.submit_at and end and t.status == "ok":
+                fct = end - t.submit_at
+                standalone = standalone_fct(t.bytes, data.link_mbit, data.burst_bytes)
                 j.flows.append({"flow_id": tid, "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip,
-                                "src_port": sport, "dst_port": row["dst_port"], "bytes": t["bytes"],
-                                "start": t["submit_at"], "end": end, "path": spine, "fct": fct,
+                                "src_port": sport, "dst_port": row["dst_port"], "bytes": t.bytes,
+                                "start": t.submit_at, "end": end, "path": spine, "fct": fct,
                                 "wire_fct": standalone,
                                 "wire_slowdown": fct / standalone if standalone else None})
         j.requests.append(row)

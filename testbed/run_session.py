@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,11 @@ from rich.table import Table
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
-from kvpath.testbed.orchestrator import RunConfig, run
+from kvpath.testbed.orchestrator import RunData, run
+from kvpath.testbed.run_config import RunConfig
 from kvpath.decision_replay import ReplayError, replay
 from kvpath.testbed.plots import compare_modes
-from kvpath.testbed.run_report import fidelity, join, summarize
+from kvpath.testbed.run_report import Joined, fidelity, join, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,8 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     to_fct_txt(trace, out / "fct.txt")
     to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "collected.json").write_text(json.dumps({k: v for k, v in asdict(data).items()
-                                                    if k in ("decisions", "lanes_known", "flow_bytes", "link_bytes",
-                                                             "cpu_idle", "lone_flow_ratio", "config")}, indent=1))
+    collected = ("decisions", "lanes_known", "flow_bytes", "link_bytes", "cpu_idle", "lone_flow_ratio", "config")
+    (out / "collected.json").write_text(json.dumps({k: getattr(data, k) for k in collected}, indent=1))
     return summary
 
 
@@ -61,7 +60,7 @@ def replay_checks(decisions: list[dict[str, Any]], spec: FabricSpec, cfg: RunCon
         return []
 
 
-def write_trace(path: Path, data: Any, j: Any, spec: FabricSpec) -> None:
+def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
     t0 = data.started
 
     def rel(x: float | None) -> float | None:

@@ -5,35 +5,33 @@ network and its KV traffic on the fabric (UCX over TCP on ``eth0``), one core ea
 KV connectors:
 
 - ``kvpath``: KVPathConnector, P pushes over lanes reserved by the proxy's reservation
-  service (kernel path oracle), both sides write the connector's transfer trace;
+  service (kernel path oracle), both sides write the connector's transfer records;
 - ``nixl``: vLLM's in-tree NixlConnector, D pulls from P (the proxy runs ``--mode pull``).
 
-The orchestrator asks this module for the engines, the proxy's instance flags, the
-warm-up that opens every pair's connections, the per-request records it joins into the
-trace, and the decode-only reference check.
+vLLM has no pre-connect and no per-request records of its own: the warm-up sends one
+request per P-D pair through the proxy, and the records come from the connector's
+transfer records. Every completion is checked against P alone (decode-only).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
+import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
 
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.trace import TransferRecord, read_connector_log, read_transfers
+from kvpath.testbed.driver import prompt_ids
+from kvpath.testbed.engines import API_PORT, KV_PORT, RunSite, engine_id
+from kvpath.testbed.run_config import CONNECTORS
+from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
-
-CONNECTORS = ("kvpath", "nixl")
-MODEL_NAME = "tiny"  # --served-model-name of every engine
-MAX_MODEL_LEN = 2048  # VLLMServer's --max-model-len
-API_PORT = 8000
-KV_PORT = 5600  # KVPathConnector's side channel, or NIXL's (VLLM_NIXL_SIDE_CHANNEL_PORT)
 
 
 @dataclass(frozen=True)
@@ -47,78 +45,123 @@ class Placement:
     cpu: int
 
 
-def engine_id(role: str, host: str) -> str:
-    return f"{role[0]}-{host}"
+class VllmEngines:
+    def __init__(self, site: RunSite) -> None:
+        self.site = site
+        self.model_name = MODEL_NAME
+        self._servers: dict[str, VLLMServer] = {}  # host -> server
 
+    def kv_bytes_per_token(self) -> int:
+        from kvpath.tiny_model import TinyModelSpec
 
-def transfer_trace(out: Path, host: str) -> Path:
-    return out / f"transfers-{host}.jsonl"
+        t = TinyModelSpec()
+        return 2 * t.layers * t.kv_heads * t.head_dim * 4  # float32 K and V
 
+    def placements(self) -> list[Placement]:
+        site = self.site
+        return [Placement(h, role, site.fabric.spec.host_ip(h), site.fabric.mgmt_ip(h), cpu)
+                for (role, h), cpu in zip(site.roles, cpus_for(len(site.roles)))]
 
-def server(pl: Placement, connector: str, model: str, wrap: list[str], out: Path, logs: Path,
-           knobs: dict[str, Any]) -> VLLMServer:
-    """One engine. ``knobs`` are KVPathConnector options shared by every engine of the
-    run (lanes, reservation_url, fabric_spec, kernel_oracle, reserve_at)."""
-    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
-    if connector == "kvpath":
-        role = "kv_producer" if pl.role == "prefill" else "kv_consumer"
-        kv = connector_config(role, KV_PORT, side_channel_host=pl.fabric_ip, ucx_net_devices="eth0",
-                              fabric_host=pl.host, engine_id=engine_id(pl.role, pl.host),
-                              trace_path=str(transfer_trace(out, pl.host)), **knobs)
-    elif connector == "nixl":
-        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-              "engine_id": engine_id(pl.role, pl.host)}
-        # P's side channel listens on the fabric address D reads from
-        env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": pl.fabric_ip, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(KV_PORT)})
-    else:
-        raise ValueError(f"connector must be one of {CONNECTORS}, got {connector!r}")
-    return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip, wrap=wrap,
-                      log_path=str(logs / f"{pl.role}-{pl.host}.log"), env=env)
+    def server(self, pl: Placement, model: str, proxy_url: str) -> VLLMServer:
+        """One engine, with the connector's options shared by every engine of the run."""
+        site, cfg = self.site, self.site.cfg
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+        if cfg.connector == "kvpath":
+            role = "kv_producer" if pl.role == "prefill" else "kv_consumer"
+            kv = connector_config(role, KV_PORT, side_channel_host=pl.fabric_ip, ucx_net_devices="eth0",
+                                  fabric_host=pl.host, engine_id=engine_id(pl.role, pl.host),
+                                  trace_path=str(site.transfer_trace(pl.host)), lanes=cfg.lanes,
+                                  reservation_url=f"{proxy_url}/reservation", fabric_spec=str(site.spec_file),
+                                  kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at)
+        elif cfg.connector == "nixl":
+            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                  "engine_id": engine_id(pl.role, pl.host)}
+            # P's side channel listens on the fabric address D reads from
+            env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": pl.fabric_ip, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(KV_PORT)})
+        else:
+            raise ValueError(f"connector must be one of {CONNECTORS}, got {cfg.connector!r}")
+        return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip,
+                          wrap=site.fabric.exec_argv(pl.host, []), log_path=str(site.engine_log(pl.role, pl.host)),
+                          env=env)
 
+    def start(self, proxy_url: str) -> None:
+        from kvpath.tiny_model import build_tiny_model
 
-def proxy_instance_args(pl: Placement, connector: str) -> list[str]:
-    url = f"http://{pl.mgmt_ip}:{API_PORT}"
-    if pl.role == "decode":
-        return ["--decode", f"{url},fabric_host={pl.host}"]
-    if connector == "kvpath":
-        return ["--prefill", f"{url},kv_addr={pl.fabric_ip}:{KV_PORT},fabric_host={pl.host},"
-                             f"engine_id={engine_id(pl.role, pl.host)}"]
-    return ["--prefill", f"{url},fabric_host={pl.host}"]
+        model = str(build_tiny_model(self.site.out / "tiny-model"))
+        for pl in self.placements():
+            self._servers[pl.host] = self.server(pl, model, proxy_url).start()
+        for srv in self._servers.values():
+            srv.wait_ready(timeout_s=600)
 
+    def warm_up(self, proxy_url: str, console: Console) -> None:
+        """vLLM has no pre-connect: one request per P-D pair (the proxy's policy spreads them)
+        opens every pair's connections before the measured run, and with KVPathConnector
+        registers the lanes (the first push of a pair has none to choose from otherwise)."""
+        cfg, pairs = self.site.cfg, self.site.pairs
+        for i in range(2 * pairs):
+            body = {"model": MODEL_NAME, "prompt": prompt_ids(10**6 + i, 64, cfg.seed), "max_tokens": 2,
+                    "temperature": 0}
+            r = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=300)
+            if r.status_code != 200:
+                raise RuntimeError(f"warm-up request through the proxy failed: {r.status_code} {r.text[:300]}")
+            if not cfg.pushes:
+                if i + 1 >= pairs:
+                    break
+                continue
+            known = httpx.get(f"{proxy_url}/reservation/v1/state", timeout=10).json()["lanes_known"]
+            if sum(len(ws) for ws in known.values()) >= pairs:
+                break
+        console.log(f"warm-up done: connections open for {pairs} P-D pair(s)")
 
-# ids every tiny tokenizer has: 4 special tokens, then the 256-symbol byte alphabet
-# (its BPE merges depend on the corpus, so the vocabulary's size is not fixed)
-PROMPT_IDS = (4, 260)
+    def settle(self, client: list[dict[str, Any]], timeout_s: float = 30.0) -> None:
+        """Wait until P's connector has written the end of every completed request's push."""
+        if not self.site.cfg.pushes:
+            return
+        want = {c["transfer_id"] for c in client if c["status"] == "ok" and c.get("transfer_id")}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = set()
+            for h in self.site.p_hosts:
+                seen |= {t.transfer_id for t in self._transfers(h)}
+            if want <= seen:
+                return
+            time.sleep(0.5)
+        logger.warning("%d pushes have no record in P's transfer trace after %.0f s", len(want - seen), timeout_s)
 
+    def _transfers(self, host: str) -> list[TransferRecord]:
+        """The push records of the connector on ``host`` (none before it wrote any)."""
+        f = self.site.transfer_trace(host)
+        return read_transfers(f) if f.exists() else []
 
-def prompt_ids(request_index: int, n: int, seed: int) -> list[int]:
-    """A request's prompt as token ids: distinct per request (no shared prefix to cache),
-    the same for the same seed."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, request_index])
-    return rng.integers(*PROMPT_IDS, size=n).tolist()
-
-
-def records(out: Path, p_hosts: list[str], d_hosts: list[str], connector: str) -> dict[str, dict[str, Any]]:
-    """Per-engine records in the shape the emulated engines serve at ``/kvpath/records``,
-    built from the connectors' transfer traces: P's ``kv_transfer`` rows (prefill end)
-    and D's ``kv_received`` rows (KV ready). vLLM does not report when a prefill
-    started or a decode was scheduled, so those stay unknown."""
-    out_recs: dict[str, dict[str, Any]] = {}
-    for role, hosts in (("prefill", p_hosts), ("decode", d_hosts)):
-        for h in hosts:
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Per-engine records in the shape the emulated engines serve at ``/kvpath/records``,
+        built from the connectors' transfer records: P's pushes (prefill end) and D's
+        receipts (KV ready). vLLM does not report when a prefill started or a decode was
+        scheduled, so those stay unknown. vLLM's own connector keeps none."""
+        site, out = self.site, {}
+        for role, h in site.roles:
             recs: list[dict[str, Any]] = []
-            f = transfer_trace(out, h)
-            if connector == "kvpath" and f.exists():
-                for line in f.read_text().splitlines():
-                    row = json.loads(line) if line.strip() else {}
-                    if role == "prefill" and row.get("kind") == "kv_transfer":
-                        recs.append({"transfer_id": row["transfer_id"], "prefill_end": row.get("prefill_done_at")})
-                    elif role == "decode" and row.get("kind") == "kv_received":
-                        recs.append({"transfer_id": row["transfer_id"], "kv_ready": row.get("at")})
-            out_recs[h] = {"role": role, "records": recs, "kv_usage": 0}
-    return out_recs
+            f = site.transfer_trace(h)
+            if site.cfg.pushes and f.exists():
+                log = read_connector_log(f)
+                if role == "prefill":
+                    recs = [{"transfer_id": t.transfer_id, "prefill_end": t.prefill_done_at} for t in log.transfers]
+                else:
+                    recs = [{"transfer_id": r.transfer_id, "kv_ready": r.at} for r in log.received]
+            out[h] = {"role": role, "records": recs, "kv_usage": 0}
+        return out
+
+    def decode_only(self, client: list[dict[str, Any]], workload: Any) -> dict[str, Any]:
+        seed = self.site.cfg.seed
+        prompts = {r.request_id: prompt_ids(i, r.prompt_tokens, seed) for i, r in enumerate(workload.requests)}
+        return decode_only_check(self.site.url(self.site.p_hosts[0]), client, prompts)
+
+    def kv_loss(self) -> dict[str, int]:
+        return kv_loss_counts([self.site.url(h) for _, h in self.site.roles])
+
+    def stop(self) -> None:
+        for srv in self._servers.values():
+            srv.kill()
 
 
 async def _direct(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> str:

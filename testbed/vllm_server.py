@@ -17,6 +17,9 @@ from kvpath.testbed.readiness import wait_http
 
 logger = logging.getLogger(__name__)
 
+MODEL_NAME = "tiny"  # every server's --served-model-name: what requests name as their model
+MAX_MODEL_LEN = 2048  # every server's --max-model-len: prompt plus output must fit
+
 
 def vllm_executable() -> str:
     exe = Path(sys.executable).with_name("vllm")
@@ -59,8 +62,8 @@ class VLLMServer:
     def command(self) -> list[str]:
         cmd = [
             *self.wrap, vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", self.host,
-            "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
-            "--block-size", str(self.block_size), "--seed", "0", "--served-model-name", "tiny",
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
+            "--block-size", str(self.block_size), "--seed", "0", "--served-model-name", MODEL_NAME,
         ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]

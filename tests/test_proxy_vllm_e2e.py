@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from kvpath.tiny_model import build_tiny_model
+from kvpath.trace import read_transfers
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config, vllm_executable
 
@@ -166,10 +167,9 @@ def _bench_through_proxy(mode, model, tmp_path):
                 time.sleep(0.2)
             assert st["counters"].get("reservations", 0) >= 40  # lanes were registered by P's connector
             assert st["active"] == 0 and st["reserved_flows"] == 0
-            recs = [json.loads(x) for x in (tmp_path / "p_trace.jsonl").read_text().splitlines()]
-            pushes = [r for r in recs if r.get("kind") == "kv_transfer"]
-            assert len(pushes) >= 51 and all(r["status"] == "ok" for r in pushes)
-            assert sum(1 for r in pushes if r["lease_id"]) >= 40  # the reserved lane was used
+            pushes = read_transfers(tmp_path / "p_trace.jsonl")
+            assert len(pushes) >= 51 and all(r.status == "ok" for r in pushes)
+            assert sum(1 for r in pushes if r.lease_id) >= 40  # the reserved lane was used
     finally:
         for pr in procs:
             pr.terminate()

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from kvpath.trace import read_trace
-from kvpath.testbed.orchestrator import RunConfig, RunConfigError
 from tests.test_testbed_fabric import _why
 
 N = 6
@@ -73,30 +72,6 @@ def test_vllm_with_the_in_tree_pull_connector(tmp_path):
         pytest.xfail(f"vLLM's NixlConnector reported lost KV {lost}; failed requests: {s['failures']}")
     _common(s, trace)
     assert s["pushes"] == 0 and trace.flows == []  # D reads; nothing of kvpath's moved the KV
-
-
-@pytest.mark.parametrize("kw, field", [
-    (dict(engine="vllm", connector="nixl", mode="cc"), "--connector nixl"),
-    (dict(engine="vllm", scale_s=4.0), "--scale-s"),
-    (dict(engine="vllm", pools="8P8D", fabric="rack4"), "--pools"),
-    (dict(engine="vllm", max_prompt=2040, max_output=64), "--max-prompt"),
-    (dict(engine="emulated", connector="nixl"), "--connector"),
-    (dict(engine="gpu"), "--engine"),
-    (dict(min_prompt=500, max_prompt=100), "--min-prompt"),
-])
-def test_bad_run_configs_name_the_field(tmp_path, kw, field):
-    with pytest.raises(RunConfigError, match=field):
-        RunConfig(out=str(tmp_path), **kw).validate()
-
-
-def test_vllm_defaults_fit_the_tiny_model(tmp_path):
-    cfg = RunConfig(out=str(tmp_path), engine="vllm")
-    cfg.validate()
-    assert (cfg.min_prompt, cfg.max_prompt, cfg.scale_s) == (128, 1024, 1.0)
-    emu = RunConfig(out=str(tmp_path))
-    emu.validate()
-    assert (emu.min_prompt, emu.max_prompt, emu.scale_s) == (1024, 4096, 500.0)
-
 
 
 def test_kv_loss_counters_are_read_from_vllm_metrics():

@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
-from kvpath.pd_client import direct_request, make_prompts, pd_request
+from kvpath.connector.pd_client import direct_request, make_prompts, pd_request
 from kvpath.tiny_model import build_tiny_model
+from kvpath.trace import read_transfers
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 pytestmark = pytest.mark.e2e
@@ -60,10 +61,7 @@ async def _run(p, d, prompts, mode, max_tokens=12):
 
 
 def pushes(logs):
-    import json
-
-    path = logs / "p_trace.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if '"kv_transfer"' in line]
+    return read_transfers(logs / "p_trace.jsonl")
 
 
 @pytest.mark.parametrize("mode", ["concurrent", "sequential"])
@@ -76,10 +74,10 @@ def test_20_concurrent_requests_match_decode_only(servers, mode):
     assert not errors, errors[:3]
     assert [g.text for g in got] == ref
     # every prompt's full blocks were pushed (D had nothing cached)
-    by_tid = {r["transfer_id"]: r for r in pushes(logs)}
+    by_tid = {r.transfer_id: r for r in pushes(logs)}
     for g in got:
         rec = by_tid[g.transfer_id]
-        assert rec["status"] == "ok" and rec["blocks"] >= 1 and rec["bytes"] > 0
+        assert rec.status == "ok" and rec.blocks >= 1 and rec.bytes > 0
     # the same prompts again: D now has their prefix cached, so only the tail is pushed
     ref2, got2 = asyncio.run(_run(p, d, prompts[:5], mode))
     assert [g.text for g in got2] == ref2 == ref[:5]

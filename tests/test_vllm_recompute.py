@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from kvpath.pd_client import make_prompts
+from kvpath.connector.pd_client import make_prompts
 from kvpath.tiny_model import build_tiny_model
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 

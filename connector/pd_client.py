@@ -1,4 +1,5 @@
-"""A minimal P/D client for KVPathConnector (the proxy of a later issue does more).
+"""A minimal P-then-D client for KVPathConnector, for the demo and the end-to-end tests
+(the proxy, ``kvpath.proxy``, adds instance choice, path reservation and streaming).
 
 ``sequential``: P leg (max_tokens=1) first, then D with P's returned params.
 ``concurrent``: both legs at once, as the proxy does, so D can register first.
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -78,8 +80,6 @@ async def direct_request(client: httpx.AsyncClient, url: str, prompt: str, max_t
 
 
 def make_prompts(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120) -> list[str]:
-    import random
-
     words = ("spine leaf lane path prefill decode block token layer head push pull proxy fabric link queue "
              "rate byte hash seed port route red green blue one two three").split()
     rng = random.Random(seed)

@@ -1,9 +1,10 @@
-"""``kvpath connector demo``: real P and D vLLM servers with KVPathConnector."""
+"""``kvpath connector demo``: a tiny model, real P and D vLLM servers with KVPathConnector
+(started by :mod:`kvpath.testbed.vllm_server`) and the P-then-D client of
+:mod:`kvpath.connector.pd_client`; it prints the completions and the connector's pushes."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpath.pd_client import make_prompts, pd_request
+from kvpath.connector.pd_client import make_prompts, pd_request
 from kvpath.tiny_model import build_tiny_model
+from kvpath.trace import ConnectorLog, LaneRecord, read_connector_log
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
@@ -52,25 +54,28 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
     for i, r in enumerate(results):
         table.add_row(str(i), r.prompt[:40] + "...", repr(r.text) if not r.error else f"[red]{r.error[:60]}", f"{r.ttft_s * 1e3:.0f}")
     console.print(table)
-    recs = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    pushes = [r for r in recs if r.get("kind") == "kv_transfer"]
-    lanes_ev = [r for r in recs if r.get("kind") == "lanes"]
+    log = read_connector_log(trace) if trace.exists() else ConnectorLog([], [], [])
+    pushes = log.transfers
     tt = Table(title=f"KV pushes (trace: {trace})")
     for col in ("transfer", "status", "bytes", "descs", "lane", "src port", "wait for D ms", "push ms"):
         tt.add_column(col)
     for r in pushes:
-        wait = (r["submit_at"] - r["prefill_done_at"]) * 1e3 if r.get("submit_at") and r.get("prefill_done_at") else 0
-        dur = (r["duration_s"] or 0) * 1e3
-        tt.add_row(r["transfer_id"][:8], r["status"], str(r["bytes"]), str(r["descriptors"]), str(r["lane"]),
-                   str(r["src_port"]), f"{wait:.1f}", f"{dur:.2f}")
+        wait = (r.submit_at - r.prefill_done_at) * 1e3 if r.submit_at and r.prefill_done_at else 0
+        dur = (r.duration_s or 0) * 1e3
+        tt.add_row(r.transfer_id[:8], r.status, str(r.bytes), str(r.descriptors), str(r.lane),
+                   str(r.src_port), f"{wait:.1f}", f"{dur:.2f}")
     console.print(tt)
-    for ev in lanes_ev:
-        # each lane: [lane id, src ip, src port, dst ip, dst port, proto, path]
-        console.print(f"lanes to {ev['peer']}: " + ", ".join(
-            f"lane {ln[0]} {ln[1]}:{ln[2]}->{ln[3]}:{ln[4]}" + (f" via {ln[6]}" if ln[6] else "") for ln in ev["lanes"]))
+    for ev in log.lanes:
+        console.print(f"lanes to {ev.peer}: " + ", ".join(_lane(ln) for ln in ev.lanes))
     failed = [r for r in results if r.error]
     console.print(f"{len(results) - len(failed)}/{len(results)} requests ok, {len(pushes)} pushes; logs in {wd}")
     return 1 if failed or len(pushes) != len(results) else 0
+
+
+def _lane(ln: LaneRecord) -> str:
+    ft = ln.five_tuple
+    where = f"{ft.src_ip}:{ft.src_port}->{ft.dst_ip}:{ft.dst_port}" if ft else "(5-tuple unknown)"
+    return f"lane {ln.lane} {where}" + (f" via {ln.path}" if ln.path else "")
 
 
 async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int):

@@ -1,0 +1,95 @@
+"""The testbed run's client: it sends the workload's requests through the proxy at their
+arrival times, streams each answer, and records per request when it arrived, its first
+token and its end, the text, and the transfer id the proxy gave its KV push."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import psutil
+from rich.console import Console
+from rich.progress import Progress
+
+from kvpath.testbed.run_config import RunConfig
+
+# The proxy names the transfer id of a request's KV push in this answer header (the same
+# id is in the connector's transfer records and the reservation service's decisions).
+TRANSFER_ID_HEADER = "X-KVPath-Transfer-Id"
+
+# ids every tiny tokenizer has: 4 special tokens, then the 256-symbol byte alphabet
+# (its BPE merges depend on the corpus, so the vocabulary's size is not fixed)
+PROMPT_IDS = (4, 260)
+
+
+def prompt_ids(request_index: int, n: int, seed: int) -> list[int]:
+    """A request's prompt as token ids: distinct per request (no shared prefix to cache),
+    the same for the same seed."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, request_index])
+    return rng.integers(*PROMPT_IDS, size=n).tolist()
+
+
+async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str, console: Console,
+                transport: httpx.AsyncBaseTransport | None = None) -> tuple[list[dict[str, Any]], list[float]]:
+    """Every request of ``workload`` through the proxy; returns one row per request and the
+    machine's CPU idle percentage, sampled once a second while they ran. ``transport``:
+    httpx's, for tests (default: the network)."""
+    rows: list[dict[str, Any]] = []
+    idle: list[float] = []
+    reqs = list(workload.requests)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, transport=transport) as client:
+        t0 = time.time() + 0.2
+        psutil.cpu_times_percent(None)
+
+        async def sample_cpu() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                idle.append(psutil.cpu_times_percent(None).idle)
+
+        async def one(i: int, r: Any) -> None:
+            out = min(r.output_tokens, cfg.max_output)
+            body = {"model": model_name, "prompt": prompt_ids(i, r.prompt_tokens, cfg.seed), "max_tokens": out,
+                    "stream": True, "temperature": 0}
+            await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.time()))
+            row: dict[str, Any] = {"request_id": r.request_id, "arrival": time.time(), "prompt_tokens": r.prompt_tokens,
+                                   "output_tokens": out, "max_tokens": out, "status": "ok", "tokens": 0, "text": "",
+                                   "transfer_id": ""}
+            try:
+                async with client.stream("POST", f"{proxy_url}/v1/completions", json=body) as resp:
+                    row["transfer_id"] = resp.headers.get(TRANSFER_ID_HEADER, "")
+                    if resp.status_code != 200:
+                        row["status"] = f"http {resp.status_code}"
+                    async for line in resp.aiter_lines():
+                        _event(row, line)
+            except httpx.HTTPError as e:
+                row["status"] = f"client error: {e}"
+            rows.append(row)
+            progress.advance(task)
+
+        sampler = asyncio.create_task(sample_cpu())
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"{cfg.mode}: {len(reqs)} requests at {cfg.qps} QPS", total=len(reqs))
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+        sampler.cancel()
+    return rows, idle
+
+
+def _event(row: dict[str, Any], line: str) -> None:
+    """One server-sent event of a streamed completion into the request's row."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    ev = json.loads(line[6:])
+    if "error" in ev:
+        row["status"] = f"error: {ev['error'].get('message', '')[:200]}"
+        return
+    now = time.time()
+    row.setdefault("first_token", now)
+    row["tokens"] += 1
+    row["text"] += ev["choices"][0].get("text", "") if ev.get("choices") else ""
+    row["completion"] = now

@@ -1,0 +1,127 @@
+"""The P and D engines of a testbed run, one kind per run, chosen once from its configuration.
+
+Both kinds (:class:`~kvpath.testbed.emulated_engines.EmulatedEngines`,
+:class:`~kvpath.testbed.vllm_engines.VllmEngines`) serve OpenAI-style completions on the
+management network and move KV on the fabric; the orchestrator drives them through the
+:class:`Engines` protocol and never asks which kind it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.testbed.netns_fabric import NetnsFabric
+from kvpath.testbed.run_config import RunConfig
+
+API_PORT = 8000  # every engine's HTTP port, on its management address
+KV_PORT = KV_SIDE_CHANNEL_PORT  # P's KV side channel, on its fabric address
+
+
+def engine_id(role: str, host: str) -> str:
+    """``p-l0h0``, ``d-l1h0``: the engine's name in the proxy's flags and the connector's records."""
+    return f"{role[0]}-{host}"
+
+
+@dataclass(frozen=True)
+class RunSite:
+    """Where a run's engines live: its fabric, the hosts of each pool and its folder."""
+
+    fabric: NetnsFabric
+    cfg: RunConfig
+    p_hosts: list[str]
+    d_hosts: list[str]
+    spec_file: Path  # the fabric's spec, for the connector's and the proxy's path oracle
+    out: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"
+
+    @property
+    def roles(self) -> list[tuple[str, str]]:
+        """(role, host) of every engine, P first."""
+        return [("prefill", h) for h in self.p_hosts] + [("decode", h) for h in self.d_hosts]
+
+    @property
+    def pairs(self) -> int:
+        return len(self.p_hosts) * len(self.d_hosts)
+
+    def url(self, host: str) -> str:
+        return f"http://{self.fabric.mgmt_ip(host)}:{API_PORT}"
+
+    def transfer_trace(self, host: str) -> Path:
+        """The connector's transfer records of the engine on ``host`` (either kind writes them)."""
+        return self.out / f"transfers-{host}.jsonl"
+
+    def engine_log(self, role: str, host: str) -> Path:
+        return self.logs / f"{role}-{host}.log"
+
+    def proxy_instance_args(self) -> list[str]:
+        """The proxy's ``--prefill``/``--decode`` flags for every engine. With a push
+        connector the proxy also needs P's KV address and engine id (D registers there)."""
+        spec = self.fabric.spec
+        argv: list[str] = []
+        for role, h in self.roles:
+            if role == "decode":
+                argv += ["--decode", f"{self.url(h)},fabric_host={h}"]
+            elif self.cfg.pushes:
+                argv += ["--prefill", f"{self.url(h)},kv_addr={spec.host_ip(h)}:{KV_PORT},fabric_host={h},"
+                                      f"engine_id={engine_id(role, h)}"]
+            else:
+                argv += ["--prefill", f"{self.url(h)},fabric_host={h}"]
+        return argv
+
+
+class Engines(Protocol):
+    """What a run needs of its engines."""
+
+    site: RunSite
+    model_name: str  # what requests name as their model
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token's prefill leaves to push (what the reservation service counts)."""
+        ...
+
+    def start(self, proxy_url: str) -> None:
+        """Start every engine in its host's namespace and wait until each answers."""
+        ...
+
+    def warm_up(self, proxy_url: str, console: Console) -> None:
+        """Open every P-D pair's connections before the measured run (and, with a push
+        connector, register its lanes with the reservation service)."""
+        ...
+
+    def settle(self, client: list[dict[str, Any]]) -> None:
+        """Wait until every push of the run has ended and been recorded."""
+        ...
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Per engine host: ``{"role", "records": [{transfer_id, prefill_end | kv_ready, ...}], "kv_usage"}``."""
+        ...
+
+    def decode_only(self, client: list[dict[str, Any]], workload: Any) -> dict[str, Any] | None:
+        """The P/D outputs against P alone on the same prompts (the driver's); None where
+        outputs are not real."""
+        ...
+
+    def kv_loss(self) -> dict[str, int] | None:
+        """The engines' own count of lost KV transfers; None where they keep none."""
+        ...
+
+    def stop(self) -> None:
+        ...
+
+
+def engines_for(site: RunSite) -> Engines:
+    if site.cfg.engine == "vllm":
+        from kvpath.testbed.vllm_engines import VllmEngines
+
+        return VllmEngines(site)
+    from kvpath.testbed.emulated_engines import EmulatedEngines
+
+    return EmulatedEngines(site)

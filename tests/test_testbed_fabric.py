@@ -125,6 +125,7 @@ def test_cli_errors_name_the_bad_field():
 
 
 def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_over():
+    from kvpath.deployment import KV_SIDE_CHANNEL_PORT
     from kvpath.proxy.cli import build_service
     from kvpath.reservation import LaneInfo
     from kvpath.five_tuple import FiveTuple
@@ -135,18 +136,18 @@ def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_o
         oracle = KernelOracle(spec, fabric.ns)
         # lanes 0 and 1 whose source ports the kernel sends over different spines
         sports = list(range(45000, 45040))
-        spines = [p.spine for p in oracle.paths([("l0h0", "l1h0", sp, 5600, "tcp") for sp in sports])]
+        spines = [p.spine for p in oracle.paths([("l0h0", "l1h0", sp, KV_SIDE_CHANNEL_PORT, "tcp") for sp in sports])]
         lanes = [sports[spines.index("spine0")], sports[spines.index("spine1")]]
         svc = build_service("small", "cc", 10.0, 0.0, kernel_oracle=fabric.prefix)
-        svc.register_lanes("l0h0", "l1h0", [LaneInfo(i, sp, 5600, spec.host_ip("l0h0"), spec.host_ip("l1h0"))
+        svc.register_lanes("l0h0", "l1h0", [LaneInfo(i, sp, KV_SIDE_CHANNEL_PORT, spec.host_ip("l0h0"), spec.host_ip("l1h0"))
                                             for i, sp in enumerate(lanes)])
         a = svc.reserve("l0h0", "l1h0", 50_000_000, transfer_id="a")
         b = svc.reserve("l0h0", "l1h0", 50_000_000, transfer_id="b")
         assert {a.path.spine, b.path.spine} == {"spine0", "spine1"}  # cc spreads the two pushes
         # and the bytes of each reserved lane cross the spine the service reserved for it
-        results = run_flows(fabric, [Flow("l0h0", "l1h0", r.src_port, 5600) for r in (a, b)], 200_000)
+        results = run_flows(fabric, [Flow("l0h0", "l1h0", r.src_port, KV_SIDE_CHANNEL_PORT) for r in (a, b)], 200_000)
         counts = spine_flow_bytes(fabric)
         for r in (a, b):
-            ft = FiveTuple(spec.host_ip("l0h0"), spec.host_ip("l1h0"), r.src_port, 5600)
+            ft = FiveTuple(spec.host_ip("l0h0"), spec.host_ip("l1h0"), r.src_port, KV_SIDE_CHANNEL_PORT)
             assert measured_spine(counts, ft) == r.path.spine
         assert all(x.bytes == 200_000 for x in results)

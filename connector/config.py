@@ -11,6 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.reservation_wire import RESERVE_AT
+
+# the proxy reserves a push's lane when it admits the request, or P's connector when the push starts
+RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
+
 
 class ConfigError(ValueError):
     """A bad connector configuration value; the message names the field."""
@@ -39,11 +45,12 @@ class KVPathConfig:
     ucx_transport: str = "tcp"
     # UCX_NET_DEVICES; one device gives one TCP connection per lane.
     ucx_net_devices: str | None = None
-    # JSONL telemetry, one record per transfer ("{pid}" is expanded).
+    # The connector's log: kvpath.trace records, one per push, lane set-up and received
+    # push (docs/trace.md); appended to, "{pid}" expanded. Unset: none is written.
     trace_path: str | None = None
     # P's control (side-channel) socket: D workers send registrations here.
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5600
+    side_channel_port: int = KV_SIDE_CHANNEL_PORT
     # How long the engine threads sleep when idle; bounds idle CPU use.
     idle_poll_s: float = 0.02
     # Optional fixed engine id (default: random per process).
@@ -71,7 +78,7 @@ class KVPathConfig:
     # request's kv_transfer_params (reserved when it admitted the request); "push" has
     # P ask the reservation service (reservation_url) when the push is ready to start,
     # for requests that came without a lane (waiting 50 ms at most for the answer).
-    reserve_at: str = "admission"
+    reserve_at: str = RESERVE_AT_ADMISSION
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -120,9 +127,10 @@ class KVPathConfig:
             raise ConfigError("kv_connector_extra_config.kernel_oracle needs fabric_spec (the testbed's fabric)")
         if self.fabric_spec and not self.fabric_host:
             raise ConfigError("kv_connector_extra_config.fabric_spec needs fabric_host (this engine's host in the spec)")
-        if self.reserve_at not in ("admission", "push"):
-            raise ConfigError(f"kv_connector_extra_config.reserve_at must be admission or push, got {self.reserve_at!r}")
-        if self.reserve_at == "push" and not (self.reservation_url and self.fabric_host):
+        if self.reserve_at not in RESERVE_AT:
+            raise ConfigError(f"kv_connector_extra_config.reserve_at must be {' or '.join(RESERVE_AT)}, "
+                              f"got {self.reserve_at!r}")
+        if self.reserve_at == RESERVE_AT_PUSH and not (self.reservation_url and self.fabric_host):
             raise ConfigError("kv_connector_extra_config.reserve_at=push needs reservation_url and fabric_host")
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")

@@ -20,7 +20,8 @@ import zmq
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.nixl_io import PROBE_BYTES
-from kvpath.connector.telemetry import Stats, TraceWriter
+from kvpath.connector.telemetry import Stats
+from kvpath.trace import TraceWriter
 
 logger = logging.getLogger(__name__)
 

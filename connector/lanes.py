@@ -22,6 +22,7 @@ import numpy as np
 from kvpath.connector import messages as M
 from kvpath.connector.entropy import PathEntropyProvider, TcpSocketEntropy
 from kvpath.connector.nixl_io import wait_xfer
+from kvpath.five_tuple import FiveTuple
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,11 @@ class Lane:
     agent: int = 0  # index in the writer's agent pool
     path: str = ""  # what the path oracle said ("" without one)
 
-    def five_tuple(self) -> tuple[str, int, str, int, str]:
-        return (self.src_ip, self.src_port, self.dst_ip, self.dst_port, "tcp")
+    def five_tuple(self) -> FiveTuple | None:
+        """None until the lane's connection is learned."""
+        if not (self.src_port and self.src_ip and self.dst_ip):
+            return None
+        return FiveTuple(self.src_ip, self.dst_ip, self.src_port, self.dst_port, "tcp")
 
 
 def pick_distinct(open_candidate: Callable[[int], Hashable], pool: int, want: int, distinct: int) -> list[int]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvpath.connector.config import parse_host_port
-from kvpath.reservation import default_lane  # noqa: F401  (the connector's lane rule lives with the reservations)
 
 
 class BadTransferParams(ValueError):

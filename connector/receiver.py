@@ -26,7 +26,8 @@ from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.tcp_table import lanes_drained
-from kvpath.connector.telemetry import Stats, TraceWriter
+from kvpath.connector.telemetry import Stats
+from kvpath.trace import ReceivedRecord, TraceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -347,5 +348,5 @@ class PushReceiver(EngineThread):
                 if w is not None and not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
-                    self.trace.write_event("kv_received", transfer_id=tid, request_id=w.request_id,
-                                           engine=self.engine_id, at=time.time())
+                    self.trace.write(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
+                                                    at=time.time()))

@@ -1,80 +1,16 @@
-"""Per-transfer telemetry records, counters and the JSONL trace writer."""
+"""The connector's counters and per-step statistics. Its per-transfer records are the
+trace schema's (:class:`kvpath.trace.TransferRecord`), written through
+:class:`kvpath.trace.TraceWriter`."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+
+from kvpath.trace import TransferRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferRecord:
-    """One push, seen from P. Times are wall-clock seconds (time.time())."""
-
-    transfer_id: str
-    request_id: str  # P's request id
-    peer_engine: str = ""
-    peer_request_id: str = ""  # D's request id
-    bytes: int = 0
-    descriptors: int = 0
-    blocks: int = 0
-    lane: int = -1
-    src_port: int = 0
-    lease_id: str = ""  # the path reservation this push used, if any
-    registered_at: float | None = None  # D's registration arrived
-    prefill_done_at: float | None = None  # P's request finished
-    submit_at: float | None = None  # WRITE posted
-    first_byte_at: float | None = None  # not observable through NIXL/UCX: stays None
-    completed_at: float | None = None
-    status: str = "ok"  # ok | failed | expired | cancelled | rejected
-    detail: str = ""
-
-    @property
-    def duration_s(self) -> float | None:
-        if self.submit_at is None or self.completed_at is None:
-            return None
-        return self.completed_at - self.submit_at
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["kind"] = "kv_transfer"
-        d["duration_s"] = self.duration_s
-        return json.dumps(d, sort_keys=True)
-
-
-class TraceWriter:
-    """Appends records as JSON lines; safe to call from several threads."""
-
-    def __init__(self, path: str | None):
-        self.path = path.replace("{pid}", str(os.getpid())) if path else None
-        self._lock = threading.Lock()
-        self._fh = None
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._fh = open(self.path, "a", buffering=1)
-
-    def write(self, rec: TransferRecord) -> None:
-        if self._fh is None:
-            return
-        with self._lock:
-            self._fh.write(rec.to_json() + "\n")
-
-    def write_event(self, kind: str, **fields: Any) -> None:
-        if self._fh is None:
-            return
-        with self._lock:
-            self._fh.write(json.dumps({"kind": kind, **fields}, sort_keys=True) + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fh:
-                self._fh.close()
-                self._fh = None
 
 
 COUNTERS = (

@@ -10,7 +10,8 @@ from kvpath.connector.layout import layout_from_tensors
 from kvpath.connector.messages import Compat
 from kvpath.connector.receiver import PushReceiver
 from kvpath.connector.sender import PushSender
-from kvpath.connector.telemetry import Stats, TraceWriter
+from kvpath.connector.telemetry import Stats
+from kvpath.trace import TraceWriter
 from kvpath.connector.vllm_scheduler import KVPathMetadata
 
 if TYPE_CHECKING:

@@ -102,14 +102,39 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
             _, done, _ = d.call("wait", [f"d{i}"], 10)
             assert done == [f"d{i}"]
             assert d.call("read", [50 + i])[1] == p.expect([20 + i])  # first P block skipped
-        from kvpath.connector.params import default_lane
+        from kvpath.reservation import default_lane
 
         kv = [r for r in records if getattr(r, "transfer_id", "").startswith("lane-")]
         assert [r.lane for r in kv] == [2, 0, 1, default_lane("lane-3", 3)]
         lanes = next(iter(p.sender.lanes().values()))
         assert [r.src_port for r in kv[:3]] == [lanes[2].src_port, lanes[0].src_port, lanes[1].src_port]
+        assert [r.five_tuple for r in kv] == [lanes[r.lane].five_tuple() for r in kv]
         assert all(r.descriptors == SPEC.regions and r.bytes == SPEC.regions * SPEC.block_len for r in kv)
     p.sender.close()
+
+
+def test_the_connector_log_holds_trace_records_that_read_transfers_reads(tmp_path):
+    import os
+
+    from kvpath.trace import read_connector_log, read_transfers
+
+    c = cfg(lanes=2, trace_path=str(tmp_path / "log-{pid}.jsonl"))
+    p = PSide(c)
+    with PeerProcess(c, SPEC) as d:  # D, in its own process, writes its own file
+        d.call("register", "d0", "log-0", p.sender.address, [5], 0)
+        p.sender.submit_finished("p0", "log-0", [3])
+        _, done, _ = d.call("wait", ["d0"], 10)
+        assert done == ["d0"]
+        lanes = next(iter(p.sender.lanes().values()))
+    p.sender.close()
+    mine = tmp_path / f"log-{os.getpid()}.jsonl"
+    (t,) = read_transfers(mine)
+    assert (t.transfer_id, t.request_id, t.status, t.bytes) == ("log-0", "p0", "ok", SPEC.regions * SPEC.block_len)
+    assert t.duration_s > 0 and t.five_tuple == lanes[t.lane].five_tuple() and t.five_tuple.src_port == t.src_port
+    (opened,) = read_connector_log(mine).lanes
+    assert [(ln.lane, ln.five_tuple) for ln in opened.lanes] == [(ln.lane_id, ln.five_tuple()) for ln in lanes]
+    received = [r for f in tmp_path.glob("log-*.jsonl") if f != mine for r in read_connector_log(f).received]
+    assert [(r.transfer_id, r.request_id) for r in received] == [("log-0", "d0")]
 
 
 def test_lanes_are_picked_to_cover_distinct_paths_by_the_fabric_spec(tmp_path):

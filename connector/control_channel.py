@@ -1,0 +1,129 @@
+"""P's control channel: the ZMQ ROUTER socket D workers talk to (the side channel).
+
+Messages in: ``Hello`` (handed to lane set-up), ``Register`` and ``Cancel``; messages
+out: ``Welcome``, ``Ack`` and ``Pending`` heartbeats. Every method runs on the writer
+thread, which owns the socket (see :class:`kvpath.connector.sender.PushSender`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from kvpath.connector import messages as M
+from kvpath.connector.config import ConfigError
+from kvpath.trace import TransferRecord
+
+if TYPE_CHECKING:
+    from kvpath.connector.sender import PushSender
+
+logger = logging.getLogger(__name__)
+
+
+class ControlChannel:
+    """The side-channel half of :class:`~kvpath.connector.sender.PushSender` (a mixin:
+    the state is the sender's, this groups the code that reads and writes the socket)."""
+
+    def _open_router(self: "PushSender") -> None:
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._sockets.append(self._router)
+        try:
+            self._router.bind(f"tcp://{self.address}")
+        except zmq.ZMQError as e:
+            raise ConfigError(
+                f"kv_connector_extra_config.side_channel_port: cannot listen on {self.address}: {e}"
+            ) from e
+
+    def _drain_router(self: "PushSender") -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.stats.inc("messages_malformed")
+                logger.warning("dropped malformed control message (%d frames)", len(frames))
+                continue
+            ident, data = frames
+            try:
+                msg = M.decode_to_prefill(data)
+            except M.MalformedMessage as e:
+                self.stats.inc("messages_malformed")
+                logger.warning("dropped malformed control message: %s", e)
+                continue
+            if isinstance(msg, M.Cancel):
+                self._on_cancel(ident, msg.transfer_id)
+            elif isinstance(msg, M.Hello):
+                self._on_hello(ident, msg)
+            else:
+                self._on_register(ident, msg)
+
+    def _on_register(self: "PushSender", ident: bytes, reg: M.Register) -> None:
+        self.stats.inc("registrations")
+        tid = reg.transfer_id
+        peer = self._peers.get(reg.agent_name)
+        if peer is None:  # no handshake with this D (P restarted since): D says Hello again
+            self._ack(ident, tid, "unknown_peer", "no handshake with this D worker")
+            return
+        bad = [b for b in reg.block_ids if b >= peer.hello.layout.num_blocks]
+        if bad:
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "rejected", f"block id {bad[0]} outside D's {peer.hello.layout.num_blocks} blocks")
+            return
+        # D's deadlines, moved onto this clock. The message's age (wall clocks) is
+        # taken off, so a Register that sat in a queue gets no extra time.
+        now = time.monotonic()
+        age = max(0.0, time.time() - reg.sent_at) if reg.sent_at else 0.0
+        post_by = now + reg.post_by_s - age
+        if post_by <= now:
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "expired", f"registration arrived {age:.1f}s after it was sent")
+            return
+        status, m = self.state.add_registration(reg, ident, post_by)
+        if status == "duplicate":
+            self.stats.inc("registrations_duplicate")
+            logger.warning("registration of %s for transfer %s rejected: the transfer id is taken (state %s)",
+                           reg.request_id, tid, self.state.status_of(tid) or "pending")
+            self._ack(ident, tid, "rejected", "transfer id already registered by another request")
+            return
+        if status == "aborted":
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "rejected", "prefill request was aborted")
+            return
+        self._ack(ident, tid, "accepted")
+        if m is not None:
+            self._start_write(m)
+
+    def _on_cancel(self: "PushSender", ident: bytes, tid: str) -> None:
+        status, fp, _ = self.state.cancel(tid)
+        if status == "in_flight":
+            return  # D hears the completion notification or a failure
+        if fp is not None:
+            self._release(fp)
+            self.stats.inc("pushes_cancelled")
+            self.trace.write(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
+        self._ack(ident, tid, "cancelled")
+
+    def _heartbeat(self: "PushSender") -> None:
+        """Tell each D that P still holds its registrations (so D's clock measures
+        P's liveness, not P's queue)."""
+        by_ident: dict[bytes, list[str]] = {}
+        for pr in self.state.held_registrations():
+            by_ident.setdefault(pr.reply_to, []).append(pr.reg.transfer_id)
+        for ident, tids in by_ident.items():
+            self._send(ident, M.Pending(tids))
+        beat = min((p.hello.heartbeat_s for p in self._peers.values()), default=1.0)
+        self._next_heartbeat = time.monotonic() + beat
+
+    def _ack(self: "PushSender", ident: bytes, tid: str, status: str, detail: str = "", posted: bool = False) -> None:
+        self._send(ident, M.Ack(tid, status, detail, posted))
+
+    def _send(self: "PushSender", ident: bytes, msg: Any) -> None:
+        try:
+            self._router.send_multipart([ident, M.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a gone peer: its own deadlines end its requests
+            logger.debug("%s to a gone peer dropped: %s", type(msg).__name__, e)

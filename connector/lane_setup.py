@@ -1,0 +1,143 @@
+"""P's lane set-up: the pool of lane agents, the path oracle, the handshake with each
+D worker (compatibility, then opening and probing its lanes with a
+:class:`~kvpath.connector.lanes.LaneSet`), and telling D and the reservation service
+the lanes' 5-tuples. Every method runs on the writer thread except :meth:`LaneSetup.lanes`
+and :meth:`LaneSetup.worker_pair`, which only read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from kvpath.connector import messages as M
+from kvpath.connector.config import ConfigError
+from kvpath.connector.lanes import Lane, LaneSet
+from kvpath.connector.layout import LayoutMismatch, check_compatible
+from kvpath.connector.nixl_io import PROBE_BYTES, make_agent, register
+from kvpath.trace import LaneRecord, LanesRecord
+
+if TYPE_CHECKING:
+    from kvpath.connector.sender import PushSender
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    """A D worker that completed the handshake."""
+
+    hello: M.Hello
+    ident: bytes  # its control-channel identity
+    lanes: LaneSet
+
+
+class LaneSetup:
+    """The lane half of :class:`~kvpath.connector.sender.PushSender` (a mixin: the state
+    is the sender's, this groups the code that opens and announces lanes)."""
+
+    def _make_oracle(self: "PushSender") -> None:
+        self.oracle = None
+        if self.cfg.fabric_spec:
+            from kvpath.fabric import FabricSpec, FabricSpecError
+            from kvpath.oracle import KernelOracle, ModelOracle
+
+            try:
+                spec = FabricSpec.resolve(self.cfg.fabric_spec)
+                prefix = self.cfg.kernel_oracle
+                self.oracle = KernelOracle.for_prefix(spec, prefix) if prefix else ModelOracle(spec)
+            except (FabricSpecError, OSError) as e:
+                raise ConfigError(f"kv_connector_extra_config.fabric_spec: {e}") from e
+
+    def _make_lane_agents(self: "PushSender") -> None:
+        # With a path oracle the pool holds lane_candidates agents per lane, so each
+        # D peer's lanes can be picked to cover distinct paths.
+        pool = self.cfg.lanes * (self.cfg.lane_candidates if self.oracle else 1)
+        for i in range(pool):
+            agent = make_agent(f"{self.engine_id}-r{self.rank}-lane{i}")
+            register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
+            register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
+            self.lane_agents.append(agent)
+
+    def worker_pair(self: "PushSender", hello: M.Hello) -> str:
+        """The (P worker, D worker) pair's name in the reservation service."""
+        return f"{self.engine_id}/r{self.rank}>{hello.agent_name}"
+
+    def lanes(self: "PushSender") -> dict[str, list[Lane]]:
+        """D agent name -> its lanes (a snapshot; for tests and tools)."""
+        return {name: list(p.lanes.lanes) for name, p in self._peers.items()}
+
+    def _on_hello(self: "PushSender", ident: bytes, hello: M.Hello) -> None:
+        """The handshake: refuse an incompatible peer naming the field, else open lanes."""
+        self.stats.inc("handshakes")
+        bad = self.compat.mismatch(hello.compat)
+        if bad is None:
+            try:
+                check_compatible(self.layout, hello.layout)
+            except LayoutMismatch as e:
+                bad = ("kv_layout", str(e))
+        if bad is not None:
+            self.stats.inc("handshakes_refused")
+            logger.error("refused D %s (%s): %s", hello.engine_id, hello.agent_name, bad[1])
+            self._send(ident, M.Welcome(self.instance, False, bad[0], bad[1]))
+            return
+        peer = self._peers.get(hello.agent_name)
+        if peer is None:
+            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
+                            self.cfg.lanes, *self._path_rule(hello))
+            try:
+                lanes.open_all()
+            except Exception as e:  # a peer we cannot reach: refuse, keep serving the others
+                logger.warning("cannot open lanes to %s: %s", hello.agent_name, e)
+                for i in range(len(lanes.lanes)):
+                    lanes.tear_down(i)
+                self._send(ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
+                return
+            peer = self._peers[hello.agent_name] = Peer(hello, ident, lanes)
+            self._lanes_opened(peer)
+        peer.ident = ident
+        self._welcome(peer)
+
+    def _welcome(self: "PushSender", peer: Peer) -> None:
+        lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]
+        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes))
+
+    def _path_rule(self: "PushSender", hello: M.Hello) -> tuple[Callable[[Lane], str] | None, int]:
+        """(lane -> its path, how many paths there are) between us and ``hello``'s
+        host, when a fabric spec names both hosts; else no rule."""
+        src, dst = self.cfg.fabric_host, hello.fabric_host
+        if self.oracle is None or not src or not dst:
+            return None, 1
+        spec = self.oracle.spec
+        n_paths = spec.spines if spec.locate(src)[0] != spec.locate(dst)[0] else 1
+
+        def path_of(lane: Lane) -> str:
+            p = self.oracle.path(src, dst, lane.src_port, lane.dst_port)
+            return p.spine or "->".join(p.nodes)
+
+        return path_of, n_paths
+
+    def _lanes_opened(self: "PushSender", peer: Peer) -> None:
+        lanes, h = peer.lanes.lanes, peer.hello
+        self.stats.inc("lanes_opened", len(lanes))
+        logger.info("opened %d lanes to %s (%d candidates tried): %s", len(lanes), h.agent_name,
+                    peer.lanes.candidates_opened or len(lanes),
+                    [f"{l.src_ip}:{l.src_port}->{l.dst_ip}:{l.dst_port}{' via ' + l.path if l.path else ''}"
+                     for l in lanes])
+        self.trace.write(LanesRecord(peer=h.agent_name, engine=self.engine_id, lanes=[
+            LaneRecord(lane=l.lane_id, five_tuple=l.five_tuple(), path=l.path or None) for l in lanes]))
+        self._register_lanes(peer)
+        if self.on_lanes:
+            try:
+                self.on_lanes(h.agent_name, list(lanes))
+            except Exception:  # a telemetry callback must never break pushes
+                logger.exception("on_lanes callback failed")
+
+    def _register_lanes(self: "PushSender", peer: Peer) -> None:
+        """Tell the reservation service this worker pair's lanes (full 5-tuples)."""
+        h = peer.hello
+        if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
+            rows = [{"lane": l.lane_id, "src_ip": l.src_ip, "src_port": l.src_port, "dst_ip": l.dst_ip,
+                     "dst_port": l.dst_port, "proto": "tcp"} for l in peer.lanes.lanes if l.src_port]
+            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, self.worker_pair(h))

@@ -1,0 +1,225 @@
+"""P's write loop: a matched push (finished prefill + D's registration) gets its lane
+(given, asked of the reservation service at push time, or the hash's), its WRITE is
+posted on that lane's agent and progressed until NIXL says done or failed; then the
+blocks are freed, the reservation ended, D told, and the transfer record written.
+Every method runs on the writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpath.connector import messages as M
+from kvpath.connector.config import RESERVE_AT_PUSH
+from kvpath.connector.layout import build_descs
+from kvpath.connector.push_state import FinishedPrefill, Match
+from kvpath.reservation import default_lane
+from kvpath.trace import TransferRecord
+
+if TYPE_CHECKING:
+    from kvpath.connector.sender import PushSender
+
+logger = logging.getLogger(__name__)
+
+ASK_TIMEOUT_S = 0.05  # reserve_at=push: how long a push waits for its lane
+
+
+@dataclass
+class InFlight:
+    match: Match
+    lane: int
+    agent: Any
+    handle: Any
+    record: TransferRecord
+    slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
+
+
+class WriteLoop:
+    """The WRITE half of :class:`~kvpath.connector.sender.PushSender` (a mixin: the
+    state is the sender's, this groups the code that posts and completes pushes)."""
+
+    def _ask_lane(self: "PushSender", m: Match) -> bool:
+        """reserve_at=push: ask the reservation service for this push's lane first (on
+        the notifier's thread); the WRITE starts when the answer comes. False when
+        there is nothing to ask (a lane was given, no service, hosts unknown)."""
+        fp = m.prefill
+        if self.cfg.reserve_at != RESERVE_AT_PUSH or fp.lane is not None or fp.lane_asked or self.notifier is None:
+            return False
+        peer = self._peers.get(m.registration.reg.agent_name)
+        if peer is None or not peer.hello.fabric_host:
+            return False
+        fp.lane_asked = True
+        nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
+        self._asking[fp.transfer_id] = (m, time.monotonic())
+        self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, fp.transfer_id,
+                              lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
+        return True
+
+    def _on_reserved(self: "PushSender", tid: str, lane: int | None, lease_id: str | None) -> None:
+        asked = self._asking.pop(tid, None)
+        if asked is None:  # too late: the push went on the hash's lane; free what was reserved
+            if lease_id and self.notifier is not None:
+                self.notifier.release(lease_id)
+            return
+        m = asked[0]
+        m.prefill.lane, m.prefill.lease_id = lane, lease_id  # None: the hash's lane
+        self.stats.inc("lanes_reserved_at_push" if lane is not None else "lanes_reserve_fallback")
+        self._start_write(m)
+
+    def _stop_asking(self: "PushSender") -> None:
+        """A push waits ASK_TIMEOUT_S at most for its lane, then goes on the hash's lane."""
+        now = time.monotonic()
+        for tid, (m, at) in list(self._asking.items()):
+            if now - at > ASK_TIMEOUT_S:
+                del self._asking[tid]
+                self.stats.inc("lanes_reserve_fallback")
+                self._start_write(m)
+
+    def _start_write(self: "PushSender", m: Match) -> None:
+        if self._ask_lane(m):
+            return
+        fp, pr = m.prefill, m.registration
+        reg = pr.reg
+        n_lanes = self.cfg.lanes
+        lane = fp.lane if fp.lane is not None and 0 <= fp.lane < n_lanes else default_lane(fp.transfer_id, n_lanes)
+        peer = self._peers[reg.agent_name]
+        rec = TransferRecord(
+            transfer_id=fp.transfer_id, request_id=fp.request_id, peer_engine=peer.hello.engine_id,
+            peer_request_id=reg.request_id, lane=lane, lease_id=fp.lease_id or "",
+            registered_at=pr.received_at, prefill_done_at=fp.finished_at,
+        )
+        if time.monotonic() >= pr.post_by:
+            self._fail(m, "D's post_by deadline passed before the prefill finished", rec)
+            return
+        src = fp.block_ids[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
+        if len(src) < len(reg.block_ids):
+            self._fail(m, f"P has {len(fp.block_ids)} blocks, D expects {reg.skip_blocks + len(reg.block_ids)}", rec)
+            return
+        agent = peer.lanes.agent(lane)
+        try:
+            if peer.lanes.lanes[lane].broken:
+                peer.lanes.ensure(lane)
+                self._welcome(peer)  # D learns the new connection before any byte moves on it
+                self._register_lanes(peer)
+            rec.src_port = peer.lanes.lanes[lane].src_port
+            rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
+            loc, rem, nbytes = build_descs(self.layout, peer.hello.layout, src, reg.block_ids)
+            rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
+            rec.submit_at = time.time()
+            if len(loc) == 0:
+                self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted"))
+                agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
+                rec.completed_at = time.time()
+                self._succeed(m, rec)
+                return
+            l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
+            r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
+            h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, M.make_notif(fp.transfer_id))
+        except Exception as e:  # nothing was posted
+            self._fail(m, f"preparing the WRITE failed: {e}", rec)
+            return
+        self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes))  # D: progress fast now
+        try:
+            state = agent.transfer(h)
+        except Exception as e:
+            state = "ERR"
+            logger.warning("posting the WRITE of %s raised: %s", fp.transfer_id, e)
+        f = InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
+        if state == "ERR":
+            self._failed_write(f, "NIXL refused the WRITE")
+            return
+        self._inflight[fp.transfer_id] = f
+        if state == "DONE":
+            self._progress()
+
+    def _progress(self: "PushSender") -> None:
+        now = time.monotonic()
+        for tid, f in list(self._inflight.items()):
+            try:
+                state = f.agent.check_xfer_state(f.handle)
+            except Exception as e:  # the peer vanished under the transfer
+                state, why = "ERR", str(e)
+            else:
+                why = "transfer error"
+            if state == "PROC":
+                if now > f.slow_at:
+                    f.slow_at = float("inf")
+                    self.stats.inc("pushes_slow")
+                    logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
+                                   tid, self.cfg.transfer_timeout_s)
+                continue
+            del self._inflight[tid]
+            if state == "DONE":
+                self._release_handle(f)
+                f.record.completed_at = time.time()
+                self._succeed(f.match, f.record)
+            else:
+                self._failed_write(f, why)
+
+    def _release_handle(self: "PushSender", f: InFlight) -> None:
+        try:
+            f.agent.release_xfer_handle(f.handle)
+        except Exception:
+            logger.debug("releasing handle of %s failed", f.match.prefill.transfer_id, exc_info=True)
+
+    def _failed_write(self: "PushSender", f: InFlight, why: str) -> None:
+        """UCX reported the WRITE failed: it no longer reads the source blocks, and its
+        connection is broken. The lane is reopened on its next use."""
+        self._inflight.pop(f.match.prefill.transfer_id, None)
+        self._release_handle(f)
+        peer = self._peers.get(f.match.registration.reg.agent_name)
+        if peer is not None:
+            peer.lanes.tear_down(f.lane)
+            self.stats.inc("lanes_torn_down")
+        self._fail(f.match, why, f.record, posted=True)
+
+    def _succeed(self: "PushSender", m: Match, rec: TransferRecord) -> None:
+        self.state.complete(m.prefill.transfer_id, "ok")
+        self._release(m.prefill)
+        self.stats.inc("pushes_ok")
+        self.stats.observe_transfer(rec)
+        self.trace.write(rec)
+        logger.debug("pushed %s: %d B in %d descs on lane %d", rec.transfer_id, rec.bytes, rec.descriptors, rec.lane)
+
+    def _fail(self: "PushSender", m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
+        tid = m.prefill.transfer_id
+        self.state.active.setdefault(tid, m)
+        self.state.complete(tid, "failed")
+        self._release(m.prefill)
+        self.stats.inc("pushes_failed")
+        rec = rec or TransferRecord(tid, m.prefill.request_id)
+        rec.status, rec.detail, rec.completed_at = "failed", why, time.time()
+        self.trace.write(rec)
+        logger.warning("push %s failed: %s", tid, why)
+        self._ack(m.registration.reply_to, tid, "failed", why, posted)
+
+    def _expire(self: "PushSender") -> None:
+        ex = self.state.expire()
+        for fp in ex.prefills:
+            self._release(fp)
+            self.stats.inc("pushes_expired")
+            self.trace.write(
+                TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
+                               detail=f"no registration within {self.cfg.lease_timeout_s}s")
+            )
+            logger.warning("lease of %s expired: D never registered; blocks freed", fp.transfer_id)
+        for pr in ex.registrations:
+            self.stats.inc("registrations_rejected")
+            self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
+
+    def _release(self: "PushSender", fp: FinishedPrefill) -> None:
+        """The push of ``fp`` ended (any way): free its blocks, end its reservation."""
+        if fp.lease_id and self.notifier is not None:
+            self.notifier.release(fp.lease_id)
+        request_id = fp.request_id
+        # Report each request once: vLLM frees (and forgets) it on the first report.
+        if request_id in self._released:
+            return
+        self._released[request_id] = None
+        if len(self._released) > 65536:
+            self._released.popitem(last=False)
+        with self._finished_lock:
+            self._finished.add(request_id)

@@ -122,7 +122,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
             if cfg.pushes:
                 data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", timeout=30).json()["decisions"]
                 data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", timeout=30).json()["lanes_known"]
-            data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in _minus(spine_flow_bytes(fabric), base_flows).items()}
+            flows = _minus(spine_flow_bytes(fabric), base_flows)
+            data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in flows.items()}
             data.link_bytes = {f"{n}:{i}": b - base_links.get((n, i), 0) for (n, i), b in link_bytes(fabric).items()}
         finally:
             engines.stop()

@@ -83,7 +83,8 @@ class RunConfig:
         if self.engine == "vllm" and self.scale_s != 1.0:
             raise RunConfigError("--scale-s: vLLM engines push their real KV bytes, so S is 1 with --engine vllm")
         if not 1 <= self.min_prompt <= self.max_prompt:
-            raise RunConfigError(f"--min-prompt/--max-prompt: need 1 <= min <= max, got {self.min_prompt}, {self.max_prompt}")
+            raise RunConfigError("--min-prompt/--max-prompt: need 1 <= min <= max, "
+                                 f"got {self.min_prompt}, {self.max_prompt}")
         if self.engine == "vllm":
             self._validate_vllm(n_p + n_d)
         elif self.connector != "kvpath":

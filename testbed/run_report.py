@@ -93,6 +93,7 @@ def join(data: RunData, ip_of: Any) -> Joined:
                 j.flows.append({"flow_id": tid, "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip,
                                 "src_port": sport, "dst_port": row["dst_port"], "bytes": t.bytes,
                                 "start": t.submit_at, "end": end, "path": spine, "fct": fct,
+                                "lane": t.lane, "path_predicted": row["path_predicted"],
                                 "wire_fct": standalone,
                                 "wire_slowdown": fct / standalone if standalone else None})
         j.requests.append(row)

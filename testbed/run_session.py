@@ -92,7 +92,8 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
             w.write(FlowRecord(flow_id=f["flow_id"], request_id=f["request_id"],
                                five_tuple=FiveTuple(f["src_ip"], f["dst_ip"], f["src_port"], f["dst_port"] or 0),
                                bytes=f["bytes"], start_s=rel(f["start"]), end_s=rel(f["end"]), path=f["path"],
-                               standalone_fct_s=f["standalone_fct"]))
+                               standalone_fct_s=f["standalone_fct"], lane=f["lane"],
+                               path_predicted=f["path_predicted"]))
 
 
 def _fmt(st: dict[str, Any], key: str, ms: bool = True) -> str:

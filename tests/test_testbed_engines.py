@@ -101,7 +101,8 @@ def test_vllm_records_come_from_the_connectors_logs(tmp_path):
     assert recs["l0h0"] == {"role": "prefill", "kv_usage": 0, "records": [
         {"transfer_id": T1, "prefill_end": 100.0}, {"transfer_id": T2, "prefill_end": 101.0}]}
     assert recs["l1h0"]["role"] == "decode"
-    assert recs["l1h0"]["records"] == [{"transfer_id": T1, "kv_ready": 100.7}, {"transfer_id": "other", "kv_ready": 1.0}]
+    assert recs["l1h0"]["records"] == [{"transfer_id": T1, "kv_ready": 100.7},
+                                       {"transfer_id": "other", "kv_ready": 1.0}]
     # vLLM's own connector writes none: no records, even where a file is left over
     pull = VllmEngines(_site(tmp_path, engine="vllm", connector="nixl", mode="ecmp")).records()
     assert pull["l0h0"]["records"] == [] and pull["l1h0"]["records"] == []
@@ -137,3 +138,38 @@ def test_a_failed_answer_is_recorded_with_its_status(tmp_path):
     rows, _ = asyncio.run(drive("http://proxy", Workload([Request("r0", 0.0, 3, 2)]), cfg, "m",
                                 Console(file=io.StringIO()), transport=transport))
     assert rows[0]["status"] == "http 503" and rows[0]["tokens"] == 0 and "first_token" not in rows[0]
+
+
+def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path):
+    from dataclasses import asdict
+
+    from kvpath.five_tuple import FiveTuple
+    from kvpath.trace import read_trace
+    from kvpath.testbed.orchestrator import RunData
+    from kvpath.testbed.run_report import join
+    from kvpath.testbed.run_session import write_trace
+
+    _write_logs(tmp_path)
+    site = _site(tmp_path)
+    spec = site.fabric.spec
+    p_ip, d_ip = spec.host_ip("l0h0"), spec.host_ip("l1h0")
+    data = RunData(asdict(site.cfg), "kvp-test", ["l0h0"], ["l1h0"], 200.0, started=99.0)
+    data.transfers = pushes(site)
+    data.client = [{"request_id": "r0", "transfer_id": T1, "status": "ok", "arrival": 99.9, "prompt_tokens": 100,
+                    "tokens": 3, "first_token": 100.8, "completion": 101.0}]
+    data.engine_records = {"l0h0": {"role": "prefill", "records": [{"transfer_id": T1, "prefill_end": 100.0}]},
+                           "l1h0": {"role": "decode", "records": [{"transfer_id": T1, "kv_ready": 100.7}]}}
+    data.decisions = [{"transfer_id": T1, "lane": 1, "spine": "spine1"}]
+    data.lanes_known = {"l0h0->l1h0": {"w0": [[1, 48439, 39027]]}}
+    data.flow_bytes = {json.dumps(FiveTuple(p_ip, d_ip, 48439, 39027).to_dict()): {"spine1": 290000}}
+    j = join(data, spec.host_ip)
+    (r,) = j.requests
+    assert (r["p_host"], r["d_host"], r["kv_bytes"], r["lane"]) == ("l0h0", "l1h0", 285056, 1)
+    assert (r["push_start"], r["push_end"]) == (100.5, 100.7)  # the push ends at D's receipt
+    assert (r["src_port"], r["dst_port"], r["path_predicted"], r["path_measured"]) == (48439, 39027, "spine1", "spine1")
+    write_trace(tmp_path / "trace.jsonl", data, j, spec)
+    trace = read_trace(tmp_path / "trace.jsonl")
+    (f,) = trace.flows
+    assert (f.flow_id, f.lane, f.path, f.path_predicted) == (T1, 1, "spine1", "spine1")
+    assert f.five_tuple == FiveTuple(p_ip, d_ip, 48439, 39027) and abs(f.fct_s - 0.2) < 1e-9
+    assert trace.requests[0].push_end_s == r["push_end"] - 99.0

@@ -139,7 +139,8 @@ def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_o
         spines = [p.spine for p in oracle.paths([("l0h0", "l1h0", sp, KV_SIDE_CHANNEL_PORT, "tcp") for sp in sports])]
         lanes = [sports[spines.index("spine0")], sports[spines.index("spine1")]]
         svc = build_service("small", "cc", 10.0, 0.0, kernel_oracle=fabric.prefix)
-        svc.register_lanes("l0h0", "l1h0", [LaneInfo(i, sp, KV_SIDE_CHANNEL_PORT, spec.host_ip("l0h0"), spec.host_ip("l1h0"))
+        p_ip, d_ip = spec.host_ip("l0h0"), spec.host_ip("l1h0")
+        svc.register_lanes("l0h0", "l1h0", [LaneInfo(i, sp, KV_SIDE_CHANNEL_PORT, p_ip, d_ip)
                                             for i, sp in enumerate(lanes)])
         a = svc.reserve("l0h0", "l1h0", 50_000_000, transfer_id="a")
         b = svc.reserve("l0h0", "l1h0", 50_000_000, transfer_id="b")

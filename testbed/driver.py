@@ -14,11 +14,8 @@ import psutil
 from rich.console import Console
 from rich.progress import Progress
 
+from kvpath.proxy.config import TRANSFER_ID_HEADER  # the proxy names each request's transfer id there
 from kvpath.testbed.run_config import RunConfig
-
-# The proxy names the transfer id of a request's KV push in this answer header (the same
-# id is in the connector's transfer records and the reservation service's decisions).
-TRANSFER_ID_HEADER = "X-KVPath-Transfer-Id"
 
 # ids every tiny tokenizer has: 4 special tokens, then the 256-symbol byte alphabet
 # (its BPE merges depend on the corpus, so the vocabulary's size is not fixed)

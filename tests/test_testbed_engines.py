@@ -17,7 +17,8 @@ from rich.console import Console
 
 from kvpath.trace import ReceivedRecord, TransferRecord
 from kvpath.workloads import Request, Workload
-from kvpath.testbed.driver import TRANSFER_ID_HEADER, drive
+from kvpath.proxy.config import TRANSFER_ID_HEADER
+from kvpath.testbed.driver import drive
 from kvpath.testbed.emulated_engines import EmulatedEngines
 from kvpath.testbed.engines import RunSite, engines_for
 from kvpath.testbed.orchestrator import Push, proxy_argv, pushes

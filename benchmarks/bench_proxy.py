@@ -27,16 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
+import numpy as np
+import psutil
+import uvloop
+from rich.console import Console
+from rich.progress import track as progress
+from rich.table import Table
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import uvloop  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import track as progress  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvpath.testbed.readiness import free_port, wait_http  # noqa: E402
+from kvpath import reservation_wire as wire
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.testbed.readiness import free_port, wait_http
 
 LANES = 8
 
@@ -120,10 +121,10 @@ def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, ti
 async def register_lanes(px_url: str, token: str) -> None:
     """Lanes for the bench's P->D pair, as P's connector registers them: without
     them every reservation would be a quick 'no_lanes' fallback, not a decision."""
-    lanes = [{"lane": i, "src_port": 41000 + i} for i in range(LANES)]
+    body = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(i, 41000 + i) for i in range(LANES)])
     async with aiohttp.ClientSession() as c:
-        async with c.post(px_url + "/reservation/v1/lanes", headers={"Authorization": f"Bearer {token}"},
-                          json={"src_host": "l0h0", "dst_host": "l1h0", "lanes": lanes}) as r:
+        async with c.post(px_url + "/reservation" + wire.LANES_PATH, data=wire.encode(body),
+                          headers={"Authorization": f"Bearer {token}", "content-type": "application/json"}) as r:
             if r.status != 200:
                 raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
 
@@ -131,7 +132,7 @@ async def register_lanes(px_url: str, token: str) -> None:
 async def reservation_counts(px_url: str) -> tuple[int, int]:
     """(reservations decided, fallbacks) so far, from the proxy."""
     async with aiohttp.ClientSession() as c:
-        async with c.get(px_url + "/reservation/v1/state") as r:
+        async with c.get(px_url + "/reservation" + wire.STATE_PATH) as r:
             decided = (await r.json())["counters"].get("reservations", 0)
         async with c.get(px_url + "/metrics") as r:
             text = await r.text()
@@ -175,7 +176,7 @@ def main() -> int:
         procs.append(subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:5600,fabric_host=l0h0",
+             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT},fabric_host=l0h0",
              "--decode", f"http://127.0.0.1:{ports['d']},fabric_host=l1h0", *res_args], env=env))
         proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
         d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"

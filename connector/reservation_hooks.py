@@ -4,7 +4,8 @@ The writer thread must never wait on HTTP: it queues the call here and a small
 thread posts it (lane registrations when lanes open, releases when pushes end); a
 second thread asks for lanes (reserve_at=push) and hands the answer back.
 A service that is down only costs a counter and a debug log line; leases end
-reservations whose release never arrives.
+reservations whose release never arrives. :class:`ReservationNotifier` is the
+:class:`~kvpath.reservation_wire.QueuedReserver` shape; its bodies are the wire's types.
 """
 
 from __future__ import annotations
@@ -12,11 +13,29 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Mapping, NamedTuple, Sequence
 
+import msgspec
+
+from kvpath import reservation_wire as wire
 from kvpath.connector.telemetry import Stats
+from kvpath.reservation_wire import LaneInfo, ReservedCallback
 
 logger = logging.getLogger(__name__)
+
+
+class _Call(NamedTuple):
+    path: str  # a route of kvpath.reservation_wire
+    body: wire.ReserveRequest | wire.ReleaseRequest | wire.LanesRequest  # encoded on the notifier's thread
+    done: ReservedCallback | None = None  # reserve calls only
+
+
+def _lane(row: LaneInfo | tuple[int, int] | Mapping[str, Any]) -> LaneInfo:
+    if isinstance(row, LaneInfo):
+        return row
+    if isinstance(row, Mapping):
+        return msgspec.convert(row, LaneInfo)
+    return LaneInfo(row[0], row[1])
 
 
 class ReservationNotifier:
@@ -26,41 +45,50 @@ class ReservationNotifier:
         self.stats = stats or Stats()
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._q: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
+        self._q: queue.Queue[_Call | None] = queue.Queue(maxsize=10000)
         # reserve calls get their own thread: a push must not wait behind registrations
         # and releases (up to timeout_s each when the service is down)
-        self._rq: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
+        self._rq: queue.Queue[_Call | None] = queue.Queue(maxsize=10000)
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"kvpath-reservation-{n}", daemon=True)
                          for q, n in ((self._q, "notifier"), (self._rq, "reserver"))]
         for t in self._threads:
             t.start()
 
     def register_lanes(
-        self, src_host: str, dst_host: str, lanes: list[tuple[int, int]] | list[dict[str, Any]], worker: str = ""
+        self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo | tuple[int, int] | Mapping[str, Any]],
+        worker: str = "",
     ) -> None:
-        """``lanes``: (lane id, source port) pairs, or dicts with the full 5-tuple
-        (lane, src_ip, src_port, dst_ip, dst_port, proto). ``worker`` names the
-        (P worker, D worker) pair, so pairs of one host pair never overwrite each other."""
-        rows = [x if isinstance(x, dict) else {"lane": x[0], "src_port": x[1]} for x in lanes]
-        self._post("/v1/lanes", {"src_host": src_host, "dst_host": dst_host, "worker": worker, "lanes": rows})
+        """``lanes``: LaneInfo 5-tuples, (lane id, source port) pairs, or dicts of
+        LaneInfo's fields. ``worker`` names the (P worker, D worker) pair, so pairs of
+        one host pair never overwrite each other."""
+        try:
+            rows = [_lane(x) for x in lanes]
+        except (msgspec.ValidationError, TypeError, IndexError) as e:  # never raise into the writer
+            self.stats.inc("reservation_calls_failed")
+            logger.warning("lanes not registered: %s", e)
+            return
+        self._post(_Call(wire.LANES_PATH, wire.LanesRequest(src_host=src_host, dst_host=dst_host, worker=worker,
+                                                            lanes=rows)))
 
     def release(self, lease_id: str) -> None:
-        self._post("/v1/release", {"lease_id": lease_id})
+        self._post(_Call(wire.RELEASE_PATH, wire.ReleaseRequest(lease_id)))
 
-    def reserve(self, src_host: str, dst_host: str, nbytes: int, transfer_id: str,
-                done: Callable[[str, int | None, str | None], None]) -> None:
+    def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                transfer_id: str = "", *, done: ReservedCallback) -> None:
         """Ask for a lane now; ``done(transfer_id, lane, lease_id)`` is called from the
-        notifier's thread with the answer, or with (None, None) when there is none."""
-        body = {"src_host": src_host, "dst_host": dst_host, "bytes": nbytes, "transfer_id": transfer_id}
+        notifier's thread with the answer, or with (None, None) when there is none
+        (at once, from this thread, when the queue is full)."""
+        req = wire.ReserveRequest(src_host=src_host, dst_host=dst_host, bytes=nbytes,
+                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id)
         try:
-            self._rq.put_nowait(("/v1/reserve", dict(body, _done=done)))
+            self._rq.put_nowait(_Call(wire.RESERVE_PATH, req, done))
         except queue.Full:
             self.stats.inc("reservation_calls_failed")
             done(transfer_id, None, None)
 
-    def _post(self, path: str, body: dict[str, Any]) -> None:
+    def _post(self, call: _Call) -> None:
         try:
-            self._q.put_nowait((path, body))
+            self._q.put_nowait(call)
         except queue.Full:
             self.stats.inc("reservation_calls_failed")
 
@@ -70,38 +98,37 @@ class ReservationNotifier:
         for t in self._threads:
             t.join(timeout=3)
 
-    def _run(self, q: "queue.Queue[tuple[str, dict[str, Any]] | None]") -> None:
+    def _run(self, q: "queue.Queue[_Call | None]") -> None:
         import httpx
 
-        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
+        headers = {**self._headers, "content-type": "application/json"}
+        with httpx.Client(timeout=self.timeout_s, headers=headers) as client:
             if q is self._rq:  # open the connection now: the first push should not pay for it
                 try:
-                    client.get(self.base_url + "/health")
+                    client.get(self.base_url + wire.HEALTH_PATH)
                 except Exception:
                     pass
             while True:
-                item = q.get()
-                if item is None:
+                call = q.get()
+                if call is None:
                     return
-                path, body = item
-                done = body.pop("_done", None)
                 lane = lease = None
                 try:
-                    r = client.post(self.base_url + path, json=body)
+                    r = client.post(self.base_url + call.path, content=wire.encode(call.body))
                     if r.status_code >= 400:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                     self.stats.inc("reservation_calls_ok")
-                    if done is not None:
-                        ans = r.json()
-                        lane, lease = ans.get("lane"), ans.get("lease_id")
+                    if call.done is not None:
+                        ans = wire.decode_answer(r.content)
+                        lane, lease = ans.lane, ans.lease_id or None
                         if lane is None and lease:  # a fallback ("no_lanes"): nothing to hold
-                            self._post("/v1/release", {"lease_id": lease})
+                            self._post(_Call(wire.RELEASE_PATH, wire.ReleaseRequest(lease)))
                             lease = None
                 except Exception as e:  # the service is optional: count and go on
                     self.stats.inc("reservation_calls_failed")
-                    logger.debug("reservation service call %s failed: %s", path, e)
-                if done is not None:
+                    logger.debug("reservation service call %s failed: %s", call.path, e)
+                if call.done is not None and isinstance(call.body, wire.ReserveRequest):
                     try:
-                        done(body["transfer_id"], lane, lease)
+                        call.done(call.body.transfer_id, lane, lease)
                     except Exception:  # the writer's callback must not kill this thread
                         logger.exception("reservation callback failed")

@@ -3,7 +3,7 @@
 A live run's log (``GET /reservation/v1/decisions``) records, for every reservation,
 the lanes it chose among with their spines, its bytes, and when (in the service's own
 order, ``seq``/``end_seq``) it was made and ended. Replaying that sequence through a
-fresh :class:`~kvpath.proxy.reservation.ReservationService` in some mode answers "what would
+fresh :class:`~kvpath.reservation.ReservationService` in some mode answers "what would
 this mode have chosen, given exactly the same requests at exactly the same moments":
 
 - replayed in the run's own mode it must reproduce every logged decision (a check

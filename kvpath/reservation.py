@@ -32,12 +32,14 @@ import time
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
+from kvpath.reservation_wire import METRICS, MODES, LaneInfo, ReserveAnswer
 
-MODES = ("ecmp", "cc", "dc")
+__all__ = ["MODES", "METRICS", "LaneInfo", "Reservation", "ReservationError", "ReservationService", "default_lane"]
+
 Link = tuple[str, str]
 
 
@@ -57,18 +59,6 @@ class ReservationError(ValueError):
     """Bad reservation input; the message names the field."""
 
 
-@dataclass(frozen=True)
-class LaneInfo:
-    """One lane's 5-tuple as its P worker learned it from the connection."""
-
-    lane: int
-    src_port: int
-    dst_port: int = 0
-    src_ip: str = ""
-    dst_ip: str = ""
-    proto: str = "tcp"
-
-
 @dataclass
 class Reservation:
     lease_id: str
@@ -85,16 +75,16 @@ class Reservation:
     # every worker pair's path of the chosen lane (``path`` is the first)
     paths: tuple[Path, ...] = ()
 
-    def to_dict(self, now: float) -> dict:
-        """``now`` on the service's clock (the lease's expiry is on it too)."""
-        return {
-            "lease_id": self.lease_id, "transfer_id": self.transfer_id, "src_host": self.src_host,
-            "dst_host": self.dst_host, "bytes": self.bytes, "lane": self.lane, "src_port": self.src_port,
-            "path": list(self.path.nodes) if self.path else None, "spine": self.path.spine if self.path else None,
-            "spines": [p.spine for p in self.paths],
-            "expires_in_s": round(self.expires_at - now, 3) if self.expires_at else None,
-            "mode": self.mode, "fallback": self.fallback,
-        }
+    def answer(self, now: float) -> ReserveAnswer:
+        """The wire's answer; ``now`` on the service's clock (the lease's expiry is on it too)."""
+        return ReserveAnswer(
+            lease_id=self.lease_id, transfer_id=self.transfer_id, src_host=self.src_host,
+            dst_host=self.dst_host, bytes=self.bytes, lane=self.lane, src_port=self.src_port,
+            path=list(self.path.nodes) if self.path else None, spine=self.path.spine if self.path else None,
+            spines=[p.spine for p in self.paths],
+            expires_in_s=round(self.expires_at - now, 3) if self.expires_at else None,
+            mode=self.mode, fallback=self.fallback,
+        )
 
 
 class LinkLoads:
@@ -188,10 +178,10 @@ class _DelayedView:
         return worst, total, worst_b
 
 
-METRICS = ("flows", "bytes")
-
-
 class ReservationService:
+    """The decisions, in process (the :class:`~kvpath.reservation_wire.SyncReserver`
+    shape). Not thread-safe: the HTTP service calls it from one event loop."""
+
     def __init__(
         self,
         spec: FabricSpec,
@@ -237,7 +227,7 @@ class ReservationService:
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
-    def register_lanes(self, src_host: str, dst_host: str, lanes: list[LaneInfo], worker: str = "") -> None:
+    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "") -> None:
         """(Re)register the lanes of one (P worker, D worker) pair, e.g. after a lane reopened."""
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         self._check_lanes(lanes)
@@ -253,7 +243,7 @@ class ReservationService:
 
     # ---- decisions -------------------------------------------------------
     def reserve(
-        self, src_host: str, dst_host: str, nbytes: int, lanes: list[LaneInfo] | None = None, transfer_id: str = ""
+        self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None, transfer_id: str = ""
     ) -> Reservation:
         now = self.clock()
         self.expire(now)
@@ -362,7 +352,7 @@ class ReservationService:
         return c
 
     def _candidates(
-        self, src: str, dst: str, lanes: list[LaneInfo] | None
+        self, src: str, dst: str, lanes: Sequence[LaneInfo] | None
     ) -> list[tuple[LaneInfo, tuple[Path, ...]]]:
         """Per lane id: the lane (of the first worker pair) and its path for every pair.
         Only lane ids that every worker pair has are candidates."""
@@ -380,7 +370,7 @@ class ReservationService:
         return got
 
     @staticmethod
-    def _check_lanes(lanes: list[LaneInfo]) -> None:
+    def _check_lanes(lanes: Sequence[LaneInfo]) -> None:
         seen = set()
         for ln in lanes:
             if not isinstance(ln.lane, int) or ln.lane < 0 or ln.lane in seen:

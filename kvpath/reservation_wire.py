@@ -1,13 +1,181 @@
-"""The path reservation service's wire: its vocabularies (modes, load metrics, when a
-lane is reserved). Every part that names one of them imports it from here.
+"""The path reservation service's wire, defined once for the service and every client.
 
-(Issue 17: the routes and the request/answer types join these here.)
+- Its vocabularies: decision modes, load metrics, when a lane is reserved.
+- Its routes, relative to the service's base URL (``http://HOST:8900``, or
+  ``http://PROXY/reservation`` for the service inside the proxy).
+- Its request and answer bodies (msgspec Structs; the JSON field names are the API
+  that docs/reservation.md lists). The service decodes the requests with these types
+  and encodes its answers with them; the clients do the reverse.
+- The three shapes of caller, as typed protocols that share one ``reserve``
+  signature, the fields of :class:`ReserveRequest` in its order:
+  :class:`SyncReserver` (the in-process service, ``kvpath.reservation.ReservationService``),
+  :class:`AsyncReserver` (the proxy's clients: in-process or over HTTP) and
+  :class:`QueuedReserver` (P's connector: queued calls answered through a callback,
+  so that its writer thread never waits on the service).
+
+msgspec only (no pydantic or FastAPI): the connector imports this inside vLLM's
+processes.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Annotated, Callable, Final, Protocol, Sequence, runtime_checkable
 
+import msgspec
+from msgspec import Meta
+
+if TYPE_CHECKING:
+    from kvpath.reservation import Reservation
+
+# ---- vocabularies ---------------------------------------------------------
 MODES: Final = ("ecmp", "cc", "dc")  # hash-chosen lane, central decision, distributed decision
 METRICS: Final = ("flows", "bytes")  # what cc/dc count on a link when they compare lanes
 RESERVE_AT: Final = ("admission", "push")  # the proxy reserves at admission, or P's connector at push start
+
+# ---- routes ---------------------------------------------------------------
+RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer
+RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent)
+LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (needs the admin token when the service has one)
+STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters
+DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/decision_replay.py)
+HEALTH_PATH: Final = "/health"
+METRICS_PATH: Final = "/metrics"  # Prometheus
+
+# ---- bodies ---------------------------------------------------------------
+# Bounds a client cannot exceed: names and lists come from the network.
+Host = Annotated[str, Meta(min_length=1, max_length=64)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+
+
+class LaneInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One lane's 5-tuple as its P worker learned it from the connection. Positional
+    like a tuple: ``LaneInfo(lane, src_port, dst_port)``."""
+
+    lane: Annotated[int, Meta(ge=0, le=1023)]
+    src_port: Port
+    dst_port: Port = 0
+    src_ip: Annotated[str, Meta(max_length=64)] = ""
+    dst_ip: Annotated[str, Meta(max_length=64)] = ""
+    proto: Annotated[str, Meta(pattern="^(tcp|udp)$")] = "tcp"
+
+
+class ReserveRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Ask for a lane for one transfer of ``bytes`` from ``src_host`` to ``dst_host``
+    (fabric host names or IPs). ``lanes``: the candidates, when the caller has them
+    (else the lanes P's connector registered); ``transfer_id``: names the decision."""
+
+    src_host: Host
+    dst_host: Host
+    bytes: Annotated[int, Meta(ge=0)]
+    lanes: Annotated[list[LaneInfo], Meta(max_length=1024)] | None = None
+    transfer_id: Annotated[str, Meta(max_length=256)] = ""
+
+
+class ReserveAnswer(msgspec.Struct, kw_only=True):
+    """The decision. ``fallback`` is "" when the service decided, else why not
+    (``no_lanes``: no lane known for the pair; then ``lane`` is null). Every field
+    has a default so that a client reads what it needs from any service version."""
+
+    lease_id: str = ""
+    transfer_id: str = ""
+    src_host: str = ""
+    dst_host: str = ""
+    bytes: int = 0
+    lane: int | None = None
+    src_port: int | None = None
+    path: list[str] | None = None  # node names, P host to D host
+    spine: str | None = None  # the path's spine (null under one leaf)
+    spines: list[str | None] = []  # the chosen lane's spine for every registered worker pair
+    expires_in_s: float | None = None
+    mode: str = ""
+    fallback: str = ""
+
+
+class ReleaseRequest(msgspec.Struct):
+    lease_id: Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class ReleaseAnswer(msgspec.Struct):
+    lease_id: str
+    released: bool  # False when it had already ended
+
+
+class LanesRequest(msgspec.Struct, kw_only=True):
+    """The lanes of one (P worker, D worker) pair of a host pair; ``worker`` names the
+    pair, so pairs never overwrite each other."""
+
+    src_host: Host
+    dst_host: Host
+    worker: Annotated[str, Meta(max_length=512)] = ""
+    lanes: Annotated[list[LaneInfo], Meta(min_length=1, max_length=1024)]
+
+
+class LanesAnswer(msgspec.Struct):
+    ok: bool
+    lanes: int
+
+
+class LaneGrant(msgspec.Struct, frozen=True):
+    """What a client keeps of a :class:`ReserveAnswer`: the lane and the lease to end,
+    or, with neither, why not (the service's ``fallback``, or the client's own reason:
+    ``timeout``, ``unreachable``, ``http_<status>``, ``bad_answer``, ``rejected: ...``)."""
+
+    lane: int | None = None
+    lease_id: str | None = None
+    spine: str | None = None
+    fallback: str = ""
+
+    @classmethod
+    def of(cls, answer: ReserveAnswer) -> "LaneGrant":
+        if answer.fallback:
+            return cls(fallback=answer.fallback)
+        return cls(answer.lane, answer.lease_id, answer.spine)
+
+
+# Encoders/decoders are built once: msgspec caches nothing per call.
+encode = msgspec.json.Encoder().encode
+decode_answer = msgspec.json.Decoder(ReserveAnswer).decode
+
+
+# ---- the three shapes of caller ----------------------------------------------
+@runtime_checkable
+class SyncReserver(Protocol):
+    """The in-process service: decides at once (``kvpath.reservation.ReservationService``)."""
+
+    def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                transfer_id: str = "") -> "Reservation": ...
+
+    def release(self, lease_id: str) -> bool: ...
+
+
+@runtime_checkable
+class AsyncReserver(Protocol):
+    """The proxy's clients (``kvpath.proxy.reservation_client``). ``reserve`` never
+    raises for the service's faults: a grant without a lane says why."""
+
+    async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                      transfer_id: str = "") -> LaneGrant: ...
+
+    async def release(self, lease_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# done(transfer_id, lane, lease_id): lane and lease_id are None when there is no decision
+ReservedCallback = Callable[[str, int | None, str | None], None]
+
+
+@runtime_checkable
+class QueuedReserver(Protocol):
+    """P's connector (``kvpath.connector.reservation_hooks.ReservationNotifier``): every
+    call only queues; ``reserve`` answers through ``done``, called from another thread
+    (or at once, with no lane, when the queue is full)."""
+
+    def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                transfer_id: str = "", *, done: ReservedCallback) -> None: ...
+
+    def release(self, lease_id: str) -> None: ...
+
+    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "") -> None: ...
+
+    def close(self) -> None: ...

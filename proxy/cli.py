@@ -8,8 +8,8 @@ import logging
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
-from kvpath.reservation import MODES as RES_MODES
 from kvpath.reservation import ReservationError, ReservationService
+from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id")
@@ -58,7 +58,7 @@ def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") 
     p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
     p.add_argument("--lease-s", type=float, default=10.0, help="a reservation ends after this without a release")
     p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
-    p.add_argument("--cc-metric", choices=("flows", "bytes"), default="flows",
+    p.add_argument("--cc-metric", choices=METRICS, default="flows",
                    help="cc/dc: least reserved flows on a path's busiest link, or least reserved bytes")
 
 
@@ -90,9 +90,12 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvpath.proxy.app import Proxy, ProxyConfig, create_app
+    from kvpath.proxy.app import create_app
+    from kvpath.proxy.config import ProxyConfig
+    from kvpath.proxy.core import Proxy
     from kvpath.proxy.reservation_app import create_app as create_reservation_app
     from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+    from kvpath.reservation_wire import AsyncReserver
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
     decode = [parse_instance(s, "decode") for s in args.decode]
@@ -102,7 +105,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
     if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
         raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
-    reserver = None
+    reserver: AsyncReserver | None = None
     res_app = None
     if args.mode == "push":
         if args.reservation_url:
@@ -165,7 +168,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",
                    help="inproc: run the reservation service inside the proxy (push mode); "
                         "its API is then at /reservation (connectors: reservation_url=http://PROXY/reservation)")
-    p.add_argument("--reserve-at", choices=("admission", "push"), default="admission",
+    p.add_argument("--reserve-at", choices=RESERVE_AT, default="admission",
                    help="admission: the proxy reserves each push's lane when it admits the request; push: it "
                         "does not, and P's connectors (reserve_at=push) reserve when the push starts")
     p.add_argument("--reservation-timeout-s", type=float, default=0.05,

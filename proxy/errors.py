@@ -1,8 +1,13 @@
-"""Turning pydantic validation errors into the 4xx answers the services give."""
+"""The error answers of the proxy and the reservation service, and validation errors
+(pydantic's, msgspec's) turned into 4xx answers that name the field."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import re
+from typing import Any, Mapping, Sequence
+
+import msgspec
+from starlette.responses import JSONResponse
 
 
 def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, list[str]]:
@@ -15,3 +20,27 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, list[str]]:
 
 def is_invalid_json(errors: Sequence[Any]) -> bool:
     return any(e.get("type") == "json_invalid" for e in errors)
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def describe_msgspec_error(e: msgspec.ValidationError) -> tuple[str, list[str]]:
+    """The same ('field: message', [field]) for msgspec, which stops at the first error:
+    ``Expected `int` >= 0 - at `$.lanes[0].src_port``` names ``lanes.0.src_port``."""
+    m = _AT.match(str(e))
+    assert m is not None  # the pattern matches any text
+    text, at = m.group(1), m.group(2) or ""
+    parts = [p for p in re.split(r"[.\[\]]+", at) if p]
+    missing = _MISSING.search(text)
+    if missing:
+        parts.append(missing.group(1))
+    field = ".".join(parts)
+    return f"{field or 'body'}: {text}", [field]
+
+
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None, **extra: Any) -> JSONResponse:
+    """The proxy's own error answer, in the OpenAI shape: ``{"error": {"message", "code", ...}}``."""
+    return JSONResponse({"error": {"message": message, "code": status, **extra}}, status_code=status,
+                        headers=dict(headers) if headers else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -30,7 +30,7 @@ class RelayResponse(Response):
     # called because there is no body to render.
     def __init__(
         self, chunks: AsyncIterator[bytes], status_code: int, media_type: str,
-        on_unstarted: Callable[[], Awaitable[None]] | None = None,
+        on_unstarted: Callable[[], Awaitable[None]] | None = None, headers: Mapping[str, str] | None = None,
     ):
         # ``on_unstarted``: the clean-up of a relay whose generator never ran (the
         # client left while the response started, or it was never sent): closing a
@@ -42,6 +42,7 @@ class RelayResponse(Response):
         self.media_type = media_type
         self.background = None
         self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.current_task()

@@ -4,7 +4,10 @@ POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, pa
 POST /v1/release   {lease_id} -> {released}   (idempotent)
 POST /v1/lanes     {src_host, dst_host, worker?, lanes} (P connectors register the lanes they
                    opened: per (P worker, D worker) pair, each lane's full 5-tuple)
-GET  /v1/state, /health, /metrics
+GET  /v1/state, /v1/decisions?since=UNIX_S, /health, /metrics
+
+The routes and bodies are kvpath.reservation_wire's (one definition for the service
+and its clients).
 
 With an admin token, POST /v1/lanes needs ``Authorization: Bearer <token>``: a
 forged registration would steer every later flow of that host pair (or point it at
@@ -20,54 +23,63 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TypeVar
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+import msgspec
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
 
+from kvpath import reservation_wire as wire
 from kvpath.proxy.auth import bearer_ok
-from kvpath.proxy.errors import describe_validation_errors, is_invalid_json
-from kvpath.reservation import LaneInfo, ReservationError, ReservationService
+from kvpath.proxy.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
+from kvpath.reservation import ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
 
-
-class LaneModel(BaseModel):
-    lane: int = Field(ge=0, le=1023)
-    src_port: int = Field(ge=0, le=65535)
-    dst_port: int = Field(default=0, ge=0, le=65535)
-    src_ip: str = Field(default="", max_length=64)
-    dst_ip: str = Field(default="", max_length=64)
-    proto: str = Field(default="tcp", pattern="^(tcp|udp)$")
-
-    def info(self) -> LaneInfo:
-        return LaneInfo(self.lane, self.src_port, self.dst_port, self.src_ip, self.dst_ip, self.proto)
+Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
+# strict=False: numbers written as strings ("5") are read as numbers, as the service always did
+_DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)}
 
 
-class ReserveBody(BaseModel):
-    src_host: str = Field(min_length=1, max_length=64)
-    dst_host: str = Field(min_length=1, max_length=64)
-    bytes: int = Field(ge=0)
-    lanes: list[LaneModel] | None = Field(default=None, max_length=1024)
-    transfer_id: str = Field(default="", max_length=256)
+class BadBody(Exception):
+    """A request body that is not JSON (400) or not of the wire's type (422)."""
+
+    def __init__(self, status: int, message: str, fields: list[str] | None = None):
+        super().__init__(message)
+        self.response = JSONResponse({"error": message, **({"fields": fields} if fields is not None else {})},
+                                     status_code=status)
 
 
-class ReleaseBody(BaseModel):
-    lease_id: str = Field(min_length=1, max_length=64)
+def parse_json(raw: bytes) -> object:
+    """Any JSON value; :class:`BadBody` (400) when ``raw`` is not JSON at all."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise BadBody(400, "invalid JSON body") from None
 
 
-class LanesBody(BaseModel):
-    src_host: str = Field(min_length=1, max_length=64)
-    dst_host: str = Field(min_length=1, max_length=64)
-    # which (P worker, D worker) pair these lanes belong to; pairs never overwrite each other
-    worker: str = Field(default="", max_length=512)
-    lanes: list[LaneModel] = Field(min_length=1, max_length=1024)
+def parse_body(raw: bytes, kind: type[Body]) -> Body:
+    """``raw`` decoded as the wire's ``kind``; :class:`BadBody` otherwise (an empty
+    body, like a missing field, is a 422 naming it)."""
+    if not raw.strip():
+        raise BadBody(422, "body: Field required", ["body"])
+    try:
+        return _DECODERS[kind].decode(raw)
+    except msgspec.ValidationError as e:
+        msg, fields = describe_msgspec_error(e)
+        raise BadBody(422, msg, fields) from None
+    except msgspec.DecodeError:
+        raise BadBody(400, "invalid JSON body") from None
+
+
+def _json(body: msgspec.Struct) -> Response:
+    return Response(wire.encode(body), media_type="application/json")
 
 
 def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming the field; a body that is not JSON at all is a 400."""
+    """The query parameters' errors (FastAPI validates those): 422 naming the field."""
     errs = exc.errors()
     if is_invalid_json(errs):
         return JSONResponse({"error": "invalid JSON body"}, status_code=400)
@@ -100,54 +112,68 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.state.svc = svc
 
-    def admin(request: Request) -> None:
+    def check_admin(request: Request) -> None:
         if admin_token and not bearer_ok(request.headers.get("authorization"), admin_token):
             raise HTTPException(401, "admin token required (Authorization: Bearer TOKEN)",
                                 headers={"WWW-Authenticate": "Bearer"})
 
     # Handlers are async on purpose: the event loop serializes them, so the
-    # in-process service needs no lock.
-    @app.post("/v1/reserve")
-    async def reserve(body: ReserveBody) -> dict:
-        t0 = time.perf_counter()
-        lanes = [x.info() for x in body.lanes] if body.lanes else None
+    # in-process service needs no lock. Bodies are the wire's types (msgspec).
+    @app.post(wire.RESERVE_PATH)
+    async def reserve(request: Request) -> Response:
         try:
-            r = svc.reserve(body.src_host, body.dst_host, body.bytes, lanes, body.transfer_id)
+            body = parse_body(await request.body(), wire.ReserveRequest)
+        except BadBody as e:
+            return e.response
+        t0 = time.perf_counter()
+        try:
+            r = svc.reserve(body.src_host, body.dst_host, body.bytes, body.lanes, body.transfer_id)
         except ReservationError as e:
             m_dec.labels(svc.mode, "rejected").inc()
             raise HTTPException(422, str(e)) from None
         m_lat.observe(time.perf_counter() - t0)
         m_dec.labels(svc.mode, r.fallback or "decided").inc()
-        return r.to_dict(svc.clock())
+        return _json(r.answer(svc.clock()))
 
-    @app.post("/v1/release")
-    async def release(body: ReleaseBody) -> dict:
+    @app.post(wire.RELEASE_PATH)
+    async def release(request: Request) -> Response:
+        try:
+            body = parse_body(await request.body(), wire.ReleaseRequest)
+        except BadBody as e:
+            return e.response
         ok = svc.release(body.lease_id)
         m_rel.labels(str(ok).lower()).inc()
-        return {"lease_id": body.lease_id, "released": ok}
+        return _json(wire.ReleaseAnswer(body.lease_id, ok))
 
-    @app.post("/v1/lanes", dependencies=[Depends(admin)])
-    async def lanes(body: LanesBody) -> dict:
+    @app.post(wire.LANES_PATH)
+    async def lanes(request: Request) -> Response:
+        raw = await request.body()
         try:
-            svc.register_lanes(body.src_host, body.dst_host, [x.info() for x in body.lanes], body.worker)
+            parse_json(raw)  # a body that is not JSON at all is a 400 even before the token
+            check_admin(request)  # then the token, before the body's fields are looked at
+            body = parse_body(raw, wire.LanesRequest)
+        except BadBody as e:
+            return e.response
+        try:
+            svc.register_lanes(body.src_host, body.dst_host, body.lanes, body.worker)
         except ReservationError as e:
             raise HTTPException(422, str(e)) from None
-        return {"ok": True, "lanes": len(body.lanes)}
+        return _json(wire.LanesAnswer(True, len(body.lanes)))
 
-    @app.get("/v1/state")
+    @app.get(wire.STATE_PATH)
     async def state() -> dict:
         return svc.state()
 
-    @app.get("/v1/decisions")
+    @app.get(wire.DECISIONS_PATH)
     async def decisions(since: float = 0.0) -> dict:
         """The service's last decisions (up to 100,000), those made after ``since`` (unix s)."""
         return {"decisions": [d for d in svc.decisions if d["at"] > since]}
 
-    @app.get("/health")
+    @app.get(wire.HEALTH_PATH)
     async def health() -> dict:
         return {"status": "ok", "mode": svc.mode}
 
-    @app.get("/metrics")
+    @app.get(wire.METRICS_PATH)
     async def metrics() -> Response:
         svc.expire()
         m_active.set(len(svc.active))

@@ -1,38 +1,39 @@
 """How the proxy asks for a lane: in-process service or HTTP, with a short timeout.
 
-A reservation that does not come back in time (service down, slow, no lanes
-known) is a *fallback*: the P connector then takes the hash-chosen lane, and the
-reason is counted. Requests never wait long on the reservation service.
+Both are :class:`~kvpath.reservation_wire.AsyncReserver`. A reservation that does
+not come back in time (service down, slow, no lanes known) is a *fallback*: the P
+connector then takes the hash-chosen lane, and the reason is counted. Requests
+never wait long on the reservation service.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Sequence
 
 import httpx
+import msgspec
 
-from kvpath.reservation import ReservationError, ReservationService
+from kvpath import reservation_wire as wire
+from kvpath.reservation import ReservationError
+from kvpath.reservation_wire import LaneGrant, LaneInfo
 
-
-@dataclass
-class LaneGrant:
-    lane: int | None
-    lease_id: str | None
-    spine: str | None
-    fallback: str = ""  # "" when the service decided; else why not
+_JSON = {"content-type": "application/json"}
 
 
 class InProcessReserver:
-    def __init__(self, svc: ReservationService):
+    """The service in the proxy's own process (``--reservation inproc``)."""
+
+    def __init__(self, svc: wire.SyncReserver):
         self.svc = svc
 
-    async def reserve(self, src_host: str, dst_host: str, nbytes: int, transfer_id: str) -> LaneGrant:
+    async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                      transfer_id: str = "") -> LaneGrant:
         try:
-            r = self.svc.reserve(src_host, dst_host, nbytes, None, transfer_id)
+            r = self.svc.reserve(src_host, dst_host, nbytes, lanes, transfer_id)
         except ReservationError as e:
-            return LaneGrant(None, None, None, f"rejected: {e}")
+            return LaneGrant(fallback=f"rejected: {e}")
         if r.fallback:
-            return LaneGrant(None, None, None, r.fallback)
+            return LaneGrant(fallback=r.fallback)
         return LaneGrant(r.lane, r.lease_id, r.path.spine if r.path else None)
 
     async def release(self, lease_id: str) -> None:
@@ -43,28 +44,33 @@ class InProcessReserver:
 
 
 class HttpReserver:
+    """A ``kvpath reservation`` service (``--reservation-url``)."""
+
     def __init__(self, url: str, timeout_s: float = 0.05):
         self.url = url.rstrip("/")
         self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=64))
 
-    async def reserve(self, src_host: str, dst_host: str, nbytes: int, transfer_id: str) -> LaneGrant:
+    async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                      transfer_id: str = "") -> LaneGrant:
+        req = wire.ReserveRequest(src_host=src_host, dst_host=dst_host, bytes=nbytes,
+                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id)
         try:
-            r = await self.client.post(f"{self.url}/v1/reserve", json={
-                "src_host": src_host, "dst_host": dst_host, "bytes": nbytes, "transfer_id": transfer_id})
+            r = await self.client.post(self.url + wire.RESERVE_PATH, content=wire.encode(req), headers=_JSON)
         except httpx.TimeoutException:
-            return LaneGrant(None, None, None, "timeout")
+            return LaneGrant(fallback="timeout")
         except httpx.HTTPError:
-            return LaneGrant(None, None, None, "unreachable")
+            return LaneGrant(fallback="unreachable")
         if r.status_code != 200:
-            return LaneGrant(None, None, None, f"http_{r.status_code}")
-        d = r.json()
-        if d.get("fallback"):
-            return LaneGrant(None, None, None, d["fallback"])
-        return LaneGrant(d.get("lane"), d.get("lease_id"), d.get("spine"))
+            return LaneGrant(fallback=f"http_{r.status_code}")
+        try:
+            return LaneGrant.of(wire.decode_answer(r.content))
+        except msgspec.DecodeError:  # (ValidationError included) not the wire's answer
+            return LaneGrant(fallback="bad_answer")
 
     async def release(self, lease_id: str) -> None:
         try:
-            await self.client.post(f"{self.url}/v1/release", json={"lease_id": lease_id})
+            await self.client.post(self.url + wire.RELEASE_PATH, content=wire.encode(wire.ReleaseRequest(lease_id)),
+                                   headers=_JSON)
         except httpx.HTTPError:
             pass  # the lease ends it anyway
 

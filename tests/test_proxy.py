@@ -8,12 +8,15 @@ import time
 import httpx
 import pytest
 
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
-from kvpath.proxy.app import Proxy, ProxyConfig, create_app
+from kvpath.proxy.app import create_app
+from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
+from kvpath.proxy.core import Proxy
 from kvpath.proxy.instances import Instance
-from kvpath.reservation import LaneInfo, ReservationService
 from kvpath.proxy.reservation_app import create_app as create_reservation_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+from kvpath.reservation import LaneInfo, ReservationService
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
@@ -49,7 +52,7 @@ class Setup:
             reserver = InProcessReserver(self.svc)
         self.proxy = Proxy(
             ProxyConfig(mode=mode, policy=policy, admin_token=token, **{"first_byte_timeout_s": 3.0, **cfg}),
-            [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{5600 + i}", f"eng{i}") for i, s in enumerate(self.p)],
+            [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{KV_SIDE_CHANNEL_PORT + i}", f"eng{i}") for i, s in enumerate(self.p)],
             [Instance(s.url, "decode", "l1h0") for s in self.d],
             reserver,
         )
@@ -97,7 +100,7 @@ def test_push_mode_sends_both_legs_with_transfer_id_lane_and_lease(setup):
     p_req, d_req = setup.p_legs(1)[0], setup.db[0].received[0]
     pk, dk = p_req["body"]["kv_transfer_params"]["kvpath"], d_req["body"]["kv_transfer_params"]["kvpath"]
     assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["stream"] is False
-    assert pk["transfer_id"] == dk["transfer_id"] and dk["peer"] == "127.0.0.1:5600"
+    assert pk["transfer_id"] == dk["transfer_id"] and dk["peer"] == f"127.0.0.1:{KV_SIDE_CHANNEL_PORT}"
     assert isinstance(pk["lane"], int) and pk["lease_id"].startswith("r")
     assert d_req["body"]["kv_transfer_params"]["do_remote_prefill"] is True
     # the proxy released the reservation when the request ended
@@ -134,7 +137,38 @@ def test_inproc_push_mode_uses_one_request_id_on_both_legs(setup):
     p_req, d_req = setup.p_legs(1)[0], setup.db[0].received[0]
     assert p_req["headers"]["x-request-id"] == d_req["headers"]["x-request-id"]
     dk = d_req["body"]["kv_transfer_params"]
-    assert dk["remote_engine_id"] == "eng0" and dk["remote_port"] == 5600 and dk["do_remote_prefill"] is True
+    assert dk["remote_engine_id"] == "eng0" and dk["remote_port"] == KV_SIDE_CHANNEL_PORT and dk["do_remote_prefill"] is True
+
+
+@pytest.mark.parametrize("setup", [{"mode": "push"}, {"mode": "pull"}, {"mode": "inproc-push"}], indirect=True)
+def test_every_answer_names_the_transfer_id_its_legs_carried(setup):
+    """TRANSFER_ID_HEADER: completions and chat, streamed or not, in every mode; it is
+    the X-Request-Id of both legs and, in push mode, the KV push's transfer id."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+    asks = [(path, {**body, "stream": stream}) for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", chat))
+            for stream in (False, True)]
+    got = []
+    for path, body in asks:
+        with httpx.stream("POST", setup.url + path, json=body, timeout=10) as r:
+            raw = b"".join(r.iter_raw())
+            assert r.status_code == 200, raw
+            got.append(r.headers[TRANSFER_ID_HEADER])
+    assert len(set(got)) == len(asks) and all(len(t) == 32 for t in got)
+    p_legs, d_legs = setup.p_legs(len(asks)), setup.db[0].received
+    assert [leg["headers"]["x-request-id"] for leg in d_legs] == got
+    assert sorted(leg["headers"]["x-request-id"] for leg in p_legs) == sorted(got)  # P's answers may come late
+    if setup.proxy.cfg.mode == "push":
+        assert [leg["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for leg in d_legs] == got
+        assert sorted(leg["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for leg in p_legs) == sorted(got)
+
+
+def test_an_engine_error_answer_names_the_transfer_id_too(setup):
+    setup.db[0].fail_status = 500
+    r = post(setup.url, BODY)
+    assert r.status_code == 502
+    assert r.headers[TRANSFER_ID_HEADER] == setup.db[0].received[0]["headers"]["x-request-id"]
+    bad = httpx.post(setup.url + "/v1/completions", json={"model": "tiny"})  # refused before any leg: no id
+    assert bad.status_code == 422 and TRANSFER_ID_HEADER not in bad.headers
 
 
 @pytest.mark.parametrize("setup", [{"n_p": 2, "n_d": 3}], indirect=True)

@@ -4,10 +4,11 @@ import random
 
 import pytest
 
-from kvpath.connector.params import default_lane
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import ModelOracle
-from kvpath.reservation import LaneInfo, ReservationError, ReservationService
+from kvpath.reservation import LaneInfo, ReservationError, ReservationService, default_lane
+from kvpath.reservation_wire import METRICS, MODES
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
 
@@ -166,7 +167,7 @@ def test_leases_expire_and_release_is_idempotent():
 
 def test_burst_of_reserve_release_leaves_no_drift():
     rng = random.Random(1)
-    for mode in ("ecmp", "cc", "dc"):
+    for mode in MODES:
         clock = Clock()
         svc = ReservationService(SPEC, mode, dc_delay_s=0.05, clock=clock)
         lanes = {f"l{l}h{h}": lanes_covering_spines(f"l{l}h{h}", "l1h3" if l == 0 else "l0h3", first_port=45000 + 50 * h)
@@ -257,10 +258,10 @@ def test_the_bytes_metric_puts_a_push_beside_many_small_ones_rather_than_one_big
     oracle = ModelOracle(spec)
     by_spine: dict[str, int] = {}
     for port in range(40000, 40200):
-        by_spine.setdefault(oracle.path("l0h0", "l1h0", port, 5600).spine, port)
-    lanes = [LaneInfo(0, by_spine["spine0"], 5600), LaneInfo(1, by_spine["spine1"], 5600)]
+        by_spine.setdefault(oracle.path("l0h0", "l1h0", port, KV_SIDE_CHANNEL_PORT).spine, port)
+    lanes = [LaneInfo(0, by_spine["spine0"], KV_SIDE_CHANNEL_PORT), LaneInfo(1, by_spine["spine1"], KV_SIDE_CHANNEL_PORT)]
     picks = {}
-    for metric in ("flows", "bytes"):
+    for metric in METRICS:
         svc = ReservationService(spec, "cc", oracle=oracle, metric=metric)
         svc.register_lanes("l0h0", "l1h0", lanes)
         svc.reserve("l0h0", "l1h0", 100_000_000, [lanes[0]], "big")

@@ -1,13 +1,19 @@
 """The reservation service over HTTP (FastAPI TestClient; the notifier tests use a real server)."""
 
+import asyncio
+import json
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kvpath import reservation_wire as wire
+from kvpath.connector.reservation_hooks import ReservationNotifier
 from kvpath.fabric import FabricSpec
-from kvpath.reservation import ReservationService
 from kvpath.proxy.reservation_app import create_app
+from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+from kvpath.reservation import ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]
@@ -104,7 +110,6 @@ def test_reservation_command_takes_an_admin_token(monkeypatch):
 
 
 def test_p_connector_notifier_sends_the_token():
-    from kvpath.connector.reservation_hooks import ReservationNotifier
     from kvpath.testbed.readiness import free_port
     from kvpath.testbed.stub_engine import ServerThread
 
@@ -122,7 +127,6 @@ def test_p_connector_notifier_sends_the_token():
 def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service_is_down():
     import threading
 
-    from kvpath.connector.reservation_hooks import ReservationNotifier
     from kvpath.testbed.readiness import free_port
     from kvpath.testbed.stub_engine import ServerThread
 
@@ -138,13 +142,81 @@ def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service
         n = ReservationNotifier(srv.url)
         n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)])
         time.sleep(0.5)  # the registration is on the other thread: let it land first
-        n.reserve("l0h1", "l1h1", 1_000_000, "t1", answer)
+        n.reserve("l0h1", "l1h1", 1_000_000, transfer_id="t1", done=answer)
         assert done.wait(5)
         n.close()
     assert got[0][0] == "t1" and got[0][1] in (0, 1) and got[0][2] in svc.active
     down = ReservationNotifier(f"http://127.0.0.1:{free_port()}")
     done.clear()
     t0 = time.monotonic()
-    down.reserve("l0h1", "l1h1", 1, "t2", answer)
+    down.reserve("l0h1", "l1h1", 1, transfer_id="t2", done=answer)
     assert done.wait(5) and got[1] == ("t2", None, None) and time.monotonic() - t0 < 2
     down.close()
+
+
+# the reserve answer's fields, in the order the service has always written them
+ANSWER_FIELDS = ["lease_id", "transfer_id", "src_host", "dst_host", "bytes", "lane", "src_port", "path", "spine",
+                 "spines", "expires_in_s", "mode", "fallback"]
+
+
+def test_the_wire_answers_keep_their_json_shape(client):
+    r = client.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h1", "bytes": "1000", "lanes": LANES})
+    assert r.status_code == 200 and list(r.json()) == ANSWER_FIELDS and r.json()["bytes"] == 1000  # "1000" read as 1000
+    assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()  # compact, as FastAPI wrote it
+    fb = client.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1}).json()
+    assert list(fb) == ANSWER_FIELDS and fb["lane"] is None and fb["path"] is None and fb["spines"] == []
+    rel = client.post("/v1/release", json={"lease_id": r.json()["lease_id"]})
+    assert rel.json() == {"lease_id": r.json()["lease_id"], "released": True}
+    assert client.post("/v1/lanes", json={"src_host": "l0h0", "dst_host": "l1h0", "lanes": LANES}).json() == \
+        {"ok": True, "lanes": 4}
+    assert client.post("/v1/reserve", content=b"", headers={"content-type": "application/json"}).status_code == 422
+
+
+def test_the_clients_send_the_wire_bodies_the_service_always_read():
+    """HttpReserver's request, byte for byte what its dict literal used to be; the
+    answers come back through the wire's types."""
+    seen: list[tuple[str, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.content))
+        if request.url.path == wire.RESERVE_PATH:
+            return httpx.Response(200, json={"lease_id": "r1-ab", "lane": 3, "spine": "spine2", "fallback": ""})
+        return httpx.Response(200, json={"lease_id": "r1-ab", "released": True})
+
+    async def go() -> wire.LaneGrant:
+        res = HttpReserver("http://svc/")
+        res.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        grant = await res.reserve("l0h0", "l1h0", 5, transfer_id="t1")
+        await res.release("r1-ab")
+        await res.close()
+        return grant
+
+    grant = asyncio.run(go())
+    assert grant == wire.LaneGrant(3, "r1-ab", "spine2")
+    old = {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5, "transfer_id": "t1"}
+    assert seen == [("/v1/reserve", json.dumps(old, separators=(",", ":")).encode()),
+                    ("/v1/release", b'{"lease_id":"r1-ab"}')]
+    lanes = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(0, 41000)])
+    assert wire.encode(lanes) == b'{"src_host":"l0h0","dst_host":"l1h0","worker":"","lanes":[{"lane":0,"src_port":41000}]}'
+
+
+def test_each_caller_has_its_protocol():
+    svc = ReservationService(SPEC, "cc")
+    assert isinstance(svc, wire.SyncReserver)
+    assert isinstance(InProcessReserver(svc), wire.AsyncReserver)
+    assert isinstance(HttpReserver("http://127.0.0.1:1"), wire.AsyncReserver)
+    n = ReservationNotifier("http://127.0.0.1:1")
+    assert isinstance(n, wire.QueuedReserver)
+    n.close()
+
+
+def test_in_process_reserver_grants_and_falls_back_like_the_http_one():
+    svc = ReservationService(SPEC, "cc", lease_s=5)
+    res = InProcessReserver(svc)
+    lanes = [wire.LaneInfo(i, 40000 + i) for i in range(4)]
+    grant = asyncio.run(res.reserve("l0h0", "l1h1", 10, lanes, transfer_id="t1"))
+    assert grant.lane in range(4) and grant.lease_id in svc.active and grant.spine.startswith("spine")
+    asyncio.run(res.release(grant.lease_id))
+    assert not svc.active
+    assert asyncio.run(res.reserve("l0h0", "l1h0", 10)) == wire.LaneGrant(fallback="no_lanes")
+    assert asyncio.run(res.reserve("l9h9", "l1h0", 10)).fallback.startswith("rejected: src_host")

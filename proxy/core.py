@@ -1,0 +1,373 @@
+"""The proxy's logic: for each request it picks a P and a D instance, asks for a lane
+(push mode), runs the two legs and passes D's response through unchanged (streamed or
+not). The HTTP side (routes, the ASGI fast path) is proxy/app.py.
+
+The upstream legs use aiohttp: httpx's connection pool scans every connection for
+every queued request, which made the proxy CPU-bound at 64 concurrent streams.
+
+Each leg is bounded by the time to its first byte, D's stream by the gap between
+its chunks (never by its length); a stream that fails after it started ends with
+an error event (proxy/stream_guard.py). Instances failing health checks leave
+rotation (proxy/health.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvpath.proxy import legs
+from kvpath.proxy.auth import bearer_ok
+from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
+from kvpath.proxy.errors import describe_validation_errors, error_response
+from kvpath.proxy.health import HealthChecker
+from kvpath.proxy.instances import Instance, InstancePool, NoInstance
+from kvpath.proxy.metrics import ProxyMetrics
+from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
+from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
+from kvpath.proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
+from kvpath.reservation_wire import AsyncReserver, LaneGrant
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer started."""
+
+
+class Proxy:
+    """``reserver``: where push mode gets its lanes (None: P's connectors take the
+    hash's lane, or reserve when their pushes start with reserve_at=push)."""
+
+    def __init__(self, cfg: ProxyConfig, prefill: list[Instance], decode: list[Instance],
+                 reserver: AsyncReserver | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.pools = {"prefill": InstancePool("prefill", cfg.policy), "decode": InstancePool("decode", cfg.policy)}
+        for i in prefill + decode:
+            self.pools[i.role].add(i)
+        self.reserver = reserver
+        self.metrics = ProxyMetrics()
+        for role, pool in self.pools.items():
+            self.metrics.healthy.labels(role).set_function(pool.healthy_count)
+        self.health = HealthChecker(self.pools, cfg.health_interval_s, cfg.health_timeout_s, cfg.unhealthy_after)
+        self.session: aiohttp.ClientSession | None = None
+        # whole non-streamed answers (P's leg, D's when not streaming, /v1/models)
+        self.answer_timeout = aiohttp.ClientTimeout(total=cfg.first_byte_timeout_s, sock_connect=cfg.connect_timeout_s)
+        self._background: set[asyncio.Task] = set()
+
+    # ---- life cycle ------------------------------------------------------
+    async def start(self) -> None:
+        # no total: a stream may last as long as it keeps sending (GapWatch bounds its gaps)
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0),
+            auto_decompress=False,
+        )
+        self.health.start(self.session)
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        for t in list(self._background):
+            t.cancel()
+        if self.session:
+            await self.session.close()
+        if self.reserver is not None:
+            await self.reserver.close()
+
+    # ---- request handling --------------------------------------------------
+    async def handle(self, request: Request, endpoint: str, schema: type[BaseModel]) -> Response:
+        t0 = time.perf_counter()
+        try:
+            raw = await request.body()
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._count(endpoint, error_response(400, "request body is not valid JSON"), "bad_json")
+        if not isinstance(body, dict):
+            return self._count(endpoint, error_response(400, "request body must be a JSON object"), "bad_json")
+        try:
+            schema.model_validate(body)
+        except ValidationError as e:
+            msg, fields = describe_validation_errors(e.errors())
+            return self._count(endpoint, error_response(422, msg, fields=fields), "schema")
+        refused = legs.unsupported_field(body, self.cfg.mode)
+        if refused:
+            return self._count(endpoint, error_response(422, refused[1], fields=[refused[0]]), "unsupported")
+        body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
+        try:
+            p, d = self.pools["prefill"].pick(), self.pools["decode"].pick()
+        except NoInstance as e:
+            return self._count(endpoint, error_response(503, str(e)), "no_instance")
+        tid = uuid.uuid4().hex  # the transfer id: both legs' X-Request-Id, and the answer's TRANSFER_ID_HEADER
+        try:
+            resp = await self._run(request, endpoint, body, p, d, t0, tid)
+        except UpstreamError as e:
+            logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
+            return self._count(endpoint, error_response(e.status, e.message, {**e.headers, TRANSFER_ID_HEADER: tid}),
+                               e.kind)
+        except ClientGone:
+            # nobody reads this answer; 499 (nginx's "client closed request") keeps the metrics honest
+            return self._count(endpoint, error_response(499, "client closed the request", {TRANSFER_ID_HEADER: tid}),
+                               "client_disconnect")
+        return resp
+
+    def _count(self, endpoint: str, resp: Response, error_kind: str | None = None) -> Response:
+        self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        if error_kind:
+            self.metrics.errors.labels(error_kind).inc()
+        return resp
+
+    async def _run(self, request: Request, endpoint: str, body: dict, p: Instance, d: Instance, t0: float,
+                   tid: str) -> Response:
+        assert self.session is not None
+        stream = bool(body.get("stream"))
+        headers = {"X-Request-Id": tid}
+        answer_headers = {TRANSFER_ID_HEADER: tid}
+        grant = LaneGrant()
+        self._enter(p, d)
+        p_task: asyncio.Task | None = None
+        handed_over = ok = False
+        try:
+            if self.cfg.mode == "push":
+                grant = await self._reserve(p, d, body, tid)
+                p_body, d_body = legs.push_legs(body, p, tid, grant.lane, grant.lease_id)
+            elif self.cfg.mode == "inproc-push":
+                p_body, d_body = legs.inproc_push_legs(body, p, tid, endpoint)
+            else:
+                p_body, d_body = legs.pull_prefill_leg(body), None
+            if d_body is None:  # pull: P first, then D with what P returned
+                p_out = await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
+                d_body = legs.decode_body(body, p_out.get("kv_transfer_params") or {})
+            else:
+                p_task = asyncio.create_task(self._post_json(p.url + endpoint, p_body, headers, p))
+            d_resp, first = await self._watch(
+                request, self._open_decode(d, endpoint, d_body, headers, stream), p_task,
+                self.cfg.first_byte_timeout_s, lambda: self._leg_timed_out(d))
+            ttfb = time.perf_counter() - t0
+            self.metrics.first_token.observe(ttfb)
+            if stream:
+                handed_over = True
+                async def never_relayed() -> None:
+                    d_resp.close()
+                    self.metrics.requests.labels(endpoint, "499").inc()
+                    self.metrics.errors.labels("client_disconnect").inc()
+                    await self._finish(p, d, p_task, grant, False)
+
+                return RelayResponse(
+                    self._relay(d_resp, first, p, d, p_task, grant, endpoint, t0),
+                    status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
+                    on_unstarted=never_relayed, headers=answer_headers,
+                )
+            content = first  # non-streaming: _open_decode read the whole body
+            d_resp.release()
+            ok = True
+            d.served += 1
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            return self._count(endpoint, Response(content, status_code=d_resp.status, headers=answer_headers,
+                                                  media_type=d_resp.headers.get("content-type", "application/json")))
+        except asyncio.CancelledError:  # the server itself cancelled the handler
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            if not handed_over:
+                await self._finish(p, d, p_task, grant, ok)
+
+    async def _relay(self, d_resp: aiohttp.ClientResponse, first: bytes, p: Instance, d: Instance,
+                     p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float) -> AsyncIterator[bytes]:
+        status = str(d_resp.status)
+        ok = False
+        framer = EventFramer()
+        watch = GapWatch(d_resp.content, self.cfg.chunk_gap_timeout_s, f"decode {d.url}")
+        read = d_resp.content.readany
+        try:
+            out = framer.feed(first)
+            if out:
+                yield out
+            while True:
+                watch.reading()
+                chunk = await read()
+                watch.got_chunk()
+                if not chunk:
+                    break
+                out = framer.feed(chunk)
+                if out:
+                    yield out
+            out = framer.flush()
+            if out:
+                yield out
+            ok = True
+            d.served += 1
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        except (aiohttp.ClientError, ChunkGapTimeout) as e:
+            # the client has its 200 already: say it in the stream, as vLLM does
+            code = 504 if isinstance(e, ChunkGapTimeout) else 502
+            message = str(e) if code == 504 else f"decode {d.url} stream broke: {e!r}"
+            status = str(code)
+            self._leg_failed(d, e)
+            self.metrics.errors.labels("upstream_stream_error").inc()
+            logger.warning("%s -> stream error %d: %s", endpoint, code, message)
+            yield error_event(message, code)
+        finally:
+            watch.cancel()
+            self.metrics.requests.labels(endpoint, status).inc()
+            if ok:
+                d_resp.release()
+            else:
+                d_resp.close()  # drop the connection: the engine sees the client leave and aborts
+            await self._finish(p, d, p_task, grant, ok)
+
+    async def _watch(self, request: Request, coro: Awaitable[Any], p_task: asyncio.Task | None = None,
+                     timeout_s: float | None = None, on_timeout: Callable[[], BaseException] | None = None):
+        """Await ``coro`` (the D leg, or P in pull mode) while watching P's leg and the
+        client: a failed P leg or a gone client cancels it, and so does ``timeout_s``
+        passing (then ``on_timeout()`` is raised)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s if timeout_s else None
+        main = asyncio.ensure_future(coro)
+        watchers = {main}
+        if p_task is not None:
+            watchers.add(p_task)
+        gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        watchers.add(gone)
+        try:
+            while True:
+                left = None if deadline is None else deadline - loop.time()
+                done, _ = await asyncio.wait(watchers, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    assert on_timeout is not None
+                    raise on_timeout()
+                if main in done:
+                    return main.result()
+                if gone in done:
+                    raise ClientGone()
+                if p_task is not None and p_task in done:
+                    watchers.discard(p_task)
+                    exc = p_task.exception()
+                    if exc is not None:
+                        raise exc  # P failed: D would wait for a push that never comes
+        finally:
+            for t in (main, gone):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
+
+    async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
+        assert self.session is not None
+        try:
+            async with self.session.post(url, json=body, headers=headers, timeout=self.answer_timeout) as r:
+                status, text, r_headers = r.status, await r.text(), r.headers
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            self._leg_failed(inst, e)
+            raise transport_error(inst, e, "unreachable") from None
+        if status >= 400:
+            inst.errors += 1
+            raise engine_error(inst, status, text, r_headers)
+        inst.served += 1
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
+
+    async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
+        """Send D's leg; return its response and its first bytes (they come once the
+        KV arrived), or its whole body when not streaming. ``_watch`` bounds the time."""
+        assert self.session is not None
+        try:
+            resp = await self.session.post(d.url + endpoint, json=body, headers=headers)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            self._leg_failed(d, e)
+            raise transport_error(d, e, "unreachable") from None
+        try:
+            if resp.status >= 400:
+                text = await resp.text()
+                resp.release()
+                d.errors += 1
+                raise engine_error(d, resp.status, text, resp.headers)
+            # streaming: the relay goes on reading where the first chunk ended
+            first = await (resp.content.readany() if stream else resp.read())
+        except UpstreamError:
+            raise
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            resp.close()
+            self._leg_failed(d, e)
+            raise transport_error(d, e, "failed") from None
+        except BaseException:
+            resp.close()
+            raise
+        return resp, first
+
+    def _leg_failed(self, inst: Instance, exc: BaseException) -> None:
+        inst.errors += 1
+        if is_transport_failure(exc):
+            self.health.failed(inst, f"leg failed: {exc!r}")
+
+    def _leg_timed_out(self, inst: Instance) -> UpstreamError:
+        inst.errors += 1
+        return first_byte_timeout(inst)
+
+    async def _reserve(self, p: Instance, d: Instance, body: dict, tid: str) -> LaneGrant:
+        if self.reserver is None:
+            return LaneGrant()
+        if not p.fabric_host or not d.fabric_host:
+            self.metrics.fallbacks.labels("no_fabric_host").inc()
+            return LaneGrant(fallback="no_fabric_host")
+        nbytes = legs.estimate_prompt_tokens(body) * self.cfg.kv_bytes_per_token
+        t = time.perf_counter()
+        grant = await self.reserver.reserve(p.fabric_host, d.fabric_host, nbytes, transfer_id=tid)
+        self.metrics.reservation.observe(time.perf_counter() - t)
+        if grant.fallback:
+            self.metrics.fallbacks.labels(grant.fallback.split(":")[0]).inc()
+        return grant
+
+    def _enter(self, p: Instance, d: Instance) -> None:
+        for i in (p, d):
+            i.inflight += 1
+            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+
+    async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool) -> None:
+        for i in (p, d):
+            i.inflight -= 1
+            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+        if p_task is not None and not p_task.done():
+            if ok:
+                # D answered, so P pushed; let P's own answer arrive without holding the client
+                self._background.add(p_task)
+                p_task.add_done_callback(self._p_leg_done)
+            else:
+                p_task.cancel()  # failed or abandoned request: abort the prefill too
+                with contextlib.suppress(BaseException):
+                    await p_task
+        if grant.lease_id and self.reserver is not None:
+            await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
+
+    def _p_leg_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("prefill leg failed after decode answered: %s", task.exception())
+
+    # ---- admin -----------------------------------------------------------
+    def authorized(self, request: Request) -> bool:
+        return bearer_ok(request.headers.get("authorization"), self.cfg.admin_token)
+
+    def status(self) -> dict:
+        return {
+            "mode": self.cfg.mode, "policy": self.cfg.policy,
+            "reservation": type(self.reserver).__name__ if self.reserver else None,
+            "prefill": [i.to_dict() for i in self.pools["prefill"].all()],
+            "decode": [i.to_dict() for i in self.pools["decode"].all()],
+        }

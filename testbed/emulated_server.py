@@ -17,7 +17,6 @@ request's timestamps for the testbed's trace.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys

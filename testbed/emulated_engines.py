@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class EmulatedEngines:
+    """One ``emulated_server`` per host (see the module's docstring); :class:`~kvpath.testbed.engines.Engines`."""
+
     def __init__(self, site: RunSite) -> None:
         self.site = site
         self.model_name = site.cfg.model

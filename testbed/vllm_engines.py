@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Placement:
-    """What the orchestrator knows of one engine's host."""
+    """Where one vLLM engine runs: its host's addresses and its core."""
 
     host: str  # fabric host name, e.g. "l0h0"
     role: str  # prefill | decode
@@ -46,6 +46,8 @@ class Placement:
 
 
 class VllmEngines:
+    """One ``vllm serve`` per host (see the module's docstring); :class:`~kvpath.testbed.engines.Engines`."""
+
     def __init__(self, site: RunSite) -> None:
         self.site = site
         self.model_name = MODEL_NAME

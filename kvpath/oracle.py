@@ -5,7 +5,8 @@
   source leaf's ``ip route get`` with the full 5-tuple returns the next hop that the
   kernel's multipath hash picks, which is the spine the flow's packets take.
 
-A probing oracle for real fabrics (traceroute-style, per 5-tuple) is not written yet.
+On a real fabric neither applies: it would need a probing oracle (traceroute-style, per
+5-tuple), which kvpath does not have.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import time
 
 from kvpath.connector.messages import parse_notif
 from kvpath.connector.sender import PushSender
+from kvpath.trace import TransferRecord
 
 MiB = 1 << 20
 REGIONS = 4  # KV regions (layers x K/V) in the benchmark layouts
@@ -58,7 +59,8 @@ def _record_sink(sender: PushSender) -> dict:
     orig = sender.trace.write
 
     def keep(r):
-        recs[r.transfer_id] = r
+        if isinstance(r, TransferRecord):  # the log also gets the lanes' records
+            recs[r.transfer_id] = r
         orig(r)
 
     sender.trace.write = keep

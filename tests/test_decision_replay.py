@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from kvpath.reservation import ReservationService
 from kvpath.decision_replay import ReplayError, replay
+from kvpath.reservation import ReservationService
+from kvpath.reservation_wire import METRICS
 from tests.test_reservation import SPEC, Clock, _sequence
 
 
@@ -16,7 +17,7 @@ def _logged(mode: str, seed: int = 9, **kw) -> list[dict]:
     return list(svc.decisions)
 
 
-@pytest.mark.parametrize("metric", ["flows", "bytes"])
+@pytest.mark.parametrize("metric", METRICS)
 def test_a_cc_log_replays_to_the_same_decisions_as_cc_and_as_dc_with_zero_delay(metric):
     log = _logged("cc", metric=metric)
     assert len(log) > 100 and sum(bool(d.get("end_seq")) for d in log) > len(log) // 2  # most leases ended

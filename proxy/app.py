@@ -103,15 +103,16 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
     async def add_instance(request: Request) -> Response:
         if not proxy.authorized(request):
             return error_response(401 if proxy.cfg.admin_token else 403, "admin token required" if proxy.cfg.admin_token
-                          else "admin endpoints are disabled (start the proxy with --admin-token)")
+                                  else "admin endpoints are disabled (start the proxy with --admin-token)")
         try:
             b = InstanceBody.model_validate_json(await request.body())
         except ValidationError as e:
             msg, fields = describe_validation_errors(e.errors())
             return error_response(400 if is_invalid_json(e.errors()) else 422, msg, fields=fields)
         if b.role == "prefill" and proxy.cfg.mode != "pull" and not b.kv_addr:
-            return error_response(422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
-                          fields=["kv_addr"])
+            return error_response(
+                422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
+                fields=["kv_addr"])
         new = proxy.pools[b.role].add(Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id))
         return JSONResponse({"added" if new else "updated": b.url, "role": b.role}, status_code=201 if new else 200)
 

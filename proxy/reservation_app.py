@@ -38,9 +38,10 @@ from kvpath.reservation import ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
 
+_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
 Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
 # strict=False: numbers written as strings ("5") are read as numbers, as the service always did
-_DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)}
+_DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in _BODIES}
 
 
 class BadBody(Exception):

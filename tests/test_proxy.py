@@ -145,8 +145,8 @@ def test_every_answer_names_the_transfer_id_its_legs_carried(setup):
     """TRANSFER_ID_HEADER: completions and chat, streamed or not, in every mode; it is
     the X-Request-Id of both legs and, in push mode, the KV push's transfer id."""
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
-    asks = [(path, {**body, "stream": stream}) for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", chat))
-            for stream in (False, True)]
+    asks = [(path, {**body, "stream": stream})
+            for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", chat)) for stream in (False, True)]
     got = []
     for path, body in asks:
         with httpx.stream("POST", setup.url + path, json=body, timeout=10) as r:

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from kvpath import reservation_wire as wire
 from kvpath.connector.reservation_hooks import ReservationNotifier
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_app import create_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
@@ -197,7 +198,8 @@ def test_the_clients_send_the_wire_bodies_the_service_always_read():
     assert seen == [("/v1/reserve", json.dumps(old, separators=(",", ":")).encode()),
                     ("/v1/release", b'{"lease_id":"r1-ab"}')]
     lanes = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(0, 41000)])
-    assert wire.encode(lanes) == b'{"src_host":"l0h0","dst_host":"l1h0","worker":"","lanes":[{"lane":0,"src_port":41000}]}'
+    assert wire.encode(lanes) == (b'{"src_host":"l0h0","dst_host":"l1h0","worker":"",'
+                                  b'"lanes":[{"lane":0,"src_port":41000}]}')
 
 
 def test_each_caller_has_its_protocol():
@@ -220,3 +222,21 @@ def test_in_process_reserver_grants_and_falls_back_like_the_http_one():
     assert not svc.active
     assert asyncio.run(res.reserve("l0h0", "l1h0", 10)) == wire.LaneGrant(fallback="no_lanes")
     assert asyncio.run(res.reserve("l9h9", "l1h0", 10)).fallback.startswith("rejected: src_host")
+
+
+def test_p_connector_notifier_registers_lanes_given_as_5_tuple_dicts_or_lane_infos():
+    from kvpath.testbed.readiness import free_port
+    from kvpath.testbed.stub_engine import ServerThread
+
+    svc = ReservationService(SPEC, "cc", lease_s=5)
+    rows = [{"lane": 0, "src_ip": "10.0.2.1", "src_port": 41000, "dst_ip": "10.1.3.1", "dst_port": KV_SIDE_CHANNEL_PORT, "proto": "tcp"}]
+    with ServerThread(create_app(svc), free_port()) as srv:
+        n = ReservationNotifier(srv.url)
+        n.register_lanes("l0h0", "l1h1", rows, "w0")
+        n.register_lanes("l0h0", "l1h1", [wire.LaneInfo(1, 41001, KV_SIDE_CHANNEL_PORT)], "w1")
+        n.register_lanes("l0h0", "l1h1", [{"lane": 0, "src_port": 70000}], "w2")  # refused here, never sent
+        n.close()
+    assert svc.lanes("l0h0", "l1h1", "w0") == [wire.LaneInfo(0, 41000, KV_SIDE_CHANNEL_PORT, "10.0.2.1", "10.1.3.1")]
+    assert svc.lanes("l0h0", "l1h1", "w1") == [wire.LaneInfo(1, 41001, KV_SIDE_CHANNEL_PORT)]
+    assert svc.lanes("l0h0", "l1h1", "w2") == []
+    assert n.stats.totals["reservation_calls_ok"] == 2 and n.stats.totals["reservation_calls_failed"] == 1

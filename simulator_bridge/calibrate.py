@@ -27,11 +27,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvpath.trace import Trace
-from kvpath.bridge.compare import Errors, simulate, trace_fabric, trace_flows
+from kvpath.bridge.compare import Errors, simulate, trace_flows
 from kvpath.bridge.flow_model import NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
+from kvpath.trace import Trace
+from kvpath.trace_header import TraceSetup
 
 EFFICIENCY_GRID = tuple(float(x) for x in np.round(np.linspace(0.80, 1.0, 11), 3))
 BURST_GRID = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10)
@@ -110,15 +111,16 @@ def _finite(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray,
 def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Params | None = None,
               progress: Callable[[str], None] | None = None, burst_bytes: int | None = None) -> Calibration:
     """``burst_bytes``: the links' token-bucket burst if known (default: the trace
-    header's ``meta.burst_bytes``; fitted when neither gives it)."""
-    spec = trace_fabric(trace)
+    header's ``meta.burst_bytes``, ``TraceSetup.burst_bytes``; fitted when neither gives it)."""
+    setup = TraceSetup(trace)
+    spec = setup.fabric
     flows, measured = trace_flows(trace)
     inp = ReplayInput.of(trace)
     req_train, flow_train, _ = _split(trace, inp, train_frac)
-    known_burst = burst_bytes if burst_bytes is not None else trace.header.meta.get("burst_bytes")
-    bad = isinstance(known_burst, bool) or not isinstance(known_burst, int) or known_burst < 0
-    if known_burst is not None and bad:
-        raise ValueError(f"burst_bytes must be an integer >= 0, got {known_burst!r}")
+    if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
+                                    or burst_bytes < 0):
+        raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
+    known_burst = burst_bytes if burst_bytes is not None else setup.burst_bytes
     mtu = ((ns3.mtu if ns3 else None) or spec.mtu) if backend == "ns3" else 0
     if backend == "ns3" and known_burst and known_burst <= mtu:
         raise ValueError(f"burst_bytes {known_burst} must exceed the ns3 MTU {mtu}: a token bucket holds a packet")

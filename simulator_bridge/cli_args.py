@@ -1,8 +1,23 @@
-"""Arguments that several ``kvpath bridge`` commands share, declared once."""
+"""What several ``kvpath bridge`` verbs share on the command line, declared once: argument
+groups, and the readers of option values that end the command with an error naming
+the option."""
 
 from __future__ import annotations
 
 import argparse
+import math
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from kvpath.bridge.ns3_backend import Ns3Params
+    from kvpath.trace import Trace
+
+DEFAULT_NS3_QUEUE = 16 << 20  # deep: a lossless approximation where no trace says otherwise
+
+
+def fail(verb: str, msg: str) -> SystemExit:
+    """The error every bridge verb ends with: ``kvpath bridge VERB: error: MSG``, no traceback."""
+    return SystemExit(f"kvpath bridge {verb}: error: {msg}")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -15,3 +30,72 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-ratio", type=float, default=20.0)
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--accelerator", default="h100")
+
+
+def add_ns3_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ns3-mtu", type=int, default=None,
+                   help="ns3 backend: link MTU (default: the fabric's; up to 65535 for coarse segments)")
+    p.add_argument("--ns3-queue-bytes", type=int, default=None,
+                   help="ns3 backend: drop-tail queue per port (default: the trace header's queue_bytes, else 16 MiB)")
+    p.add_argument("--ns3-tcp", default="TcpCubic", help="ns3 backend: TCP variant (ns-3 type name)")
+
+
+def ns3_params(args: argparse.Namespace, verb: str, trace: Trace | None = None) -> Ns3Params:
+    """The ns3 options; the queue per port is the trace header's when the run recorded
+    it (a testbed trace), so ns-3 drops where the testbed's links would."""
+    from kvpath.bridge.ns3_backend import Ns3Params
+    from kvpath.trace_header import TraceSetup
+
+    queue = args.ns3_queue_bytes
+    if queue is None and trace is not None:
+        try:
+            queue = TraceSetup(trace).queue_bytes
+        except ValueError as e:
+            raise fail(verb, str(e)) from None
+    try:
+        return Ns3Params(mtu=args.ns3_mtu, queue_bytes=DEFAULT_NS3_QUEUE if queue is None else queue,
+                         tcp=args.ns3_tcp)
+    except ValueError as e:
+        raise fail(verb, f"--ns3-*: {e}") from None
+
+
+def load_trace(path: str, verb: str) -> Trace:
+    from kvpath.trace import TraceError, read_trace
+
+    try:
+        return read_trace(path)
+    except (OSError, TraceError) as e:
+        raise fail(verb, f"{path}: {e}") from None
+
+
+def backends(arg: str, verb: str) -> list[str]:
+    """A comma list of network backends (``serving_sim.BACKENDS``)."""
+    from kvpath.bridge.serving_sim import BACKENDS
+
+    names = [b for b in arg.split(",") if b]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad or not names:
+        raise fail(verb, f"--backend: choose from {', '.join(BACKENDS)}, got {arg!r}")
+    return names
+
+
+def split(text: str) -> list[str]:
+    """A comma list: blanks dropped, order kept, repeats dropped."""
+    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+
+
+def numbers(text: str, verb: str, flag: str, ok: Callable[[float], bool], want: str) -> list[float]:
+    """A comma list of finite numbers that pass ``ok`` (``want`` says what that means),
+    repeats dropped, at least one."""
+    out = []
+    for x in split(text):
+        try:
+            v = float(x)
+        except ValueError:
+            raise fail(verb, f"{flag}: not a number: {x!r}") from None
+        if not math.isfinite(v) or not ok(v):
+            raise fail(verb, f"{flag}: each value must be {want}, got {x!r}")
+        out.append(v)
+    if not out:
+        raise fail(verb, f"{flag}: give at least one value")
+    return list(dict.fromkeys(out))

@@ -1,9 +1,9 @@
 """Measured against simulated: a trace's KV flows replayed through a network backend on
 the trace's own fabric, each flow on the spine it was measured on.
 
-The fabric is the trace header's spec at the rates the run had (the testbed's
-``link_mbit`` when it is there), so times compare in the trace's own clock (testbed
-time for a testbed trace).
+The fabric is the trace header's spec at the rates the run had (``TraceSetup.fabric``:
+the testbed's ``link_mbit`` when it is there), so times compare in the trace's own
+clock (testbed time for a testbed trace).
 """
 
 from __future__ import annotations
@@ -14,20 +14,26 @@ from typing import Any
 
 import numpy as np
 
-from kvpath.fabric import FabricSpec
-from kvpath.trace import Trace
 from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
 from kvpath.bridge.ns3_backend import Ns3Params, ns3_fct
+from kvpath.bridge.serving_sim import BACKENDS
+from kvpath.fabric import FabricSpec
+from kvpath.trace import Trace
+from kvpath.trace_header import TraceSetup
 
-BACKENDS = ("flow", "trivial", "ns3")
+__all__ = ["BACKENDS", "Errors", "compare", "compare_fct", "header_net_params", "simulate", "trace_flows"]
 
 
-def trace_fabric(trace: Trace) -> FabricSpec:
-    spec = FabricSpec.from_dict(trace.header.fabric)
-    if trace.header.link_mbit:
-        gbps = trace.header.link_mbit / 1000
-        spec = dataclasses.replace(spec, host_link_gbps=gbps, spine_link_gbps=gbps)
-    return spec
+def header_net_params(setup: TraceSetup) -> NetParams:
+    """The network constants the trace's run had: the serving simulation's own
+    (``meta.net``) when there, else the testbed links' token-bucket burst (or 0)."""
+    net = setup.net
+    if net is None:
+        return NetParams(burst_bytes=setup.burst_bytes or 0)  # a ValueError naming the field if malformed
+    try:
+        return NetParams(**net)
+    except (TypeError, ValueError) as e:  # meta is free-form: a wrong type is the trace's error, not ours
+        raise ValueError(f"header meta.net: {e}") from None
 
 
 def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
@@ -93,7 +99,7 @@ def compare(trace: Trace, backends: list[str], params: NetParams,
 
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
-    spec = trace_fabric(trace)
+    spec = TraceSetup(trace).fabric
     flows, measured = trace_flows(trace)
     try:
         inp: ReplayInput | None = ReplayInput.of(trace)

@@ -1,5 +1,5 @@
-"""``kvpath bridge convert IN OUT``: a trace from one of the simulator family's formats
-to another (``docs/formats.md``).
+"""A trace from one of the simulator family's formats to another (``docs/formats.md``;
+the command is ``kvpath bridge convert IN OUT``).
 
 Every format is read into one bundle (header, requests, flows, flow inputs), which the
 target writes if it can hold what it needs: a format missing from the source (fct.txt's
@@ -8,16 +8,14 @@ completion times from an HPCC file, requests from a flow file) is an error namin
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 from kvpath.fabric import FabricSpec, FabricSpecError
-from kvpath.trace import FlowRecord, Header, RequestRecord, Trace, TraceError, TraceWriter, read_trace
+from kvpath.trace import FlowRecord, Header, RequestRecord, Trace, TraceWriter, read_trace
+from kvpath.trace_header import header_fabric
 from kvpath.trace_formats import (REQUEST_METRICS_COLUMNS, SIMAI_COLUMNS, FlowInput, from_fct_txt, from_hpcc_flows,
                                   from_request_metrics_csv, from_simai_csv, to_fct_txt, to_hpcc_flows,
                                   to_request_metrics_csv, to_simai_csv)
@@ -106,7 +104,7 @@ def _fabric(arg: str | None, header: Header | None, fmt: str, role: str) -> Fabr
         return _resolve(arg)
     if header is not None and header.fabric:
         try:
-            return FabricSpec.from_dict(header.fabric)
+            return header_fabric(header)
         except FabricSpecError as e:
             raise ConvertError(f"the input's header has a bad fabric ({e}): give --fabric") from None
     src = "the input has none" if header is not None else "only a kvpath or Parquet input carries one"
@@ -197,36 +195,3 @@ def convert(src: str, dst: str, src_fmt: str | None = None, dst_fmt: str | None 
             log.debug("%s holds no %s: %d left out", dst_fmt, what, n)
     return {"in": src, "from": src_fmt, "out": dst, "to": dst_fmt, "requests": n_req, "flows": n_flow,
             "dropped_requests": dropped["requests"], "dropped_flows": dropped["flows"]}
-
-
-def _summary(r: dict[str, object]) -> str:
-    line = f"wrote {r['requests']} requests and {r['flows']} flows to {r['out']} ({r['to']}, from {r['from']})"
-    left = [f"{r[f'dropped_{w}']} {w}" for w in ("requests", "flows") if r[f"dropped_{w}"]]
-    return line + (f"; left out: {', '.join(left)} ({r['to']} cannot hold them)" if left else "")
-
-
-def _cmd_convert(args: argparse.Namespace) -> int:
-    try:
-        r = convert(args.input, args.output, args.src_fmt, args.dst_fmt, args.fabric)
-    except (ConvertError, TraceError, FabricSpecError) as e:
-        raise SystemExit(f"kvpath bridge convert: error: {e}") from None
-    except OSError as e:
-        raise SystemExit(f"kvpath bridge convert: error: {e.filename or ''}: {e.strerror or e}") from None
-    sys.stdout.write((json.dumps(r) if args.json else _summary(r)) + "\n")
-    return 0
-
-
-def add_parser(br: argparse._SubParsersAction) -> None:
-    """Adds ``convert`` to the ``kvpath bridge`` subcommands."""
-    c = br.add_parser("convert", help="a trace from one format to another: kvpath, parquet, simai, fct, hpcc, "
-                                      "request-metrics (docs/formats.md)")
-    c.add_argument("input", metavar="IN", help="the file (or Parquet directory) to read")
-    c.add_argument("output", metavar="OUT", help="the file (or Parquet directory) to write")
-    c.add_argument("--from", dest="src_fmt", choices=FORMATS, default=None,
-                   help="IN's format (default: guessed from its name, or a CSV's header)")
-    c.add_argument("--to", dest="dst_fmt", choices=FORMATS, default=None, help="OUT's format (default: from its name)")
-    c.add_argument("--fabric", default=None,
-                   help="preset (small, rack4, rack8) or spec file mapping node ids to hosts, for simai and hpcc "
-                        "(default: a kvpath or Parquet input's header)")
-    c.add_argument("--json", action="store_true", help="print what was written as JSON")
-    c.set_defaults(func=_cmd_convert)

@@ -10,11 +10,9 @@ their measured FCTs. ``docs/report.md`` describes each figure.
 
 from __future__ import annotations
 
-import argparse
 import html
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,15 +21,16 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from kvpath.iteration_time import IterationTimeModel
-from kvpath.trace import Header, Trace, TraceError, read_trace
-from kvpath.workloads import Request
 from kvpath.bridge import report_figures as figs
-from kvpath.bridge.compare import BACKENDS, Errors, simulate, trace_fabric, trace_flows
-from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.compare import BACKENDS, Errors, header_net_params, simulate, trace_flows
 from kvpath.bridge.ns3_backend import Ns3Error
 from kvpath.bridge.serving_sim import ServingConfig
 from kvpath.bridge.serving_sim import simulate as serve
+from kvpath.deployment import format_pools
+from kvpath.trace import Trace
+from kvpath.trace_header import META_BACKEND, META_SOURCE, TraceSetup
+from kvpath.trace_metrics import TraceMetrics
+from kvpath.workloads import Request
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ KINDS = ("gantt", "slowdown", "inflight", "dc-sweep", "scatter")
 # every name a report writes: older figures matching these are removed so the page and
 # the directory agree
 PATTERNS = ("gantt-*.png", "slowdown-cdf.png", "inflight-*.png", "dc-sweep.png", "scatter-*.png")
-DEFAULT_ITM = ("llama-3-8b", "h100")
 
 
 @dataclass
@@ -51,25 +49,7 @@ class Report:
     notes: list[str] = field(default_factory=list)  # what was skipped, as the page says it
 
 
-def _fail(msg: str) -> SystemExit:
-    return SystemExit(f"{PROG}: error: {msg}")
-
-
 # -- numbers ----------------------------------------------------------------------------
-def _mean_p99(values: Sequence[float]) -> tuple[float | None, float | None]:
-    v = np.asarray(values, dtype=float)
-    return (float(v.mean()), float(np.percentile(v, 99))) if v.size else (None, None)
-
-
-def metrics(trace: Trace) -> dict[str, float | None]:
-    """FCT (flows), TTFT and TPOT (requests that have one): mean and p99, in seconds."""
-    fct = _mean_p99([f.fct_s for f in trace.flows])
-    ttft = _mean_p99([q.ttft_s for q in trace.requests if q.ttft_s is not None])
-    tpot = _mean_p99([q.tpot_s for q in trace.requests if q.tpot_s is not None])
-    return {"fct_mean_s": fct[0], "fct_p99_s": fct[1], "ttft_mean_s": ttft[0], "ttft_p99_s": ttft[1],
-            "tpot_mean_s": tpot[0]}
-
-
 def _pct(v: float) -> str:
     return f"{round(100 * v, 1) + 0.0:+.1f}%"  # + 0.0: a rounded -0.0 reads +0.0
 
@@ -83,48 +63,10 @@ def labels(names: Sequence[str], traces: Sequence[Trace]) -> list[str]:
     alike, and the position where even that does."""
     out = []
     for t in traces:
-        extra = "/".join(str(x) for x in (t.header.meta.get("source"), t.header.meta.get("backend")) if x)
+        extra = "/".join(str(x) for x in (t.header.meta.get(META_SOURCE), t.header.meta.get(META_BACKEND)) if x)
         out.append(f"{t.header.mode or '?'}" + (f" ({extra})" if extra else ""))
     out = [f"{lab} [{n}]" if out.count(lab) > 1 else lab for lab, n in zip(out, names)]
     return [f"{lab} #{i}" if out.count(lab) > 1 else lab for i, lab in enumerate(out, 1)]
-
-
-# -- inputs the replays take from a header ------------------------------------------------
-def net_params(header: Header) -> NetParams:
-    """The serving simulation's own ``meta.net`` when there, else the testbed's burst."""
-    net = header.meta.get("net")
-    try:
-        if isinstance(net, dict):
-            return NetParams(**{k: net[k] for k in ("overhead_s", "efficiency", "burst_bytes") if k in net})
-        return NetParams(burst_bytes=int(header.meta.get("burst_bytes", 0)))
-    except (TypeError, ValueError) as e:  # meta is free-form: a wrong type is the trace's error, not ours
-        raise ValueError(f"header meta.net / meta.burst_bytes: {e}") from None
-
-
-def iteration_model(header: Header) -> tuple[IterationTimeModel, str]:
-    """The header's ``meta.iteration_time``, else the llama-3-8b/h100 preset; and a caption line."""
-    d = header.meta.get("iteration_time")
-    if isinstance(d, dict):
-        try:
-            itm = IterationTimeModel.from_dict(d)
-            return itm, f"iteration-time model from the trace header ({itm.model.name} on {itm.accel.name})"
-        except (ValueError, KeyError) as e:  # ModelSpecError is a ValueError; an unknown preset a KeyError
-            why = f"the header's iteration_time is unusable ({e})"
-    else:
-        why = "the header has no iteration_time"
-    return IterationTimeModel.preset(*DEFAULT_ITM), f"{why}: the {DEFAULT_ITM[0]} on {DEFAULT_ITM[1]} preset is used"
-
-
-def pools(trace: Trace) -> tuple[int, int]:
-    """``meta.pools`` (``8P8D``), else the distinct P and D instances of the requests."""
-    m = re.fullmatch(r"(\d+)P(\d+)D", str(trace.header.meta.get("pools", "")))
-    if m:
-        return int(m.group(1)), int(m.group(2))
-    n_p = len({q.p_instance for q in trace.requests if q.p_instance})
-    n_d = len({q.d_instance for q in trace.requests if q.d_instance})
-    if not n_p or not n_d:
-        raise ValueError("no meta.pools and no p_instance/d_instance in the requests: the pools are unknown")
-    return n_p, n_d
 
 
 def workload(trace: Trace) -> list[Request]:
@@ -134,34 +76,31 @@ def workload(trace: Trace) -> list[Request]:
             for q in sorted(trace.requests, key=lambda q: q.arrival_s)]
 
 
-def time_scale(header: Header) -> float:
-    """Compute-time multiplier that puts the simulation on the trace's clock: B/S when the
-    fabric runs at the testbed's rate (``link_mbit``), as the emulated engines do; else 1."""
-    return header.scale_b / header.scale_s if header.link_mbit else 1.0
-
-
 # -- the dc sweep -------------------------------------------------------------------------
 def dc_sweep(trace: Trace, delays: Sequence[float], progress: Progress) -> dict[str, Any]:
     """The trace's workload re-simulated (flow backend) in dc at each delay and in ecmp and
     cc once. Raises ValueError when the trace cannot be re-simulated."""
-    spec, (n_p, n_d), reqs = trace_fabric(trace), pools(trace), workload(trace)
-    itm, itm_note = iteration_model(trace.header)
-    base = dict(pools=(n_p, n_d), backend="flow", scale_s=trace.header.scale_s, time_scale=time_scale(trace.header),
-                net=net_params(trace.header))
-    rs = trace.header.meta.get("reserve_at")
-    if rs in ("admission", "push"):
-        base["reserve_at"] = rs
+    setup = TraceSetup(trace)
+    spec = setup.fabric
+    if setup.pools is None:
+        raise ValueError("no meta.pools and no p_instance/d_instance in the requests: the pools are unknown")
+    (n_p, n_d), reqs = setup.pools, workload(trace)
+    itm, itm_note = setup.iteration_time_or_preset()
+    base = dict(pools=(n_p, n_d), backend="flow", scale_s=trace.header.scale_s, time_scale=setup.time_scale,
+                net=header_net_params(setup))
+    if setup.reserve_at is not None:
+        base["reserve_at"] = setup.reserve_at
     runs = [("dc", d) for d in delays] + [("ecmp", 0.0), ("cc", 0.0)]
     task = progress.add_task("dc sweep", total=len(runs))
     out: dict[str, Any] = {"dc": [], "refs": {}}
     for mode, delay in runs:
         sim, _ = serve(spec, reqs, ServingConfig(mode=mode, dc_delay_s=delay, **base), itm)
         if mode == "dc":
-            out["dc"].append(metrics(sim))
+            out["dc"].append(TraceMetrics.of(sim).to_dict())
         else:
-            out["refs"][mode] = metrics(sim)
+            out["refs"][mode] = TraceMetrics.of(sim).to_dict()
         progress.advance(task)
-    out.update(base, spec=spec, pools=f"{n_p}P{n_d}D", requests=len(reqs), itm_note=itm_note)
+    out.update(base, spec=spec, pools=format_pools(n_p, n_d), requests=len(reqs), itm_note=itm_note)
     return out
 
 
@@ -190,9 +129,10 @@ def _scatter_item(i: int, t: Trace, lab: str, out: Path, backend: str) -> figs.I
     if not t.flows:
         return figs.Item(f"{lab}: the trace has no flows: nothing to replay (a pull-connector run records none).")
     try:
-        params = net_params(t.header)
+        setup = TraceSetup(t)
+        params = header_net_params(setup)
         flows, measured = trace_flows(t)
-        simulated = simulate(backend, trace_fabric(t), flows, params)
+        simulated = simulate(backend, setup.fabric, flows, params)
     except (ValueError, Ns3Error) as e:  # a flow across the spines without a path, no ns-3, a bad header
         return figs.Item(f"{lab}: the flows cannot be replayed: {e}")
     with np.errstate(divide="ignore", invalid="ignore"):  # a zero measured FCT makes an error inf, not a crash
@@ -227,8 +167,8 @@ def _summary(names: list[str], traces: list[Trace]) -> str:
             "TTFT p99 (ms)", "TPOT mean (ms)")
     rows = []
     for i, (n, t) in enumerate(zip(names, traces), 1):
-        m = metrics(t)
-        cells = [str(i), n, t.header.mode, str(t.header.meta.get("source", "")), str(len(t.requests)),
+        m = TraceMetrics.of(t).to_dict()
+        cells = [str(i), n, t.header.mode, str(t.header.meta.get(META_SOURCE, "")), str(len(t.requests)),
                  str(len(t.flows)), *(_ms(m[k]) for k in ("fct_mean_s", "fct_p99_s", "ttft_mean_s", "ttft_p99_s",
                                                            "tpot_mean_s"))]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
@@ -301,65 +241,3 @@ def _remove_stale(out: Path, written: set[Path]) -> None:
             if p not in written:
                 logger.info("removing %s: an older report's figure this page does not show", p)
                 p.unlink()
-
-
-# -- the command --------------------------------------------------------------------------
-def parse_delays(text: str) -> list[float]:
-    """``0,0.001,...`` -> sorted distinct seconds; SystemExit naming --dc-delays otherwise."""
-    out = set()
-    for x in (s.strip() for s in text.split(",")):
-        if not x:
-            continue
-        try:
-            v = float(x)
-        except ValueError:
-            raise _fail(f"--dc-delays: not a number: {x!r}") from None
-        if not math.isfinite(v) or v < 0:
-            raise _fail(f"--dc-delays: each delay must be a finite number of seconds >= 0, got {x!r}")
-        out.add(v)
-    if not out:
-        raise _fail(f"--dc-delays: give at least one delay, got {text!r}")
-    return sorted(out)
-
-
-def load(path: str) -> Trace:
-    try:
-        trace = read_trace(path)
-    except TraceError as e:  # read_trace turns OSError into TraceError too
-        raise _fail(f"TRACE: {e}") from None
-    if not trace.requests:
-        raise _fail(f"TRACE: {path}: empty trace (no requests)")
-    return trace
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    if args.backend not in BACKENDS:
-        raise _fail(f"--backend: choose from {', '.join(BACKENDS)}, got {args.backend!r}")
-    try:
-        n = int(args.gantt_requests)
-    except ValueError:
-        raise _fail(f"--gantt-requests: not an integer: {args.gantt_requests!r}") from None
-    if n < 1:
-        raise _fail(f"--gantt-requests must be >= 1, got {n}")
-    delays = parse_delays(args.dc_delays)
-    traces = [(p, load(p)) for p in args.trace]
-    try:
-        rep = write_report(traces, args.out, backend=args.backend, dc_delays=delays, gantt_requests=n)
-    except OSError as e:
-        raise _fail(f"--out {args.out}: {e}") from None
-    except ValueError as e:  # the arguments were checked above: this is a trace the report cannot read
-        raise _fail(str(e)) from None
-    Console().print(f"report: {rep.index} ({sum(map(len, rep.figures.values()))} figures, {len(rep.notes)} notes)")
-    return 0
-
-
-def add_parser(br: argparse._SubParsersAction) -> None:
-    r = br.add_parser("report", help="an HTML page with figures of traces: timelines, slowdowns, a dc delay sweep")
-    r.add_argument("trace", nargs="+", help="kvpath traces (docs/trace.md); the first one's workload is swept")
-    r.add_argument("--out", required=True, help="directory for index.html and its PNGs")
-    r.add_argument("--backend", default="flow", help=f"network backend of the measured-vs-simulated replay: "
-                                                     f"{', '.join(BACKENDS)}")
-    r.add_argument("--dc-delays", default=",".join(f"{d:g}" for d in DEFAULT_DELAYS),
-                   help="comma-separated dc broadcast delays in seconds (trace clock)")
-    r.add_argument("--gantt-requests", default="40", help="requests per timeline (the first by arrival)")
-    r.set_defaults(func=_cmd_report)

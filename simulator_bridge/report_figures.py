@@ -10,19 +10,15 @@ clocks except where a caption says so.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from kvpath.plotting import cdf, plain_log_x, pyplot, save_figure
 from kvpath.trace import FlowRecord, RequestRecord, Trace
-from kvpath.testbed.plots import _cdf  # the testbed's step CDF, so both reports draw CDFs alike
 
-logger = logging.getLogger(__name__)
-
-DPI = 110
 # (field of the start, field of the end, legend label, colour) per Gantt bar, in phase order
 PHASES = (("arrival_s", "prefill_start_s", "queue", "0.8"),
           ("prefill_start_s", "prefill_end_s", "prefill", "C0"),
@@ -40,24 +36,6 @@ class Item:
     alt: str = ""
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never a display, also on a machine that has one
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
-    logger.info("figure written to %s", path)
-    return path
-
-
 def first_requests(trace: Trace, n: int) -> list[RequestRecord]:
     """The first ``n`` requests by arrival (ties in file order)."""
     return sorted(trace.requests, key=lambda q: q.arrival_s)[:n]
@@ -70,7 +48,7 @@ def gantt(trace: Trace, n: int, path: Path, title: str) -> Path | None:
     bars = [[(getattr(q, a), getattr(q, b)) for a, b, _, _ in PHASES] for q in reqs]
     if not any(a is not None and b is not None and b > a for row in bars for a, b in row):
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 1.5 + 0.22 * len(reqs)))
     labelled: set[str] = set()
     for y, row in enumerate(bars):
@@ -90,7 +68,7 @@ def gantt(trace: Trace, n: int, path: Path, title: str) -> Path | None:
     ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def slowdowns(trace: Trace) -> np.ndarray:
@@ -102,10 +80,10 @@ def slowdown_cdf(series: Sequence[tuple[str, np.ndarray]], path: Path) -> Path |
     """One CDF line per (label, slowdowns); None when every series is empty."""
     if not any(v.size for _, v in series):
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for k, (label, v) in enumerate(series):
-        _cdf(ax, list(v), label)
+        cdf(ax, list(v), label)
         if v.size:
             ax.lines[-1].set_linestyle(STYLES[k % len(STYLES)])  # modes that coincide stay visible
     ax.set_xlabel("FCT / standalone FCT")
@@ -116,12 +94,8 @@ def slowdown_cdf(series: Sequence[tuple[str, np.ndarray]], path: Path) -> Path |
     lo = min(float(v.min()) for _, v in series if v.size)
     hi = max(float(v.max()) for _, v in series if v.size)
     if lo > 0 and hi / lo > 10:  # slowdowns can span orders of magnitude under contention
-        from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    return _save(fig, path)
+        plain_log_x(ax)
+    return save_figure(fig, path)
 
 
 def in_flight(flows: Sequence[FlowRecord]) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +115,7 @@ def inflight_plot(trace: Trace, path: Path, title: str) -> Path | None:
     t, count = in_flight(trace.flows)
     if not t.size:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 3.2))
     ax.step(t, count, where="post", color="C1")
     ax.set_xlabel("s (trace clock)")
@@ -149,14 +123,14 @@ def inflight_plot(trace: Trace, path: Path, title: str) -> Path | None:
     ax.set_title(title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def sweep_plot(delays: Sequence[float], dc: Sequence[dict[str, float]], refs: dict[str, dict[str, float]],
                path: Path, title: str) -> Path:
     """FCT p99 and TTFT mean against the dc broadcast delay; ``refs`` (mode -> metrics)
     are drawn as horizontal lines, their modes not having a delay."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     x = np.array(delays) * 1e3
     for ax, key, name in ((axes[0], "fct_p99_s", "KV flow FCT p99"), (axes[1], "ttft_mean_s", "TTFT mean")):
@@ -176,12 +150,12 @@ def sweep_plot(delays: Sequence[float], dc: Sequence[dict[str, float]], refs: di
         ax.set_xticks(x)
         ax.set_xticklabels([f"{v:g}" for v in x])
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def scatter_plot(measured: np.ndarray, simulated: np.ndarray, path: Path, title: str, backend: str) -> Path:
     """Measured against simulated FCT per flow, with the y = x line."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 5.5))
     m, s = measured * 1e3, simulated * 1e3
     ax.scatter(m, s, s=10, alpha=0.6, color="C0", label=f"flows (n={m.size})")
@@ -196,7 +170,7 @@ def scatter_plot(measured: np.ndarray, simulated: np.ndarray, path: Path, title:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # -- a section's figures with their captions -------------------------------------------------

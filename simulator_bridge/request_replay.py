@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpath.bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import Trace
+from kvpath.trace_header import TraceSetup
 from kvpath.workloads import Request
-from kvpath.bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
 
 
 @dataclass(frozen=True)
@@ -39,20 +40,6 @@ class ComputeParams:
         return dataclasses.replace(base, overhead_s=self.iteration_overhead_s)
 
 
-def trace_time_scale(trace: Trace) -> float:
-    """Modelled seconds -> trace seconds: B/S for a testbed trace, else the simulated
-    trace's own (1 unless its header says otherwise)."""
-    h = trace.header
-    if h.link_mbit:
-        return h.scale_b / h.scale_s
-    return float(h.meta.get("time_scale", 1.0))
-
-
-def trace_iteration_model(trace: Trace) -> IterationTimeModel:
-    d = trace.header.meta.get("iteration_time")
-    return IterationTimeModel.from_dict(d) if d else IterationTimeModel.preset("llama-3-8b", "h100")
-
-
 @dataclass
 class ReplayInput:
     """What the replay needs from a trace, extracted once."""
@@ -68,6 +55,8 @@ class ReplayInput:
 
     @classmethod
     def of(cls, trace: Trace) -> "ReplayInput":
+        """A ValueError when the trace has no request to replay, or its header names an
+        iteration-time model that cannot be built (``TraceSetup.iteration_time``)."""
         flow_of = {f.request_id: i for i, f in enumerate(trace.flows)}
         rows = [q for q in trace.requests if q.status == "ok" and q.request_id in flow_of
                 and q.p_instance and q.d_instance and q.ttft_s is not None]
@@ -75,12 +64,13 @@ class ReplayInput:
             raise ValueError("the trace has no completed request with a KV flow to replay")
         ps = {p: k for k, p in enumerate(sorted({q.p_instance for q in rows}))}
         ds = {d: k for k, d in enumerate(sorted({q.d_instance for q in rows}))}
+        setup = TraceSetup(trace)
         return cls(reqs=[Request(q.request_id, q.arrival_s, q.prompt_tokens, max(q.output_tokens, 1)) for q in rows],
                    p_of=[ps[q.p_instance] for q in rows], d_of=[ds[q.d_instance] for q in rows],
                    flow_index=np.array([flow_of[q.request_id] for q in rows]),
                    ttft=np.array([q.ttft_s for q in rows], dtype=float),
                    tpot=np.array([np.nan if q.tpot_s is None else q.tpot_s for q in rows], dtype=float),
-                   base=trace_iteration_model(trace), time_scale=trace_time_scale(trace))
+                   base=setup.iteration_time, time_scale=setup.time_scale)
 
 
 def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams) -> tuple[np.ndarray, np.ndarray]:

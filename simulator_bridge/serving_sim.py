@@ -18,6 +18,7 @@ tokens - 1). The result is a kvpath trace, so every exporter and ``compare`` rea
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,20 +26,27 @@ from typing import Any
 
 import numpy as np
 
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
 from kvpath.fabric import FabricSpec, pd_placement
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
 from kvpath.reservation import LaneInfo, ReservationService, default_lane
+from kvpath.reservation_wire import MODES, RESERVE_AT
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
+from kvpath.trace_header import (META_BACKEND, META_ITERATION_TIME, META_NET, META_POOLS, META_RESERVE_AT,
+                                 META_SOURCE)
+from kvpath.trace_metrics import TraceMetrics
 from kvpath.workloads import Request
-from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 
-MODES = ("ecmp", "cc", "dc")
-BACKENDS = ("flow", "trivial", "ns3")
+__all__ = ["MODES", "BACKENDS", "SOURCE", "ServingConfig", "prefill_drain", "decode_drain", "simulate", "summarize"]
+
+BACKENDS = ("flow", "trivial", "ns3")  # the network backends (compare replays through the same ones)
 LANE_PORT0 = 40000  # lane k of a P-D pair has source port LANE_PORT0 + k
-KV_PORT = 5600
+ADMISSION = RESERVE_AT[0]  # reserve a lane at the request's arrival (else at push start)
+SOURCE = "simulator_bridge"  # meta.source of the traces this writes (the value older traces carry)
 
 
 @dataclass
@@ -47,7 +55,7 @@ class ServingConfig:
     mode: str = "ecmp"
     backend: str = "flow"
     lanes: int = 4
-    reserve_at: str = "admission"  # admission | push
+    reserve_at: str = ADMISSION  # or push
     dc_delay_s: float = 0.0
     cc_metric: str = "flows"
     scale_s: float = 1.0  # KV bytes divided by S (1: the datacenter's)
@@ -68,8 +76,8 @@ class ServingConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.reserve_at not in ("admission", "push"):
-            raise ValueError(f"reserve_at must be admission or push, got {self.reserve_at!r}")
+        if self.reserve_at not in RESERVE_AT:
+            raise ValueError(f"reserve_at must be {' or '.join(RESERVE_AT)}, got {self.reserve_at!r}")
         if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0:
             raise ValueError("lanes must be >= 1, scale_s and time_scale > 0")
 
@@ -137,8 +145,8 @@ class _Lanes:
     def infos(self, src: str, dst: str) -> list[LaneInfo]:
         out = []
         for k in range(self.n):
-            self.oracle.table[(src, dst, LANE_PORT0 + k, KV_PORT)] = k % self.spec.spines
-            out.append(LaneInfo(k, LANE_PORT0 + k, KV_PORT))
+            self.oracle.table[(src, dst, LANE_PORT0 + k, KV_SIDE_CHANNEL_PORT)] = k % self.spec.spines
+            out.append(LaneInfo(k, LANE_PORT0 + k, KV_SIDE_CHANNEL_PORT))
         return out
 
 
@@ -171,14 +179,14 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
         r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
         leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
         spine_of[i] = lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
-                                          LANE_PORT0 + lane_of[i], KV_PORT)]
+                                          LANE_PORT0 + lane_of[i], KV_SIDE_CHANNEL_PORT)]
         return spine_of[i]
 
     def on_end(i: int, now: float) -> None:
         clock[0] = now
         svc.release(leases.pop(i))
 
-    decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == "admission" else pre_end
+    decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == ADMISSION else pre_end
     info: dict[str, Any] = {}
     if cfg.backend in ("flow", "ns3"):
         fct = FlowModel(spec, cfg.net).run(flows, decide=decide, decide_at=decide_at, on_end=on_end)
@@ -206,18 +214,16 @@ def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: l
            fct: np.ndarray, lane_of: dict[int, int], dstart: np.ndarray, first: np.ndarray, done: np.ndarray,
            itm: IterationTimeModel) -> Trace:
     header = Header(t0_unix=0.0, mode=cfg.mode, fabric=spec.to_dict(), scale_s=cfg.scale_s,
-                    meta={"source": "simulator_bridge", "backend": cfg.backend, "pools": f"{cfg.pools[0]}P{cfg.pools[1]}D",
-                          "reserve_at": cfg.reserve_at, "dc_delay_s": cfg.dc_delay_s,
-                          "iteration_time": itm.to_dict(), "net": {"overhead_s": cfg.net.overhead_s,
-                                                                    "efficiency": cfg.net.efficiency,
-                                                                    "burst_bytes": cfg.net.burst_bytes}})
+                    meta={META_SOURCE: SOURCE, META_BACKEND: cfg.backend, META_POOLS: format_pools(*cfg.pools),
+                          META_RESERVE_AT: cfg.reserve_at, "dc_delay_s": cfg.dc_delay_s,
+                          META_ITERATION_TIME: itm.to_dict(), META_NET: dataclasses.asdict(cfg.net)})
     requests, flow_recs = [], []
     alone = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, 0.0, lane_of.get(i, 0) % spec.spines)
                                for i, f in enumerate(flows)], cfg.net)
     for i, r in enumerate(reqs):
         f = flows[i]
         lane = lane_of.get(i, 0)
-        ft = FiveTuple(spec.host_ip(f.src), spec.host_ip(f.dst), LANE_PORT0 + lane, KV_PORT)
+        ft = FiveTuple(spec.host_ip(f.src), spec.host_ip(f.dst), LANE_PORT0 + lane, KV_SIDE_CHANNEL_PORT)
         spine = f"spine{lane % spec.spines}"
         end = float(pre_end[i] + fct[i])
         out = max(r.output_tokens, 1)
@@ -234,14 +240,12 @@ def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: l
     return Trace(header, requests, flow_recs)
 
 
+SUMMARY_METRICS = ("requests", "fct_mean_s", "fct_p99_s", "slowdown_mean", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s")
+
+
 def summarize(trace: Trace, wall_s: float) -> dict[str, Any]:
-    fct = np.array([f.fct_s for f in trace.flows])
-    sd = np.array([f.fct_s / f.standalone_fct_s for f in trace.flows if f.standalone_fct_s])
-    ttft = np.array([q.ttft_s for q in trace.requests])
-    tpot = np.array([q.tpot_s for q in trace.requests if q.tpot_s is not None])
-    return {"mode": trace.header.mode, "backend": trace.header.meta.get("backend"), "requests": len(trace.requests),
-            "fct_mean_s": float(fct.mean()), "fct_p99_s": float(np.percentile(fct, 99)),
-            "slowdown_mean": float(sd.mean()) if sd.size else None,
-            "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "tpot_mean_s": float(tpot.mean()) if tpot.size else None, "wall_s": wall_s}
+    """One simulation's row: mode, backend, SUMMARY_METRICS of ``TraceMetrics`` and the wall time."""
+    m = TraceMetrics.of(trace).to_dict()
+    return {"mode": trace.header.mode, "backend": trace.header.meta.get(META_BACKEND),
+            **{k: m[k] for k in SUMMARY_METRICS}, "wall_s": wall_s}
 

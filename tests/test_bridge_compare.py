@@ -68,7 +68,7 @@ def test_simulate_cli_prints_one_row_per_backend_and_mode(tmp_path):
 def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_path, ns3_wheel):
     import argparse
 
-    from kvpath.bridge.cli import _ns3_params
+    from kvpath.bridge.cli_args import ns3_params
 
     # a lone 10 MB push on links with a 1 MiB token bucket ends in (size - burst) / rate
     burst = 1 << 20
@@ -85,7 +85,7 @@ def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_pat
     assert abs(out["flow"]["fct"]["mean"]) < 1e-9
     assert abs(out["ns3"]["fct"]["mean"]) < 0.03  # without the bucket: +12%
     args = argparse.Namespace(ns3_mtu=None, ns3_queue_bytes=None, ns3_tcp="TcpCubic")
-    assert _ns3_params(args, "compare", read_trace(path)).queue_bytes == 4 << 20
-    assert _ns3_params(args, "compare").queue_bytes == 16 << 20  # no trace: deep, lossless
+    assert ns3_params(args, "compare", read_trace(path)).queue_bytes == 4 << 20
+    assert ns3_params(args, "compare").queue_bytes == 16 << 20  # no trace: deep, lossless
     args.ns3_queue_bytes = 1 << 20  # the command line wins
-    assert _ns3_params(args, "compare", read_trace(path)).queue_bytes == 1 << 20
+    assert ns3_params(args, "compare", read_trace(path)).queue_bytes == 1 << 20

@@ -15,8 +15,11 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace, TraceWriter
+from kvpath.trace_header import TraceSetup
 from kvpath.workloads import load_workload
 from kvpath.bridge import report
+from kvpath.bridge.cli import add_parsers
+from kvpath.bridge.compare import header_net_params
 from kvpath.bridge.report_figures import in_flight
 from kvpath.bridge.serving_sim import ServingConfig, simulate
 
@@ -43,9 +46,8 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def run_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
-    br = p.add_subparsers()
-    report.add_parser(br)
-    args = p.parse_args(["report", *argv])
+    add_parsers(p.add_subparsers())
+    args = p.parse_args(["bridge", "report", *argv])
     return args.func(args)
 
 
@@ -163,15 +165,16 @@ def test_sweep_inputs_from_a_testbed_style_header() -> None:
                meta={"pools": "1P2D", "burst_bytes": 4096})
     q = RequestRecord(request_id="r", arrival_s=0.5, prompt_tokens=100, output_tokens=0, status="http 503")
     t = Trace(h, [q], [])
-    assert report.pools(t) == (1, 2)
-    assert report.net_params(h).burst_bytes == 4096
-    assert report.time_scale(h) == 2.0
+    setup = TraceSetup(t)
+    assert setup.pools == (1, 2)
+    assert header_net_params(setup).burst_bytes == 4096
+    assert setup.time_scale == 2.0
     assert report.workload(t)[0].output_tokens == 1
-    itm, note = report.iteration_model(h)
+    itm, note = setup.iteration_time_or_preset()
     assert itm.model.name == "llama-3-8b" and "preset" in note
     t2 = Trace(Header(t0_unix=0.0), [msgspec.structs.replace(q, p_instance="a", d_instance="b"),
                                       msgspec.structs.replace(q, p_instance="a", d_instance="c")], [])
-    assert report.pools(t2) == (1, 2)
+    assert TraceSetup(t2).pools == (1, 2)
 
 
 def test_in_flight_counts_end_before_start_at_one_instant() -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvpath.bridge import serving_sim
-from kvpath.bridge.sweep import COLUMNS, add_parser, expand_grid, points_from_args
+from kvpath.bridge.cli import add_parsers
+from kvpath.bridge.cli_sweep import points_from_args
+from kvpath.bridge.sweep import COLUMNS, expand_grid, ray_package
 
 # links slow enough (20 Gbit/s) that pushes overlap at 30 QPS, so modes and backends differ
 SLOW_FABRIC = {"leaves": 4, "spines": 4, "hosts_per_leaf": 4, "host_link_gbps": 20.0, "spine_link_gbps": 20.0}
@@ -20,9 +22,8 @@ SMALL = ["--requests", "40", "--min-prompt", "1024", "--max-prompt", "2048"]
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    br = p.add_subparsers()
-    add_parser(br)
-    return p.parse_args(["sweep", *argv])
+    add_parsers(p.add_subparsers())
+    return p.parse_args(["bridge", "sweep", *argv])
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[dict]]:
@@ -190,17 +191,27 @@ def test_ray_local_gives_the_same_rows_as_inline(slow_fabric: str, capsys: pytes
 
 def test_scale_s_reaches_every_point():
     # KV bytes / 4 on the same links: every flow is 4x shorter, so the mean FCT drops
-    import argparse as _ap
+    from kvpath.bridge.sweep import run_point
 
-    from kvpath.bridge.sweep import add_parser, points_from_args, run_point
-
-    p = _ap.ArgumentParser()
-    add_parser(p.add_subparsers())
     rows = {}
     for s in ("1", "4"):
-        args = p.parse_args(["sweep", "--fabric", "small", "--pools", "2P2D", "--requests", "12", "--qps", "5",
-                             "--backend", "trivial", "--mode", "ecmp", "--scale-s", s])
+        args = _args(["--fabric", "small", "--pools", "2P2D", "--requests", "12", "--qps", "5",
+                      "--backend", "trivial", "--mode", "ecmp", "--scale-s", s])
         (pt,) = points_from_args(args)
         assert pt.scale_s == float(s)
         rows[s] = run_point(pt)
     assert rows["4"]["fct_mean_s"] < rows["1"]["fct_mean_s"] / 3
+
+
+def test_the_ray_package_imports_the_bridge_as_kvpath_bridge(tmp_path: Path) -> None:
+    """What --ray ADDRESS ships (py_modules): kvpath with the bridge inside, importable with
+    neither this checkout nor its editable install on the path."""
+    import subprocess
+
+    pkg = ray_package(tmp_path)
+    assert pkg.name == "kvpath" and (pkg / "bridge" / "sweep.py").is_file() and not list(pkg.rglob("__pycache__"))
+    code = ("import sys; sys.meta_path = [f for f in sys.meta_path if 'Editable' not in getattr(f, '__name__', '')]; "
+            f"sys.path.insert(0, {str(tmp_path)!r}); import kvpath.bridge.sweep as s; print(s.__file__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(pkg / "bridge" / "sweep.py")

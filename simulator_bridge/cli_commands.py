@@ -1,0 +1,226 @@
+"""What ``kvpath bridge compare``, ``calibrate``, ``simulate``, ``convert`` and ``report``
+do with their parsed arguments (``cli.py`` declares them): check what the library does
+not, call it, print the result. Heavy imports wait until a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from kvpath.bridge.cli_args import backends, fail, load_trace, ns3_params
+from kvpath.trace import Trace
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:+.1f}%"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kvpath.bridge.compare import compare
+    from kvpath.bridge.flow_model import NetParams
+    from kvpath.bridge.ns3_backend import Ns3Error
+    from kvpath.trace_header import TraceSetup
+
+    names = backends(args.backend, "compare")
+    trace = load_trace(args.trace, "compare")
+    try:
+        # the testbed links' token bucket from the header; the other constants are the ones under test
+        burst = args.burst_bytes if args.burst_bytes is not None else TraceSetup(trace).burst_bytes or 0
+        params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
+        errors = compare(trace, names, params, ns3_params(args, "compare", trace))
+    except (ValueError, Ns3Error) as e:
+        raise fail("compare", str(e)) from None
+    if args.json:
+        sys.stdout.write(json.dumps({b: {q: (e.to_dict() if e else None) for q, e in row.items()}
+                                     for b, row in errors.items()}) + "\n")
+        return 0
+    t = Table(title=f"simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error")
+    for c in ("backend", "quantity", "n", "mean", "p50", "p99", "bias (median)", "|error| (mean)"):
+        t.add_column(c)
+    for b, row in errors.items():
+        for q, e in row.items():
+            if e is not None:
+                t.add_row(b, q.upper(), str(e.n), *(_pct(v) for v in (e.mean, e.p50, e.p99, e.bias)),
+                          f"{100 * e.mean_abs:.1f}%")
+    Console().print(t)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kvpath.bridge.calibrate import calibrate
+    from kvpath.bridge.ns3_backend import Ns3Error
+
+    names = backends(args.backend, "calibrate")
+    trace = load_trace(args.trace, "calibrate")
+    if args.burst_bytes is not None and args.burst_bytes < 0:
+        raise fail("calibrate", f"--burst-bytes must be >= 0, got {args.burst_bytes}")
+    ns3 = ns3_params(args, "calibrate", trace)
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  disable=args.json, transient=True) as prog:
+        task = prog.add_task("calibrating", total=None)
+        for b in names:
+            try:
+                results.append(calibrate(trace, b, args.train_frac, ns3, burst_bytes=args.burst_bytes,
+                                         progress=lambda msg: prog.update(task, description=msg)))
+            except (ValueError, Ns3Error) as e:
+                raise fail("calibrate", str(e)) from None
+    if args.json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
+        return 0
+    c = Console()
+    for r in results:
+        t = Table(title=f"{r.backend}: held-out error ({r.held_requests} requests; fitted on the first "
+                        f"{r.train_requests} by arrival, {r.runs} network runs)")
+        for col in ("quantity", "mean before", "mean after", "p99 before", "p99 after", "bias after"):
+            t.add_column(col)
+        for q in ("fct", "ttft", "tpot"):
+            h = getattr(r, q)
+            t.add_row(q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99), _pct(h.after.p99),
+                      _pct(h.after.bias))
+        c.print(t)
+        n, k = r.net, r.compute
+        c.print(f"  network: overhead_s={n.overhead_s:.6f} efficiency={n.efficiency} burst_bytes={n.burst_bytes}; "
+                f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
+                f"request_overhead_s={k.request_overhead_s:.6f}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvpath.bridge.ns3_backend import Ns3Error
+    from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
+    from kvpath.deployment import parse_pools
+    from kvpath.fabric import FabricSpec, FabricSpecError
+    from kvpath.iteration_time import IterationTimeModel
+    from kvpath.models import ModelSpecError
+    from kvpath.trace import TraceWriter
+    from kvpath.workloads import WorkloadError, load_workload
+
+    try:
+        spec = FabricSpec.resolve(args.fabric)
+    except FabricSpecError as e:
+        raise fail("simulate", f"--fabric: {e}") from None
+    try:
+        pools = parse_pools(args.pools)
+    except ValueError as e:
+        raise fail("simulate", f"--pools: {e}") from None
+    try:
+        itm = IterationTimeModel.preset(args.model, args.accelerator)
+    except (ModelSpecError, KeyError, ValueError) as e:
+        raise fail("simulate", f"--model/--accelerator: {e}") from None
+    try:
+        w = load_workload(args.workload, n=args.requests, qps=args.qps, seed=args.seed, min_prompt=args.min_prompt,
+                          max_prompt=args.max_prompt, pd_ratio=args.pd_ratio)
+    except WorkloadError as e:
+        raise fail("simulate", f"--workload: {e}") from None
+    rows = []
+    for backend in [b for b in args.backend.split(",") if b]:
+        for mode in [x for x in args.mode.split(",") if x]:
+            cfg = ServingConfig(pools=pools, mode=mode, backend=backend, lanes=args.lanes, reserve_at=args.reserve_at,
+                                dc_delay_s=args.dc_delay_s, scale_s=args.scale_s, ns3=ns3_params(args, "simulate"))
+            try:
+                trace, info = simulate(spec, list(w.requests), cfg, itm)
+            except (ValueError, Ns3Error) as e:
+                raise fail("simulate", str(e)) from None
+            rows.append(summarize(trace, info["wall_s"]))
+            if args.out:
+                out = Path(args.out) / f"{backend}-{mode}.jsonl"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with TraceWriter(out, trace.header) as tw:
+                    tw.write_all([*trace.requests, *trace.flows])
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    t = Table(title=f"simulated: {args.fabric}, {args.pools}, {len(w.requests)} requests at {args.qps} QPS (ms)")
+    for c in ("backend", "mode", "FCT mean", "FCT p99", "slowdown mean", "TTFT mean", "TPOT mean", "wall (s)"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["backend"], r["mode"], f"{r['fct_mean_s'] * 1e3:.2f}", f"{r['fct_p99_s'] * 1e3:.2f}",
+                  f"{r['slowdown_mean']:.2f}", f"{r['ttft_mean_s'] * 1e3:.1f}", f"{r['tpot_mean_s'] * 1e3:.2f}",
+                  f"{r['wall_s']:.2f}")
+    Console().print(t)
+    return 0
+
+
+def _convert_summary(r: dict[str, object]) -> str:
+    line = f"wrote {r['requests']} requests and {r['flows']} flows to {r['out']} ({r['to']}, from {r['from']})"
+    left = [f"{r[f'dropped_{w}']} {w}" for w in ("requests", "flows") if r[f"dropped_{w}"]]
+    return line + (f"; left out: {', '.join(left)} ({r['to']} cannot hold them)" if left else "")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from kvpath.bridge.convert import ConvertError, convert
+    from kvpath.fabric import FabricSpecError
+    from kvpath.trace import TraceError
+
+    try:
+        r = convert(args.input, args.output, args.src_fmt, args.dst_fmt, args.fabric)
+    except (ConvertError, TraceError, FabricSpecError) as e:
+        raise fail("convert", str(e)) from None
+    except OSError as e:
+        raise fail("convert", f"{e.filename or ''}: {e.strerror or e}") from None
+    sys.stdout.write((json.dumps(r) if args.json else _convert_summary(r)) + "\n")
+    return 0
+
+
+def parse_delays(text: str) -> list[float]:
+    """``0,0.001,...`` -> sorted distinct seconds; an error naming --dc-delays otherwise."""
+    out = set()
+    for x in (s.strip() for s in text.split(",")):
+        if not x:
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise fail("report", f"--dc-delays: not a number: {x!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise fail("report", f"--dc-delays: each delay must be a finite number of seconds >= 0, got {x!r}")
+        out.add(v)
+    if not out:
+        raise fail("report", f"--dc-delays: give at least one delay, got {text!r}")
+    return sorted(out)
+
+
+def _report_trace(path: str) -> Trace:
+    from kvpath.trace import TraceError, read_trace
+
+    try:
+        trace = read_trace(path)
+    except TraceError as e:  # read_trace turns OSError into TraceError too
+        raise fail("report", f"TRACE: {e}") from None
+    if not trace.requests:
+        raise fail("report", f"TRACE: {path}: empty trace (no requests)")
+    return trace
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvpath.bridge.report import write_report
+    from kvpath.bridge.serving_sim import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise fail("report", f"--backend: choose from {', '.join(BACKENDS)}, got {args.backend!r}")
+    try:
+        n = int(args.gantt_requests)
+    except ValueError:
+        raise fail("report", f"--gantt-requests: not an integer: {args.gantt_requests!r}") from None
+    if n < 1:
+        raise fail("report", f"--gantt-requests must be >= 1, got {n}")
+    delays = parse_delays(args.dc_delays)
+    traces = [(p, _report_trace(p)) for p in args.trace]
+    try:
+        rep = write_report(traces, args.out, backend=args.backend, dc_delays=delays, gantt_requests=n)
+    except OSError as e:
+        raise fail("report", f"--out {args.out}: {e}") from None
+    except ValueError as e:  # the arguments were checked above: this is a trace the report cannot read
+        raise fail("report", str(e)) from None
+    Console().print(f"report: {rep.index} ({sum(map(len, rep.figures.values()))} figures, {len(rep.notes)} notes)")
+    return 0

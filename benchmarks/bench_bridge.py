@@ -30,25 +30,25 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvpath.fabric import FabricSpec  # noqa: E402
-from kvpath.iteration_time import IterationTimeModel  # noqa: E402
-from kvpath.workloads import load_workload  # noqa: E402
-from kvpath.bridge import ns3_backend  # noqa: E402
-from kvpath.bridge.compare import Errors, trace_fabric, trace_flows  # noqa: E402
-from kvpath.bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_fct  # noqa: E402
-from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params  # noqa: E402
-from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize  # noqa: E402
+from kvpath.bridge import ns3_backend
+from kvpath.bridge.compare import Errors, trace_flows
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, LinkIndex, trivial_fct
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
+from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
+from kvpath.fabric import FabricSpec
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.reservation_wire import MODES
+from kvpath.trace_header import TraceSetup
+from kvpath.workloads import load_workload
 
 # leaves, spines, hosts per leaf: 1,024, 8,192 and 65,536 hosts
 FABRICS = {"1K": (8, 8, 128), "8K": (64, 32, 128), "64K": (256, 32, 256)}
@@ -136,7 +136,7 @@ def section_serving(args: argparse.Namespace, console: Console) -> list[dict[str
     spec = FabricSpec.resolve("rack4")
     w = load_workload("zipf", n=500, qps=6.0, seed=0, min_prompt=1024, max_prompt=4096, pd_ratio=20)
     s = Table(title="serving simulation, rack4 8P8D, 500 requests at 6 QPS: wall time per mode (s)")
-    modes = ("ecmp", "cc", "dc")
+    modes = MODES
     for c in ("backend", *modes):
         s.add_column(c, justify="right")
     rows = []
@@ -204,7 +204,7 @@ def section_ns3(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         n_ns3 = sum(len(mtus) * (1 + (first and args.ns3_cost_scale > 0)) for *_, first, _, _ in built)
         ns3_task = prog.add_task("ns-3 runs", total=n_ns3 * args.ns3_reps)
         for qps, g, seed, mode, first, trace, summ in built:
-            spec = trace_fabric(trace)
+            spec = TraceSetup(trace).fabric
             flows, fct_trace = trace_flows(trace)
             label = f"{qps:g} QPS, {g:g}G" + (f", seed {seed}" if len(args.seeds) > 1 else "")
             # flow at full size (S = 1): its cost does not depend on the bytes
@@ -352,7 +352,7 @@ def main() -> int:
     ap.add_argument("--qps", type=floats, default=[6.0, 30.0], help="load points of the ns3 section")
     ap.add_argument("--link-gbps", type=floats, default=[100.0, 20.0],
                     help="the fabric's link rate at each --qps point (one value: all)")
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["ecmp", "cc"],
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES[:2]),
                     help="modes of the ns3 section's traces (the first also gets the cost scale)")
     ap.add_argument("--requests", type=int, default=500, help="requests of the ns3 section's traces")
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[0],

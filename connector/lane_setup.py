@@ -16,6 +16,7 @@ from kvpath.connector.config import ConfigError
 from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
 from kvpath.connector.nixl_io import PROBE_BYTES, make_agent, register
+from kvpath.reservation_wire import LaneInfo
 from kvpath.trace import LaneRecord, LanesRecord
 
 if TYPE_CHECKING:
@@ -138,6 +139,6 @@ class LaneSetup:
         """Tell the reservation service this worker pair's lanes (full 5-tuples)."""
         h = peer.hello
         if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
-            rows = [{"lane": l.lane_id, "src_ip": l.src_ip, "src_port": l.src_port, "dst_ip": l.dst_ip,
-                     "dst_port": l.dst_port, "proto": "tcp"} for l in peer.lanes.lanes if l.src_port]
+            rows = [LaneInfo(l.lane_id, l.src_port, l.dst_port, l.src_ip, l.dst_ip) for l in peer.lanes.lanes
+                    if l.src_port]
             self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, self.worker_pair(h))

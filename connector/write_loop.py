@@ -54,8 +54,8 @@ class WriteLoop:
         fp.lane_asked = True
         nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
         self._asking[fp.transfer_id] = (m, time.monotonic())
-        self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, fp.transfer_id,
-                              lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
+        self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, transfer_id=fp.transfer_id,
+                              done=lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
         return True
 
     def _on_reserved(self: "PushSender", tid: str, lane: int | None, lease_id: str | None) -> None:

@@ -181,7 +181,7 @@ def bench_idle_cpu(console: Console, idle_s: float) -> dict:
                 return th.user_time + th.system_time
         return 0.0
 
-    ids = {"writer (P)": s._thread.native_id, "receiver (D)": r._thread.native_id}
+    ids = {"writer (P)": s.native_id, "receiver (D)": r.native_id}
     c0 = {k: cpu(v) for k, v in ids.items()}
     t0 = time.perf_counter()
     time.sleep(idle_s)

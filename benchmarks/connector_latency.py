@@ -42,7 +42,7 @@ SETTLE_S = 0.02  # after registering, before the push: control traffic and acks 
 
 
 def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -> None:
-    """PeerProcess's D loop (kvpath.connector.peer_process._serve, unchanged) plus two stamps
+    """PeerProcess's D loop (kvpath.connector.peer_process.serve_decode, unchanged) plus two stamps
     taken inside D: when its receiver thread saw a push's completion notification
     (ReceiverState.on_done) and when the PeerProcess loop took the release
     (ReceiverState.take). ("stamps", request_ids) returns them, as time.monotonic()."""
@@ -76,7 +76,7 @@ def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -
                 raise queue.Empty
             return item
 
-    peer_process._serve(cfg, spec, Commands(), q_out, opts)
+    peer_process.serve_decode(cfg, spec, Commands(), q_out, opts)
 
 
 class TimedPeer(PeerProcess):
@@ -93,7 +93,7 @@ class TimedPeer(PeerProcess):
         self.q_in.put((cmd, *args))
 
     def recv(self, timeout: float = 60) -> tuple:
-        return self._get(timeout)
+        return self.get(timeout)
 
 
 # -- 1. push latency -------------------------------------------------------------------

@@ -159,7 +159,7 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
     for _ in range(100):
         work.step(timed=True)
     step_s, np_share = (work.t_np + work.t_py) / 100, work.t_np / (work.t_np + work.t_py)
-    main_tid, writer_tid = threading.get_native_id(), sender._thread.native_id
+    main_tid, writer_tid = threading.get_native_id(), sender.native_id
     seq = iter(range(1 << 30))
     res: dict = {"off": [], "on": []}
     lat: dict = {"hand": [], "wire": []}
@@ -173,7 +173,7 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
             for k, tid in enumerate(tids):
                 d.q_in.put(("register", f"d{tid}", tid, sender.address, dst[k % depth], 0))
             for _ in tids:
-                d._get(60)
+                d.get(60)
             _wait_registrations(sender, base + n)
             return tids
 
@@ -213,7 +213,7 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
             for tid in left:  # the registrations not used: D cancels them, P drops them
                 d.q_in.put(("cancel", f"d{tid}"))
             for _ in left:
-                d._get(60)
+                d.get(60)
             if tids:
                 d.call("wait", [f"d{t}" for t in tids], 60)
                 deadline = time.monotonic() + 10

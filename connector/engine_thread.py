@@ -62,6 +62,11 @@ class EngineThread:
         self._wake_tx.connect(addr)
         self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
 
+    @property
+    def native_id(self) -> int | None:
+        """The engine thread's OS id (for per-thread CPU accounting), None before start."""
+        return self._thread.native_id if self._thread is not None else None
+
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()

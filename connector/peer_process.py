@@ -54,7 +54,7 @@ def enter_netns(name: str) -> None:
     check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
-def _serve(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
+def serve_decode(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
     from kvpath.connector.layout import layout_from_buffers
     from kvpath.connector.receiver import PushReceiver
 
@@ -119,7 +119,7 @@ def _serve(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue,
             return
 
 
-def _serve_p(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
+def serve_prefill(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.Queue, opts: dict[str, Any]) -> None:
     """A P-side writer in a child process (so a test can kill P mid-push)."""
     from kvpath.connector.layout import layout_from_buffers
     from kvpath.connector.sender import PushSender
@@ -157,21 +157,21 @@ class PeerProcess:
         self.q_in: mp.Queue = ctx.Queue()
         self.q_out: mp.Queue = ctx.Queue()
         opts.update({"netns": netns, "compat": compat, "canary": canary})
-        target = _serve if role == "decode" else _serve_p
+        target = serve_decode if role == "decode" else serve_prefill
         self.proc = ctx.Process(target=target, args=(cfg, spec, self.q_in, self.q_out, opts), daemon=True)
         self.spec = spec
 
     def __enter__(self) -> "PeerProcess":
         self.proc.start()
-        self.engine_id = self._get(60)[1]
+        self.engine_id = self.get(60)[1]
         return self
 
-    def _get(self, timeout: float) -> tuple[Any, ...]:
+    def get(self, timeout: float) -> tuple[Any, ...]:
         return self.q_out.get(timeout=timeout)
 
     def call(self, cmd: str, *args: Any, timeout: float = 60) -> tuple[Any, ...]:
         self.q_in.put((cmd, *args))
-        return self._get(timeout)
+        return self.get(timeout)
 
     def kill(self) -> None:
         self.proc.kill()

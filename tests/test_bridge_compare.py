@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, TraceWriter, read_trace
 from kvpath.bridge.compare import compare_fct
@@ -24,7 +25,7 @@ def _trace(tmp_path):
              ("10.0.2.1", "10.1.3.1", 10.0, 10.0 + T, "spine1")]
     with TraceWriter(path, Header(t0_unix=0.0, mode="ecmp", fabric=SPEC.to_dict(), link_mbit=800.0)) as w:
         for i, (s, d, a, b, spine) in enumerate(flows):
-            w.write(FlowRecord(flow_id=f"f{i}", request_id=None, five_tuple=FiveTuple(s, d, 40000 + i, 5600),
+            w.write(FlowRecord(flow_id=f"f{i}", request_id=None, five_tuple=FiveTuple(s, d, 40000 + i, KV_SIDE_CHANNEL_PORT),
                                bytes=SIZE, start_s=a, end_s=b, path=spine))
     return path
 
@@ -76,7 +77,7 @@ def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_pat
     header = Header(t0_unix=0.0, mode="ecmp", fabric=SPEC.to_dict(), link_mbit=800.0,
                     meta={"burst_bytes": burst, "queue_bytes": 4 << 20})
     with TraceWriter(path, header) as w:
-        w.write(FlowRecord(flow_id="f0", request_id=None, five_tuple=FiveTuple("10.0.2.1", "10.1.2.1", 40000, 5600),
+        w.write(FlowRecord(flow_id="f0", request_id=None, five_tuple=FiveTuple("10.0.2.1", "10.1.2.1", 40000, KV_SIDE_CHANNEL_PORT),
                            bytes=SIZE, start_s=0.0, end_s=(SIZE - burst) / RATE, path="spine1"))
     r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), "--backend", "flow,ns3",
                         "--json"], capture_output=True, text=True, timeout=300)

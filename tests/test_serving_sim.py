@@ -5,6 +5,7 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
+from kvpath.reservation_wire import MODES
 from kvpath.trace import TraceWriter, read_trace
 from kvpath.workloads import Request, load_workload
 from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
@@ -22,7 +23,7 @@ def reqs():
 @pytest.fixture(scope="module")
 def runs(reqs):
     out = {}
-    for mode in ("ecmp", "cc", "dc"):
+    for mode in MODES:
         tr, info = simulate(SPEC, reqs, ServingConfig(mode=mode), ITM)
         out[mode] = tr
     return out

@@ -235,7 +235,7 @@ def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: l
             first_token_s=float(first[i]), completion_s=float(done[i]), ttft_s=float(first[i]) - r.arrival_s,
             tpot_s=(float(done[i]) - float(first[i])) / (out - 1) if out > 1 else None))
         flow_recs.append(FlowRecord(flow_id=r.request_id, request_id=r.request_id, five_tuple=ft, bytes=f.bytes,
-                                    start_s=float(pre_end[i]), end_s=end, path=spine,
+                                    start_s=float(pre_end[i]), end_s=end, path=spine, lane=lane, path_predicted=spine,
                                     standalone_fct_s=float(alone[i])))
     return Trace(header, requests, flow_recs)
 

@@ -14,6 +14,7 @@ from rich.table import Table
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
+from kvpath.trace_header import META_BURST, META_POOLS, META_QUEUE
 from kvpath.testbed.orchestrator import RunData, run
 from kvpath.testbed.run_config import RunConfig
 from kvpath.decision_replay import ReplayError, replay
@@ -68,10 +69,10 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
 
     header = Header(t0_unix=t0, mode=data.config["mode"], fabric=spec.to_dict(), scale_b=data.config["scale_b"],
                     scale_s=data.config["scale_s"], link_mbit=data.link_mbit,
-                    meta={"pools": data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
+                    meta={META_POOLS: data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
                           "seed": data.config["seed"], "engine": data.config["engine"], "connector": data.config["connector"],
-                          "netns_prefix": data.prefix, "burst_bytes": data.burst_bytes,
-                          "queue_bytes": data.queue_bytes})
+                          "netns_prefix": data.prefix, META_BURST: data.burst_bytes,
+                          META_QUEUE: data.queue_bytes})
     with TraceWriter(path, header) as w:
         for r in j.requests:
             ft = (FiveTuple(r["src_ip"], r["dst_ip"], r["src_port"], r["dst_port"] or 0)

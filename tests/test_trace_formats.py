@@ -16,7 +16,8 @@ from kvpath.trace_formats import (FlowInput, from_fct_txt, from_hpcc_flows, from
                                   src_port_for, to_fct_txt, to_hpcc_flows, to_request_metrics_csv,
                                   to_simai_csv)
 from kvpath.trace_parquet import parquet_paths, read_parquet, to_parquet
-from kvpath.bridge.convert import add_parser, guess_format
+from kvpath.bridge.cli import add_parsers as add_bridge_parsers
+from kvpath.bridge.convert import guess_format
 
 SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)  # = the "small" preset
 # host order: l0h0 10.0.2.1 = 0, l0h1 10.0.3.1 = 1, l1h0 10.1.2.1 = 2, l1h1 10.1.3.1 = 3
@@ -285,8 +286,8 @@ def test_read_parquet_checks_the_files_it_reads(tmp_path):
 # ---- kvpath bridge convert ----------------------------------------------------------------------------
 def _convert(*argv: str) -> None:
     p = argparse.ArgumentParser()
-    add_parser(p.add_subparsers())
-    args = p.parse_args(["convert", *map(str, argv)])
+    add_bridge_parsers(p.add_subparsers())
+    args = p.parse_args(["bridge", "convert", *map(str, argv)])
     args.func(args)
 
 

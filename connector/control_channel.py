@@ -105,7 +105,7 @@ class ControlChannel:
         if fp is not None:
             self._release(fp)
             self.stats.inc("pushes_cancelled")
-            self.trace.write(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
+            self._record(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
         self._ack(ident, tid, "cancelled")
 
     def _heartbeat(self: "PushSender") -> None:

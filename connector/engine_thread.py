@@ -62,6 +62,16 @@ class EngineThread:
         self._wake_tx.connect(addr)
         self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
 
+    def _record(self, rec: Any) -> None:
+        """Append a record to the connector's log. Never raises: a record that cannot be
+        written (disk full, a value the schema refuses) must not skip the release, ack or
+        cleanup that follows it on the engine thread."""
+        try:
+            self.trace.write(rec)
+        except Exception:
+            self.stats.inc("trace_write_failed")
+            logger.exception("%s: a trace record could not be written", type(rec).__name__)
+
     @property
     def native_id(self) -> int | None:
         """The engine thread's OS id (for per-thread CPU accounting), None before start."""

@@ -126,7 +126,7 @@ class LaneSetup:
                     peer.lanes.candidates_opened or len(lanes),
                     [f"{l.src_ip}:{l.src_port}->{l.dst_ip}:{l.dst_port}{' via ' + l.path if l.path else ''}"
                      for l in lanes])
-        self.trace.write(LanesRecord(peer=h.agent_name, engine=self.engine_id, lanes=[
+        self._record(LanesRecord(peer=h.agent_name, engine=self.engine_id, lanes=[
             LaneRecord(lane=l.lane_id, five_tuple=l.five_tuple(), path=l.path or None) for l in lanes]))
         self._register_lanes(peer)
         if self.on_lanes:

@@ -46,8 +46,9 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
         return None
     kp = _kvpath(params)
     tid = kp.get("transfer_id")
-    if not isinstance(tid, str) or not tid or len(tid) > 256:
-        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty string")
+    if not _valid_id(tid):
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string of at most 256 "
+                                "characters")
     peer = kp.get("peer")
     try:
         parse_host_port(peer, "kv_transfer_params.kvpath.peer")
@@ -56,19 +57,32 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
     return DecodeParams(tid, peer)
 
 
+def _valid_id(tid: object) -> bool:
+    """A non-empty string of at most 256 characters that encodes as UTF-8: a lone surrogate
+    passes ``json.loads`` but can be neither logged to the trace nor sent to a peer."""
+    if not isinstance(tid, str) or not tid or len(tid) > 256:
+        return False
+    try:
+        tid.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillParams | None:
     """None when the request is not a remote-decode (P) request."""
     if not params or not params.get("do_remote_decode"):
         return None
     kp = _kvpath(params)
     tid = kp.get("transfer_id", request_id)
-    if not isinstance(tid, str) or not tid or len(tid) > 256:
-        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty string")
+    if not _valid_id(tid):
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string of at most 256 "
+                                "characters")
     lane = kp.get("lane")
     if lane is not None and (isinstance(lane, bool) or not isinstance(lane, int) or lane < 0):
         raise BadTransferParams("kv_transfer_params.kvpath.lane must be a non-negative integer")
     lease = kp.get("lease_id")
-    if lease is not None and (not isinstance(lease, str) or len(lease) > 64):
+    if lease is not None and (not isinstance(lease, str) or len(lease) > 64 or not (lease == "" or _valid_id(lease))):
         raise BadTransferParams("kv_transfer_params.kvpath.lease_id must be a string")
     return PrefillParams(tid, lane, lease)
 

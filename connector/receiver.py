@@ -348,5 +348,5 @@ class PushReceiver(EngineThread):
                 if w is not None and not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
-                    self.trace.write(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
+                    self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
                                                     at=time.time()))

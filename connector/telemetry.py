@@ -35,6 +35,7 @@ COUNTERS = (
     "fence_drain_releases",
     "pushes_slow",
     "engine_thread_errors",
+    "trace_write_failed",
     "reservation_calls_ok",
     "reservation_calls_failed",
 )

@@ -181,7 +181,7 @@ class WriteLoop:
         self._release(m.prefill)
         self.stats.inc("pushes_ok")
         self.stats.observe_transfer(rec)
-        self.trace.write(rec)
+        self._record(rec)
         logger.debug("pushed %s: %d B in %d descs on lane %d", rec.transfer_id, rec.bytes, rec.descriptors, rec.lane)
 
     def _fail(self: "PushSender", m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
@@ -192,7 +192,7 @@ class WriteLoop:
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)
         rec.status, rec.detail, rec.completed_at = "failed", why, time.time()
-        self.trace.write(rec)
+        self._record(rec)
         logger.warning("push %s failed: %s", tid, why)
         self._ack(m.registration.reply_to, tid, "failed", why, posted)
 
@@ -201,7 +201,7 @@ class WriteLoop:
         for fp in ex.prefills:
             self._release(fp)
             self.stats.inc("pushes_expired")
-            self.trace.write(
+            self._record(
                 TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
                                detail=f"no registration within {self.cfg.lease_timeout_s}s")
             )

@@ -19,7 +19,7 @@ processes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Callable, Final, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, Callable, Final, Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
 from msgspec import Meta
@@ -56,7 +56,7 @@ class LaneInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     dst_port: Port = 0
     src_ip: Annotated[str, Meta(max_length=64)] = ""
     dst_ip: Annotated[str, Meta(max_length=64)] = ""
-    proto: Annotated[str, Meta(pattern="^(tcp|udp)$")] = "tcp"
+    proto: Literal["tcp", "udp"] = "tcp"  # exact: a pattern's $ would also match "tcp\n"
 
 
 class ReserveRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

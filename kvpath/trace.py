@@ -307,7 +307,12 @@ class TraceWriter:
         line = _encoder.encode(rec) + b"\n"
         with self._lock:
             if self._fh is not None:
-                self._fh.write(line)
+                view = memoryview(line)
+                while view:  # an unbuffered write may be short (a nearly full disk): finish the line
+                    n = self._fh.write(view)
+                    if not n:
+                        raise OSError(f"{self.path}: no progress writing a trace record")
+                    view = view[n:]
                 self.count += 1
 
     def write_all(self, recs: Iterable[Record]) -> None:

@@ -53,11 +53,16 @@ class BadBody(Exception):
                                      status_code=status)
 
 
+# msgspec raises more than DecodeError on hostile bytes: bad UTF-8, and nesting deep
+# enough to exhaust the recursion limit (even inside a field it would ignore).
+_NOT_JSON = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
 def parse_json(raw: bytes) -> object:
     """Any JSON value; :class:`BadBody` (400) when ``raw`` is not JSON at all."""
     try:
         return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except _NOT_JSON:
         raise BadBody(400, "invalid JSON body") from None
 
 
@@ -71,7 +76,7 @@ def parse_body(raw: bytes, kind: type[Body]) -> Body:
     except msgspec.ValidationError as e:
         msg, fields = describe_msgspec_error(e)
         raise BadBody(422, msg, fields) from None
-    except msgspec.DecodeError:
+    except _NOT_JSON:
         raise BadBody(400, "invalid JSON body") from None
 
 

@@ -59,11 +59,15 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str, 
                                    "transfer_id": ""}
             try:
                 async with client.stream("POST", f"{proxy_url}/v1/completions", json=body) as resp:
-                    row["transfer_id"] = resp.headers.get(TRANSFER_ID_HEADER, "")
+                    tid = resp.headers.get(TRANSFER_ID_HEADER, "")
                     if resp.status_code != 200:
                         row["status"] = f"http {resp.status_code}"
                     async for line in resp.aiter_lines():
                         _event(row, line)
+                    # a push happened only if tokens came back: an answer that failed
+                    # before its first token has no push record to wait for
+                    if row["tokens"] and row["status"] == "ok":
+                        row["transfer_id"] = tid
             except httpx.HTTPError as e:
                 row["status"] = f"client error: {e}"
             rows.append(row)

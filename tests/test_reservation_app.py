@@ -59,6 +59,11 @@ def test_registered_lanes_by_ip_are_used(client):
         ("/v1/reserve", {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1, "lanes": [{"lane": 0, "src_port": 1}, {"lane": 0, "src_port": 2}]}, 422, "lane"),
         ("/v1/release", {}, 422, "lease_id"),
         ("/v1/lanes", {"src_host": "l0h0", "dst_host": "l1h0", "lanes": []}, 422, "lanes"),
+        # exactly tcp or udp: a regex's $ also matches before a trailing newline
+        ("/v1/lanes", {"src_host": "l0h0", "dst_host": "l1h0", "lanes": [{"lane": 0, "src_port": 1, "proto": "tcp\n"}]},
+         422, "proto"),
+        ("/v1/reserve", {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1,
+                         "lanes": [{"lane": 0, "src_port": 1, "proto": "TCP"}]}, 422, "proto"),
     ],
 )
 def test_bad_input_is_4xx_naming_the_field(client, path, body, status, field):
@@ -67,8 +72,14 @@ def test_bad_input_is_4xx_naming_the_field(client, path, body, status, field):
     assert field in r.text
 
 
-def test_invalid_json_is_400(client):
-    r = client.post("/v1/reserve", content=b"{nope", headers={"content-type": "application/json"})
+@pytest.mark.parametrize("raw", [
+    b"{nope",
+    b'{"src_host": "l0h0\xff", "dst_host": "l1h0", "bytes": 1, "lease_id": "r\xff"}',  # not UTF-8
+    b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # nesting past the recursion limit, in an ignored field
+])
+@pytest.mark.parametrize("path", ["/v1/reserve", "/v1/release", "/v1/lanes"])
+def test_invalid_json_is_400(client, path, raw):
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]
 
 

@@ -179,7 +179,7 @@ class FabricSpec:
 
     def host_ip(self, host: str) -> str:
         leaf, idx = self.locate(host)
-        return f"{self._base_octet()}.{leaf}.{2 + idx % 254}.{1 + 4 * (idx // 254)}"
+        return f"{self._base_octet}.{leaf}.{2 + idx % 254}.{1 + 4 * (idx // 254)}"
 
     def canonical(self, host: str) -> str:
         return self.host_name(*self.locate(host))
@@ -191,21 +191,23 @@ class FabricSpec:
             node = self.canonical(node)
         return f"{prefix}-{node}"
 
+    @cached_property
     def _base_octet(self) -> int:
+        # cached: every host_ip() needs it, and parsing base_net was a third of a path's cost
         return ipaddress.ip_network(self.base_net).network_address.packed[0]
 
     def host_gateway_ip(self, host: str) -> str:
         """The leaf's address on the link to ``host``."""
         leaf, idx = self.locate(host)
-        return f"{self._base_octet()}.{leaf}.{2 + idx % 254}.{2 + 4 * (idx // 254)}"
+        return f"{self._base_octet}.{leaf}.{2 + idx % 254}.{2 + 4 * (idx // 254)}"
 
     def uplink_ips(self, leaf: int, spine: int) -> tuple[str, str]:
         """(leaf side, spine side) addresses of the leaf-spine link, each in a /30."""
-        b = self._base_octet()
+        b = self._base_octet
         return f"{b}.{leaf}.1.{4 * spine + 1}", f"{b}.{leaf}.1.{4 * spine + 2}"
 
     def leaf_prefix(self, leaf: int) -> str:
-        return f"{self._base_octet()}.{leaf}.0.0/16"
+        return f"{self._base_octet}.{leaf}.0.0/16"
 
     # ---- paths by rule ---------------------------------------------------
     def ecmp_hash(self, key: FiveTuple) -> int:

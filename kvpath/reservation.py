@@ -286,9 +286,12 @@ class ReservationService:
         self.counters["reservations"] += 1
         decision = {"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
                     "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
-                    "spines": [p.spine for p in paths], "at": time.time(), "mode": self.mode, "seq": next(self._seq),
-                    # what it chose among (the first worker pair's lanes): enough to replay it
-                    "candidates": [[c.lane, c.src_port, c.dst_port, ps[0].spine] for c, ps in cands]
+                    "spines": tuple(p.spine for p in paths), "at": time.time(), "mode": self.mode,
+                    "seq": next(self._seq),
+                    # what it chose among (the first worker pair's lanes): enough to replay it.
+                    # Tuples, not lists: the log keeps up to 100,000 records and the garbage
+                    # collector stops tracking tuples of scalars, but rescans lists on every pass.
+                    "candidates": tuple((c.lane, c.src_port, c.dst_port, ps[0].spine) for c, ps in cands)
                     if all(len(ps) == 1 for _, ps in cands) else None}
         self.decisions.append(decision)
         self._open_decisions[lease_id] = decision

@@ -106,7 +106,11 @@ class ControlChannel:
             self._release(fp)
             self.stats.inc("pushes_cancelled")
             self._record(TransferRecord(tid, fp.request_id, status="cancelled", prefill_done_at=fp.finished_at))
-        self._ack(ident, tid, "cancelled")
+        # A transfer that had ended is answered with its record (a posted WRITE stays
+        # posted: D keeps its fence); one this process never saw is now recorded as
+        # cancelled, and D weighs that answer by our instance.
+        final, posted = self.state.final(tid) or ("cancelled", False)
+        self._ack(ident, tid, final, "already ended" if status == "done" else "", posted)
 
     def _heartbeat(self: "PushSender") -> None:
         """Tell each D that P still holds its registrations (so D's clock measures
@@ -120,7 +124,7 @@ class ControlChannel:
         self._next_heartbeat = time.monotonic() + beat
 
     def _ack(self: "PushSender", ident: bytes, tid: str, status: str, detail: str = "", posted: bool = False) -> None:
-        self._send(ident, M.Ack(tid, status, detail, posted))
+        self._send(ident, M.Ack(tid, status, detail, posted, instance=self.instance))
 
     def _send(self: "PushSender", ident: bytes, msg: Any) -> None:
         try:

@@ -102,7 +102,9 @@ class LaneSetup:
 
     def _welcome(self: "PushSender", peer: Peer) -> None:
         lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]
-        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes))
+        # D accepts a push's notification only from these (the agents of our lanes).
+        agents = sorted({peer.lanes.agent(i).name for i in range(len(peer.lanes.lanes))})
+        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes, agents=agents))
 
     def _path_rule(self: "PushSender", hello: M.Hello) -> tuple[Callable[[Lane], str] | None, int]:
         """(lane -> its path, how many paths there are) between us and ``hello``'s

@@ -15,7 +15,9 @@ import hashlib
 import msgspec
 
 NOTIF_PREFIX = b"kvpath:done:"
-PROTOCOL_VERSION = 2
+# 3: Ack.instance, Welcome.agents (a D that checks notifications by agent must not
+# handshake with a P that does not name its agents).
+PROTOCOL_VERSION = 3
 
 
 class Region(msgspec.Struct, array_like=True, frozen=True):
@@ -105,18 +107,26 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     # P's lane connections to this D, (source ip, source port): sent again whenever a
     # lane reopens, before any WRITE on it. D watches them to tell that P is gone.
     lanes: list[tuple[str, int]] = []
+    # NIXL names of the agents P pushes from: D accepts a push's notification only
+    # from one of these (of the P process its registration went to).
+    agents: list[str] = []
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     transfer_id: str
-    # accepted | posted | rejected | failed | cancelled | expired | unknown_peer
-    # ("posted": P is about to post the WRITE, so D progresses UCX fast from now on)
+    # accepted | posted | rejected | failed | cancelled | expired | aborted | ok | unknown_peer
+    # ("posted": P is about to post the WRITE, so D progresses UCX fast from now on;
+    # "ok"/"aborted": a Cancel's answer for a transfer that had already ended so)
     status: str
     detail: str = ""
-    # A WRITE had been posted and failed (its connection broke): D lets what its
-    # socket still holds drain before it reuses the blocks.
+    # A WRITE had been posted (it failed: its connection broke, or it completed): D
+    # lets what its socket still holds drain before it reuses the blocks.
     posted: bool = False
     bytes: int = 0  # with "posted": the push's size, for how long D should spin
+    # The P process that answers (its Welcome's instance). A "never posted" answer
+    # proves nothing about a registration another process (a restarted P) held;
+    # empty (unknown) never matches.
+    instance: str = ""
 
 
 class Pending(msgspec.Struct, tag="pending", frozen=True):

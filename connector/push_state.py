@@ -60,7 +60,9 @@ class WriterState:
         self.registrations: dict[str, PendingRegistration] = {}  # waiting for a prefill
         self.active: dict[str, Match] = {}  # matched, being written
         self.aborted: set[str] = set()  # P request aborted before matching
-        self._done: OrderedDict[str, str] = OrderedDict()  # transfer id -> final status
+        # transfer id -> (final status, a WRITE was posted for it): a Cancel arriving
+        # after the end is answered with this, never with "cancelled, not posted".
+        self._done: OrderedDict[str, tuple[str, bool]] = OrderedDict()
         self._remember = remember
 
     # -- inputs -----------------------------------------------------------
@@ -71,7 +73,7 @@ class WriterState:
             return "duplicate", None
         if tid in self.aborted:
             self.aborted.discard(tid)
-            self._finish(tid, "aborted")
+            self._finish(tid, "aborted", posted=False)
             return "aborted", None
         pr = PendingRegistration(reg, reply_to, post_by=post_by)
         fp = self.prefills.pop(tid, None)
@@ -103,27 +105,37 @@ class WriterState:
         return "matched", m
 
     def cancel(self, transfer_id: str) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
-        """D gave up on a transfer. Returns (status, prefill to free, registration dropped)."""
+        """D gave up on a transfer. Returns (status, prefill to free, registration dropped):
+        "in_flight" (too late: the WRITE finishes or fails; D hears that), "done" (it
+        had ended: answer with :meth:`final`, which is kept as it was) or "cancelled"
+        (nothing was posted and nothing will be; recorded, so a late Register for it is
+        refused, also when this process never saw the transfer)."""
         if transfer_id in self.active:
-            return "in_flight", None, None  # too late: the WRITE finishes (or times out)
+            return "in_flight", None, None
+        if transfer_id in self._done:
+            return "done", None, None
         pr = self.registrations.pop(transfer_id, None)
         fp = self.prefills.pop(transfer_id, None)
-        self._finish(transfer_id, "cancelled")
+        self._finish(transfer_id, "cancelled", posted=False)
         return "cancelled", fp, pr
 
     def abort_prefill(self, transfer_id: str) -> PendingRegistration | None:
         """P's request ended without KV to push (aborted); reject D if it waits."""
         pr = self.registrations.pop(transfer_id, None)
-        if pr is None and transfer_id not in self._done and transfer_id not in self.active:
+        if pr is not None:
+            self._finish(transfer_id, "aborted", posted=False)
+        elif transfer_id not in self._done and transfer_id not in self.active:
             self.aborted.add(transfer_id)
-        else:
-            self._finish(transfer_id, "aborted")
+        # An ended or in-flight transfer keeps its record: overwriting it with
+        # "aborted, not posted" would let D skip the fence of a posted WRITE.
         return pr
 
-    def complete(self, transfer_id: str, status: str = "ok") -> Match | None:
+    def complete(self, transfer_id: str, status: str = "ok", posted: bool = True) -> Match | None:
+        """The matched push ended. ``posted``: a WRITE was posted (the default: when in
+        doubt, D must fence)."""
         m = self.active.pop(transfer_id, None)
         if m is not None:
-            self._finish(transfer_id, status)
+            self._finish(transfer_id, status, posted)
         return m
 
     def expire(self) -> Expired:
@@ -131,10 +143,10 @@ class WriterState:
         out = Expired()
         for tid in [t for t, fp in self.prefills.items() if fp.deadline <= now]:
             out.prefills.append(self.prefills.pop(tid))
-            self._finish(tid, "expired")
+            self._finish(tid, "expired", posted=False)
         for tid in [t for t, pr in self.registrations.items() if pr.post_by <= now]:
             out.registrations.append(self.registrations.pop(tid))
-            self._finish(tid, "expired")
+            self._finish(tid, "expired", posted=False)
         return out
 
     # -- queries ----------------------------------------------------------
@@ -150,13 +162,18 @@ class WriterState:
         return list(self.registrations.values()) + [m.registration for m in self.active.values()]
 
     def status_of(self, transfer_id: str) -> str | None:
+        done = self._done.get(transfer_id)
+        return done[0] if done is not None else None
+
+    def final(self, transfer_id: str) -> tuple[str, bool] | None:
+        """(final status, a WRITE was posted) of an ended transfer, None otherwise."""
         return self._done.get(transfer_id)
 
     def idle(self) -> bool:
         return not (self.prefills or self.registrations or self.active)
 
-    def _finish(self, tid: str, status: str) -> None:
-        self._done[tid] = status
+    def _finish(self, tid: str, status: str, posted: bool) -> None:
+        self._done[tid] = (status, posted)
         self._done.move_to_end(tid)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)

@@ -110,7 +110,7 @@ class WriteLoop:
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
             rec.submit_at = time.time()
             if len(loc) == 0:
-                self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted"))
+                self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", instance=self.instance))
                 agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
                 rec.completed_at = time.time()
                 self._succeed(m, rec)
@@ -121,7 +121,8 @@ class WriteLoop:
         except Exception as e:  # nothing was posted
             self._fail(m, f"preparing the WRITE failed: {e}", rec)
             return
-        self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes))  # D: progress fast now
+        # D: progress fast now (and a WRITE is posted: no "never posted" answer ends it)
+        self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes, instance=self.instance))
         try:
             state = agent.transfer(h)
         except Exception as e:
@@ -187,7 +188,7 @@ class WriteLoop:
     def _fail(self: "PushSender", m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
         tid = m.prefill.transfer_id
         self.state.active.setdefault(tid, m)
-        self.state.complete(tid, "failed")
+        self.state.complete(tid, "failed", posted)  # what a later Cancel is answered with
         self._release(m.prefill)
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)

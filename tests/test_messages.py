@@ -30,6 +30,18 @@ def test_roundtrip():
     assert M.parse_notif(M.make_notif("abc")) == "abc" and M.parse_notif(b"other") is None
 
 
+def test_ack_and_welcome_name_the_p_process_and_its_agents_and_old_ones_decode_as_unknown():
+    ack = M.decode_to_decode(M.encode(M.Ack("t", "cancelled", instance="pA")))
+    assert ack.instance == "pA" and not ack.posted
+    w = M.decode_to_decode(M.encode(M.Welcome("pA", True, lanes=[("10.0.0.1", 4000)], agents=["pA-lane0"])))
+    assert w.agents == ["pA-lane0"] and w.lanes == [("10.0.0.1", 4000)]
+    # An older P's messages: no instance (D treats it as unknown), no agents.
+    old_ack = M.decode_to_decode(msgspec.msgpack.encode({"type": "ack", "transfer_id": "t", "status": "cancelled"}))
+    assert old_ack.instance == ""
+    old_welcome = M.decode_to_decode(msgspec.msgpack.encode({"type": "welcome", "instance": "pA", "ok": True}))
+    assert old_welcome.agents == []
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -52,8 +52,8 @@ def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -
     taken: dict[str, float] = {}
     on_done, take = recv_state.ReceiverState.on_done, recv_state.ReceiverState.take
 
-    def stamped_on_done(self, tid):
-        w = on_done(self, tid)
+    def stamped_on_done(self, *args):
+        w = on_done(self, *args)
         if w is not None:
             seen[w.request_id] = time.monotonic()
         return w

@@ -49,6 +49,9 @@ class _PeerLink:
     # its Welcomes listed them: the fence watches them to tell when P's bytes can no
     # longer arrive.
     lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    # NIXL names of P's agents, per P process, as its Welcomes listed them: a push's
+    # notification counts only from an agent of the process its registration went to.
+    agents: dict[str, set[str]] = field(default_factory=dict)
 
 
 class PushReceiver(EngineThread):
@@ -64,7 +67,8 @@ class PushReceiver(EngineThread):
         compat: M.Compat | None = None,
     ):
         super().__init__(cfg, layout, spans, engine_id, rank, stats, trace, "d", compat)
-        self.state = ReceiverState(cfg.registration_timeout_s, cfg.max_wait_s, cfg.fence_grace_s)
+        self.state = ReceiverState(cfg.registration_timeout_s, cfg.max_wait_s, cfg.fence_grace_s,
+                                   write_bound_s=cfg.transfer_timeout_s)
         self._lock = threading.Lock()  # guards self.state between threads
         self._links: dict[str, _PeerLink] = {}
         self._regs: dict[str, M.Register] = {}  # receiver thread only: to re-send after P restarted
@@ -197,18 +201,16 @@ class PushReceiver(EngineThread):
             return
         queued, link.queued = link.queued, []
         for reg in queued:
+            # Checked and marked sent in one step, before the send: an abort between
+            # the two would otherwise release the blocks as never sent while the
+            # Register is on its way to P.
             with self._lock:
-                if reg.transfer_id not in self.state.by_tid:
+                if not self.state.on_sent(reg.transfer_id, link.instance):
                     continue  # given up while queued
             stamped = msgspec.structs.replace(reg, sent_at=time.time())
-            if self._send(link, stamped):
+            if not self._send(link, stamped):  # not queued: P cannot know of it
                 with self._lock:
-                    self.state.on_sent(reg.transfer_id, link.instance)
-            else:
-                with self._lock:
-                    w = self.state.by_tid.get(reg.transfer_id)
-                    if w is not None:
-                        self.state.on_ended(reg.transfer_id, posted=False, why="control channel full")
+                    self.state.send_failed(reg.transfer_id, "control channel full")
 
     def _send(self, link: _PeerLink, msg: Any) -> bool:
         try:
@@ -264,6 +266,7 @@ class PushReceiver(EngineThread):
             logger.warning("P at %s restarted (instance %s -> %s): %d waiting requests end once its old "
                            "connections are drained", link.addr, link.instance, msg.instance, len(gone))
         link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
+        link.agents.setdefault(msg.instance, set()).update(msg.agents)
         link.instance, link.welcomed, link.refusal = msg.instance, True, ""
         self._flush(link)
 
@@ -287,27 +290,34 @@ class PushReceiver(EngineThread):
             self._flush(link)
             return
         with self._lock:
-            w = self.state.on_ended(ack.transfer_id, ack.posted, f"{ack.status}: {ack.detail}")
-        if w is not None and not w.cancelled:
+            outcome, w = self.state.on_ended(ack.transfer_id, ack.posted, f"{ack.status}: {ack.detail}",
+                                             instance=ack.instance)
+        if outcome == "ignored":
+            # Another P process's answer (P restarted), or "never posted" after a
+            # posted WRITE: it proves nothing about bytes still on the way.
+            self.stats.inc("acks_ignored")
+            logger.info("ignored %s (posted=%s) for transfer %s from P process %r (registration sent to %r)",
+                        ack.status, ack.posted, ack.transfer_id, ack.instance, w.instance if w else "")
+        elif w is not None and not w.cancelled:
             self.stats.inc("recv_failed")
             logger.warning("push for %s ended as %s: %s", w.request_id, ack.status, ack.detail)
 
     def _send_cancels(self) -> None:
         with self._lock:
-            todo = self.state.to_cancel()
-            for w in todo:
-                w.cancel_sent = True
+            todo = self.state.to_cancel()  # counts them sent and schedules the re-send
         for w in todo:
             link = self._links.get(w.peer)
             if link is not None:
                 self._send(link, M.Cancel(w.transfer_id))
 
-    def _drained(self, peer: str, instance: str) -> bool:
+    def _drained(self, peer: str, instance: str) -> bool | None:
         """Every lane connection of the P process ``instance`` at ``peer`` into us is
-        closed and fully read."""
+        closed and fully read. None: we know none of them (the state's bound decides)."""
         link = self._links.get(peer)
         lanes = link.lanes.get(instance, set()) if link is not None else set()
-        return lanes_drained(set(self.listen_ports), lanes, parse_host_port(peer)[0])
+        if not lanes:
+            return None
+        return lanes_drained(set(self.listen_ports), lanes)
 
     def _expire(self) -> None:
         # The socket table is read outside the lock (the engine thread takes it every
@@ -316,6 +326,7 @@ class PushReceiver(EngineThread):
             fenced = {(w.peer, w.instance) for w in self.state.fencing()}
         drained = {key: self._drained(*key) for key in fenced}
         with self._lock:
+            # not asked yet (newly given up): "not drained", asked next time
             gave_up, released = self.state.expire(lambda peer, instance: drained.get((peer, instance), False))
         for w in gave_up:
             if w.cancelled:
@@ -326,6 +337,11 @@ class PushReceiver(EngineThread):
                 w.request_id, w.transfer_id, w.peer, w.why,
             )
         for w in released:
+            if w.released_by == "bound":
+                self.stats.inc("fence_bound_releases")
+                logger.warning("blocks of %s released: P's lane connections are unknown, and max_wait_s + "
+                               "transfer_timeout_s + fence_grace_s passed since the registration", w.request_id)
+                continue
             self.stats.inc("fence_drain_releases")
             logger.info("blocks of %s released: P's connections to us are closed and drained", w.request_id)
         for link in self._links.values():
@@ -336,16 +352,26 @@ class PushReceiver(EngineThread):
         for tid in [t for t in self._regs if t not in live]:
             del self._regs[tid]
 
+    def _agents(self, peer: str, instance: str) -> set[str]:
+        link = self._links.get(peer)
+        return link.agents.get(instance, set()) if link is not None else set()
+
     def _poll_notifs(self) -> None:
         notifs = self.agent.get_new_notifs()
-        for _, msgs in notifs.items():
+        for sender, msgs in notifs.items():  # keyed by the sending agent's NIXL name
             for raw in msgs:
                 tid = M.parse_notif(raw)
                 if tid is None:
                     continue
                 with self._lock:
-                    w = self.state.on_done(tid)
-                if w is not None and not w.failed:
+                    w = self.state.on_done(tid, sender, self._agents)
+                if w is None:
+                    # No registration waits for it, or it comes from an agent of another
+                    # process than the one the registration went to: never a success.
+                    self.stats.inc("notifs_stray")
+                    logger.warning("dropped notification for transfer %s from agent %s", tid, sender)
+                    continue
+                if not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
                     self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,

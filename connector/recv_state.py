@@ -13,24 +13,39 @@ The fence. Neither NIXL nor UCX can stop a posted WRITE over TCP: bytes queued i
 P's socket, the network and D's socket still land after any cancel. So D never
 frees a registration's blocks on a timer. It releases them when
 
-1. the push completed (the NIXL notification follows the bytes), or
-2. P answered that it never posted a WRITE for it and never will (a cancel before
-   the post, a rejection, ``post_by`` passed), or
-3. P reported the posted WRITE failed (its connection broke: nothing more comes),
-   plus ``grace_s`` of progress, or
-4. P went silent and every lane connection of P's into D is closed and drained
-   (P's process is gone: its kernel closed them after the last byte), plus
-   ``grace_s`` of progress.
+1. the push completed: its NIXL notification came from an agent of the P process
+   the registration was sent to (the notification follows the bytes), or
+2. that P process (the Ack's instance) answered that it never posted a WRITE for it
+   and never will (a cancel before the post, a rejection, ``post_by`` passed), and D
+   had not heard that a WRITE was posted, or
+3. P reported a posted WRITE ended (failed: its connection broke, nothing more
+   comes), plus ``grace_s`` of progress, or
+4. P went silent and every lane connection of that P process into D is closed and
+   drained (P's process is gone: its kernel closed them after the last byte), plus
+   ``grace_s`` of progress, or
+5. P went silent, D knows none of its lane connections (so 4 cannot be checked),
+   and ``write_bound_s + grace_s`` passed after the registration's ``post_by``
+   (sent + ``max_wait_s``: P posts nothing later).
 
 Giving up (P silent for ``liveness_s``, ``max_wait_s`` passed, D's own request
-ended) only sends a Cancel: P drops the registration if it has not posted yet.
+ended) only sends a Cancel, re-sent with back-off until P answers (for at most
+``liveness_s``): P drops the registration if it has not posted yet.
+
+Everything here is keyed by transfer id: several flows per request would be
+several transfer ids, each fenced on its own.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
+
+# Cancel re-sends (a Cancel or its answer may be lost): the first re-send this long
+# after the Cancel, each next one twice as late up to the cap; none later than
+# liveness_s after the first Cancel (P silent that long: the fence decides).
+CANCEL_RETRY_FIRST_S = 0.25
+CANCEL_RETRY_MAX_S = 4.0
 
 
 @dataclass
@@ -43,37 +58,41 @@ class Waiting:
     sent: bool = False  # the Register left D (else P cannot know it: release at once)
     instance: str = ""  # the P process it was sent to
     gave_up: bool = False  # D asked P to drop it (Cancel)
-    cancel_sent: bool = False
+    cancels: int = 0  # Cancels sent so far
+    cancel_first_at: float = 0.0
+    cancel_next_at: float = 0.0  # when the Cancel is due again
+    answered: bool = False  # P gave a final answer (maybe ignored): stop re-sending Cancel
+    sent_at: float = 0.0  # on D's clock: P posts nothing after sent_at + max_wait_s
     cancelled: bool = False  # D's own request ended: release, never report a failure
     failed: bool = False  # will be reported failed when released
     drained_since: float | None = None  # case 3/4 above: released grace_s after this
-    posted: bool = False  # P said it is posting the WRITE: bytes are (or will be) moving
+    posted: bool = False  # P said a WRITE is (was) posted: bytes are (or were) moving
     spin_until: float = 0.0  # D progresses without pause until then
     why: str = ""
+    released_by: str = ""  # expire's release: "drain" (path 4) or "bound" (path 5)
 
 
 class ReceiverState:
     def __init__(
-        self, liveness_s: float, max_wait_s: float, grace_s: float, clock: Callable[[], float] = time.monotonic
+        self, liveness_s: float, max_wait_s: float, grace_s: float, clock: Callable[[], float] = time.monotonic,
+        write_bound_s: float = 30.0,
     ):
         self.liveness_s = liveness_s
         self.max_wait_s = max_wait_s
         self.grace_s = grace_s
         self.clock = clock
+        # Path 5: how long a WRITE posted at the last moment may still be landing
+        # (the connector's transfer_timeout_s: a push running longer is "slow").
+        self.write_bound_s = write_bound_s
         self.by_tid: dict[str, Waiting] = {}
         self.released: set[str] = set()  # request ids: blocks hold the KV or are safe to reuse
         self.failed: set[str] = set()  # subset of released: the KV did not arrive
-        self.early_done: set[str] = set()  # notification before our own registration (rare)
 
     # -- inputs ------------------------------------------------------------------
     def add(self, request_id: str, transfer_id: str, peer: str) -> bool:
         """False for a transfer id already waiting: the caller rejects the new request."""
         if transfer_id in self.by_tid:
             return False
-        if transfer_id in self.early_done:
-            self.early_done.discard(transfer_id)
-            self.released.add(request_id)
-            return True
         now = self.clock()
         self.by_tid[transfer_id] = Waiting(request_id, transfer_id, peer, now + self.liveness_s, now + self.max_wait_s)
         return True
@@ -83,13 +102,27 @@ class ReceiverState:
         self.failed.add(request_id)
         self.released.add(request_id)
 
-    def on_sent(self, transfer_id: str, instance: str = "") -> None:
+    def on_sent(self, transfer_id: str, instance: str = "") -> bool:
+        """The Register is about to leave for P process ``instance``. Called under the
+        same lock as the check that it still waits, before the send: an abort from
+        then on fences it instead of releasing it as never sent. False: not waiting
+        (given up while queued) or already sent: do not send it."""
         w = self.by_tid.get(transfer_id)
-        if w is not None and not w.sent:
-            now = self.clock()  # the clocks start when P can know of it
-            w.sent, w.instance = True, instance
-            w.live_deadline = now + self.liveness_s
-            w.give_up_at = now + self.max_wait_s
+        if w is None or w.sent:
+            return False
+        now = self.clock()  # the clocks start when P can know of it
+        w.sent, w.instance, w.sent_at = True, instance, now
+        w.live_deadline = now + self.liveness_s
+        w.give_up_at = now + self.max_wait_s
+        return True
+
+    def send_failed(self, transfer_id: str, why: str) -> Waiting | None:
+        """The Register marked sent was not queued after all (the NOBLOCK send failed):
+        P cannot know of it, so nothing is posted. Ends it."""
+        w = self.by_tid.get(transfer_id)
+        if w is not None:
+            self._end(w, why)
+        return w
 
     def on_unknown_peer(self, transfer_id: str) -> Waiting | None:
         """P answered that it has no handshake with us (it restarted): it dropped the
@@ -130,32 +163,46 @@ class ReceiverState:
                 need = "fast"
         return need
 
-    def on_done(self, transfer_id: str) -> Waiting | None:
-        """The push completed: the KV is there, even if D had given up meanwhile."""
-        w = self.by_tid.pop(transfer_id, None)
-        if w is None:
-            if len(self.early_done) > 65536:  # stray notifications must not grow without bound
-                self.early_done.clear()
-            self.early_done.add(transfer_id)
+    def on_done(self, transfer_id: str, agent: str, agents: Callable[[str, str], Collection[str]]) -> Waiting | None:
+        """The push completed: the KV is there, even if D had given up meanwhile.
+        Accepted only for a sent registration and from ``agent`` among
+        ``agents(peer, instance)``, the NIXL agents of the P process it was sent to;
+        anything else is stray (None), and the caller counts it."""
+        w = self.by_tid.get(transfer_id)
+        if w is None or not w.sent or agent not in agents(w.peer, w.instance):
             return None
+        del self.by_tid[transfer_id]
         self.released.add(w.request_id)
         return w
 
-    def on_ended(self, transfer_id: str, posted: bool, why: str = "") -> Waiting | None:
-        """P's final answer without success. ``posted``: its WRITE failed on a broken
-        connection; D keeps progressing ``grace_s`` before it reuses the blocks."""
+    def on_ended(self, transfer_id: str, posted: bool, why: str = "", *, instance: str) -> tuple[str, Waiting | None]:
+        """P's final answer without success, from P process ``instance``. Returns
+        (outcome, waiting): "unknown" (not waiting), "ignored" (held, see below),
+        "fenced" (``posted``: a WRITE was posted and ended, so its connection is done;
+        D keeps progressing ``grace_s``, then reuses the blocks) or "released".
+
+        Ignored, because it proves nothing about what may still land: an answer from
+        another P process than the one the registration went to (a restarted P
+        answering a Cancel for a transfer it never saw; an empty instance is unknown),
+        and a "never posted" answer after D learned a WRITE was posted or once a fence
+        started (the fence of that WRITE stays)."""
         w = self.by_tid.get(transfer_id)
         if w is None:
-            return None
+            return "unknown", None
+        w.answered = True  # a final answer: stop re-sending Cancel
+        if not instance or instance != w.instance:
+            return "ignored", w
+        if not posted and (w.posted or w.drained_since is not None):
+            return "ignored", w
         w.why = why
         if posted:
             now = self.clock()
-            w.gave_up = w.cancel_sent = True  # nothing more to hear from P about it
-            w.drained_since = w.drained_since or now
+            w.gave_up = w.posted = True  # nothing more to hear from P about it
+            w.drained_since = w.drained_since if w.drained_since is not None else now
             w.live_deadline = now
-        else:
-            self._end(w, why)
-        return w
+            return "fenced", w
+        self._end(w, why)
+        return "released", w
 
     def cancel_request(self, request_id: str) -> Waiting | None:
         """D's own request ended while waiting (vLLM holds its blocks for us)."""
@@ -184,10 +231,11 @@ class ReceiverState:
             self._end(w, why)
         return out
 
-    def expire(self, drained: Callable[[str, str], bool]) -> tuple[list[Waiting], list[Waiting]]:
+    def expire(self, drained: Callable[[str, str], bool | None]) -> tuple[list[Waiting], list[Waiting]]:
         """Advance the clocks. ``drained(peer, instance)``: are all lane connections of
-        that P process into D closed with nothing left unread? Returns (newly given
-        up, released by a drain)."""
+        that P process into D closed with nothing left unread? None: D knows none of
+        them (cannot tell). Returns (newly given up, released by a drain or the bound,
+        see ``Waiting.released_by``)."""
         now = self.clock()
         gave_up, released = [], []
         for w in list(self.by_tid.values()):
@@ -201,9 +249,17 @@ class ReceiverState:
             if not w.gave_up or now < w.live_deadline:
                 continue  # P is alive and holds it: its answer or the push will come
             if w.drained_since is None:
-                if drained(w.peer, w.instance):
+                d = drained(w.peer, w.instance)
+                if d:
                     w.drained_since = now
+                elif d is None and now >= w.sent_at + self.max_wait_s + self.write_bound_s + self.grace_s:
+                    # Path 5: no lane known to watch; P posted nothing after sent +
+                    # max_wait_s and gave a WRITE write_bound_s, plus the grace.
+                    w.released_by = "bound"
+                    self._end(w, w.why or "P silent")
+                    released.append(w)
             elif now - w.drained_since >= self.grace_s:
+                w.released_by = w.released_by or "drain"
                 self._end(w, w.why or "P silent")
                 released.append(w)
         return gave_up, released
@@ -226,8 +282,24 @@ class ReceiverState:
                 if w.gave_up and w.sent and now >= w.live_deadline and w.drained_since is None]
 
     def to_cancel(self) -> list[Waiting]:
-        """Given up, sent to P, P not yet told."""
-        return [w for w in self.by_tid.values() if w.gave_up and w.sent and not w.cancel_sent]
+        """Given up and sent to P, no final answer from P yet, and a Cancel is due: the
+        first at once, re-sent after CANCEL_RETRY_FIRST_S doubling up to
+        CANCEL_RETRY_MAX_S (a Cancel or its answer may be lost: a reconnecting
+        socket, a full queue), never later than ``liveness_s`` after the first. The
+        caller sends a Cancel for each one returned (they are counted as sent)."""
+        now = self.clock()
+        out = []
+        for w in self.by_tid.values():
+            if not (w.gave_up and w.sent) or w.answered or now < w.cancel_next_at:
+                continue
+            if w.cancels == 0:
+                w.cancel_first_at = now
+            elif now >= w.cancel_first_at + self.liveness_s:
+                continue  # P silent all along: the drain fence or the bound decides
+            w.cancel_next_at = now + min(CANCEL_RETRY_FIRST_S * 2 ** w.cancels, CANCEL_RETRY_MAX_S)
+            w.cancels += 1
+            out.append(w)
+        return out
 
     def _end(self, w: Waiting, why: str) -> None:
         self.by_tid.pop(w.transfer_id, None)

@@ -57,13 +57,16 @@ def sockets(local_ports: set[int] | None = None) -> list[TcpSocket]:
     return out
 
 
-def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]], peer_ip: str) -> bool:
+def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]]) -> bool:
     """Are all connections of ``lanes`` (remote ip, port) into ``local_ports`` closed and
-    drained? Without known lanes, every connection from ``peer_ip`` counts (conservative)."""
+    drained? Without known lanes, never: nothing tells P's connections apart (a peer
+    named by host name, lanes leaving from another interface than the side channel's),
+    so the caller falls back to a time bound instead."""
+    if not lanes:
+        return False
     for s in sockets(local_ports):
         if s.remote[1] == 0:
             continue  # the listening socket
-        ours = s.remote in lanes if lanes else s.remote[0] == peer_ip
-        if ours and not s.drained():
+        if s.remote in lanes and not s.drained():
             return False
     return True

@@ -92,6 +92,28 @@ def test_aborted_prefill_rejects_registration_in_either_order():
     assert add_reg(s, "b")[0] == "aborted"
 
 
+def test_cancel_keeps_the_record_of_an_ended_transfer_and_records_unseen_ones():
+    c = Clock()
+    s = WriterState(lease_s=5, clock=c)
+    add_reg(s, "a")
+    s.add_prefill(fp("a"))
+    s.complete("a", "failed", posted=True)
+    assert s.cancel("a") == ("done", None, None) and s.final("a") == ("failed", True)
+    assert s.abort_prefill("a") is None and s.final("a") == ("failed", True)  # nor an abort
+    add_reg(s, "b")
+    s.add_prefill(fp("b"))
+    s.complete("b", "failed", posted=False)  # failed before the post
+    assert s.cancel("b")[0] == "done" and s.final("b") == ("failed", False)
+    assert s.cancel("never-seen")[0] == "cancelled" and s.final("never-seen") == ("cancelled", False)
+    assert add_reg(s, "never-seen")[0] == "duplicate"  # a late Register is refused
+    s.add_prefill(fp("x"))
+    s.expire()
+    assert s.final("x") is None
+    c.t = 5.0
+    s.expire()
+    assert s.final("x") == ("expired", False)
+
+
 def test_duplicate_prefill_is_told_apart_from_its_holder():
     s = WriterState(lease_s=5)
     s.add_prefill(fp("t", rid="p1"))
@@ -107,7 +129,12 @@ def rstate(c, live=3.0, wait=10.0, grace=1.0):
 
 def sent(r, rid, tid, instance="i1"):
     assert r.add(rid, tid, "h:1")
-    r.on_sent(tid, instance)
+    assert r.on_sent(tid, instance)
+
+
+def p_agents(peer, instance):
+    """The NIXL agents of P process ``instance`` at ``peer`` (what its Welcome named)."""
+    return {f"{instance}-lane0"}
 
 
 class Drained:
@@ -125,7 +152,7 @@ class Drained:
 def test_receiver_success_releases_once_without_failure():
     r = rstate(Clock())
     sent(r, "d1", "t1")
-    r.on_done("t1")
+    r.on_done("t1", "i1-lane0", p_agents)
     assert r.take() == ({"d1"}, set())
     assert r.take() == (set(), set())
 
@@ -159,7 +186,7 @@ def test_a_push_that_completes_after_d_gave_up_is_a_success():
     c.t = 10.0  # max_wait passed (P alive, busy writing)
     r.on_alive("t1")
     assert [w.why for w in r.expire(Drained())[0]] == ["max_wait_s passed"]
-    r.on_done("t1")  # the WRITE went on and finished: the KV is there
+    r.on_done("t1", "i1-lane0", p_agents)  # the WRITE went on and finished: the KV is there
     assert r.take() == ({"d1"}, set())
 
 
@@ -181,10 +208,10 @@ def test_p_saying_never_posted_releases_at_once_and_a_broken_write_after_the_gra
     r = rstate(c)
     sent(r, "d1", "t1")
     sent(r, "d2", "t2")
-    r.on_ended("t1", posted=False)
+    r.on_ended("t1", posted=False, instance="i1")
     assert r.take() == ({"d1"}, {"d1"})
     c.t = 1.0
-    r.on_ended("t2", posted=True)  # UCX failed the WRITE: its connection is broken
+    r.on_ended("t2", posted=True, instance="i1")  # UCX failed the WRITE: its connection is broken
     assert r.take() == (set(), set()) and not r.to_cancel()
     c.t = 1.99
     r.expire(Drained())
@@ -200,7 +227,7 @@ def test_cancelled_request_is_released_not_failed_and_unsent_ones_at_once():
     sent(r, "d1", "t1")
     r.cancel_request("d1")
     assert r.take() == (set(), set()) and [w.transfer_id for w in r.to_cancel()] == ["t1"]
-    r.on_ended("t1", posted=False)  # P confirmed the cancel
+    r.on_ended("t1", posted=False, instance="i1")  # P confirmed the cancel
     assert r.take() == ({"d1"}, set())
     r.add("d2", "t2", "h:1")  # queued behind a handshake: P cannot know it
     r.cancel_request("d2")
@@ -225,13 +252,13 @@ def test_duplicate_transfer_id_is_rejected_at_once_and_a_restart_waits_for_the_o
     assert r.take() == ({"d1"}, {"d1"}) and r.pending() == 1
 
 
-def test_unknown_peer_answer_unsends_and_early_notification():
+def test_unknown_peer_answer_unsends_and_a_notification_without_registration_is_stray():
     r = rstate(Clock())
     sent(r, "d1", "t1")
     assert r.on_unknown_peer("t1").sent is False  # re-sent after the new handshake
-    assert r.on_done("t9") is None  # notification before the registration was recorded
+    assert r.on_done("t9", "i1-lane0", p_agents) is None  # no registration waits for it: dropped
     r.add("d9", "t9", "h:1")
-    assert r.take() == ({"d9"}, set())
+    assert r.take() == (set(), set())  # never a success by a notification that came first
 
 
 def test_d_spins_only_while_a_posted_push_should_be_moving():
@@ -246,5 +273,5 @@ def test_d_spins_only_while_a_posted_push_should_be_moving():
     assert r.progress_need() == "spin"
     c.t = 0.016
     assert r.progress_need() == "fast"  # slower than expected: keep progressing, not spinning
-    r.on_done("t1")
+    r.on_done("t1", "-lane0", p_agents)
     assert r.progress_need() == "idle"

@@ -284,7 +284,7 @@ class TraceWriter:
         self._fh: IO[bytes] | None = None
         self.count = 0
         self.path: Path | None = None
-        if path is None:
+        if path is None or str(path) == "":
             return
         if header is not None:
             validate(header)
@@ -344,7 +344,7 @@ def _decode(p: Path, i: int, line: bytes) -> Record:
         rec = _decoder.decode(line)
     except msgspec.ValidationError as e:
         raise TraceError(f"{p}: line {i}: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TraceError(f"{p}: line {i}: not JSON: {e}") from None
     try:
         validate(rec)
@@ -421,9 +421,13 @@ def read_connector_log(path: str | Path) -> ConnectorLog:
             continue
         if b'"kind"' in line and b'"type"' not in line:
             try:
-                rec: Record = _from_v1(msgspec.json.decode(line))
+                row = msgspec.json.decode(line)
+                if not isinstance(row, dict):
+                    raise TraceError("a record must be a JSON object")
+                rec: Record = _from_v1(row)
                 validate(rec)
-            except (msgspec.ValidationError, msgspec.DecodeError, KeyError, IndexError, TypeError, TraceError) as e:
+            except (msgspec.ValidationError, msgspec.DecodeError, KeyError, IndexError, TypeError, TraceError,
+                    UnicodeDecodeError, RecursionError, AttributeError) as e:
                 raise TraceError(f"{p}: line {i}: {e}") from None
         else:
             rec = _decode(p, i, line)

@@ -91,7 +91,7 @@ class Proxy:
         try:
             raw = await request.body()
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return self._count(endpoint, error_response(400, "request body is not valid JSON"), "bad_json")
         if not isinstance(body, dict):
             return self._count(endpoint, error_response(400, "request body must be a JSON object"), "bad_json")

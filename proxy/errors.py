@@ -22,16 +22,23 @@ def is_invalid_json(errors: Sequence[Any]) -> bool:
     return any(e.get("type") == "json_invalid" for e in errors)
 
 
-_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+_AT_MARK = " - at `$"
+_MAX_TEXT = 200  # msgspec repeats the bad value: a hostile body must not come back whole
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 def describe_msgspec_error(e: msgspec.ValidationError) -> tuple[str, list[str]]:
     """The same ('field: message', [field]) for msgspec, which stops at the first error:
     ``Expected `int` >= 0 - at `$.lanes[0].src_port``` names ``lanes.0.src_port``."""
-    m = _AT.match(str(e))
-    assert m is not None  # the pattern matches any text
-    text, at = m.group(1), m.group(2) or ""
+    raw = str(e)
+    # the location is the last mark: the value quoted before it may contain one
+    text, mark, at = raw.rpartition(_AT_MARK)
+    if mark and at.endswith("`"):
+        at = at[:-1]
+    else:
+        text, at = raw, ""
+    if len(text) > _MAX_TEXT:
+        text = text[:_MAX_TEXT] + "..."
     parts = [p for p in re.split(r"[.\[\]]+", at) if p]
     missing = _MISSING.search(text)
     if missing:

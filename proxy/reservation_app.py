@@ -155,7 +155,8 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     async def lanes(request: Request) -> Response:
         raw = await request.body()
         try:
-            parse_json(raw)  # a body that is not JSON at all is a 400 even before the token
+            if raw.strip():  # an empty body is the fields' error (422), after the token
+                parse_json(raw)  # a body that is not JSON at all is a 400 even before the token
             check_admin(request)  # then the token, before the body's fields are looked at
             body = parse_body(raw, wire.LanesRequest)
         except BadBody as e:

@@ -64,7 +64,7 @@ class HttpReserver:
             return LaneGrant(fallback=f"http_{r.status_code}")
         try:
             return LaneGrant.of(wire.decode_answer(r.content))
-        except msgspec.DecodeError:  # (ValidationError included) not the wire's answer
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # (ValidationError included)
             return LaneGrant(fallback="bad_answer")
 
     async def release(self, lease_id: str) -> None:

@@ -64,9 +64,10 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str, 
                         row["status"] = f"http {resp.status_code}"
                     async for line in resp.aiter_lines():
                         _event(row, line)
-                    # a push happened only if tokens came back: an answer that failed
-                    # before its first token has no push record to wait for
-                    if row["tokens"] and row["status"] == "ok":
+                    # a push happened only if tokens came back (the answer may still end
+                    # in an error event): one that failed before its first token has no
+                    # push record to wait for
+                    if row["tokens"]:
                         row["transfer_id"] = tid
             except httpx.HTTPError as e:
                 row["status"] = f"client error: {e}"

@@ -251,3 +251,11 @@ def test_p_connector_notifier_registers_lanes_given_as_5_tuple_dicts_or_lane_inf
     assert svc.lanes("l0h0", "l1h1", "w1") == [wire.LaneInfo(1, 41001, KV_SIDE_CHANNEL_PORT)]
     assert svc.lanes("l0h0", "l1h1", "w2") == []
     assert n.stats.totals["reservation_calls_ok"] == 2 and n.stats.totals["reservation_calls_failed"] == 1
+
+
+def test_a_huge_bad_value_is_not_echoed_and_a_planted_location_is_not_believed(client):
+    proto = "x - at `$.admin`" + "y" * 100_000
+    body = {"src_host": "l0h0", "dst_host": "l1h1", "bytes": 1, "lanes": [{"lane": 0, "src_port": 1, "proto": proto}]}
+    r = client.post("/v1/reserve", json=body)
+    assert r.status_code == 422 and len(r.content) < 2000
+    assert "admin" not in json.dumps(r.json().get("fields", r.json()))

@@ -87,3 +87,16 @@ def test_a_none_path_writes_nothing():
     w.write(TransferRecord("t", "p"))
     assert w.path is None and w.count == 0
     w.close()
+
+
+def test_an_empty_path_writes_nothing_and_odd_lines_are_trace_errors(tmp_path):
+    w = TraceWriter("")  # a knob set to "" means no log, as None does
+    w.write(TransferRecord("t", "p"))
+    assert w.path is None and w.count == 0
+    p = tmp_path / "log.jsonl"
+    for bad in (b'{"type":"transfer","transfer_id":"\xff\xfe","request_id":"p"}\n',  # not UTF-8
+                b'"kind"\n',  # a bare string that looks like a 0.1 record
+                b"[" * 100_000 + b"\n"):  # deeper than any decoder goes
+        p.write_bytes(bad)
+        with pytest.raises(TraceError, match="line 1"):
+            read_transfers(p)

@@ -1,7 +1,8 @@
 """Connector benchmark: push latency and throughput vs raw NIXL, P's prefill slowdown, descriptors, idle CPU.
 
     .venv/bin/python benchmarks/bench_connector.py [--sizes 0.25,4,64] [--reps 24] [--prefill-rounds 12]
-                                                   [--mib 64] [--idle-s 5] [--sections 1,2,3,4,5] [--samples]
+                                                   [--mib 64] [--idle-s 5] [--sections 1,2,3,4,5,6] [--samples]
+                                                   [--control curve|plaintext] [--security-reps 3]
 
 Prints, in one run on this machine:
   1. push latency for each of --sizes (MiB, fractional allowed), one push at a time
@@ -24,7 +25,11 @@ Prints, in one run on this machine:
      NIXL WRITE of the same bytes, as a ratio (target >= 0.9);
   4. NIXL descriptors per transfer for contiguous vs randomly fragmented blocks,
      with and without coalescing;
-  5. the writer and receiver threads' CPU use while idle (target < 2% of a core).
+  5. the writer and receiver threads' CPU use while idle (target < 2% of a core);
+  6. what the control channel's security costs: small-push latency and idle CPU with
+     CURVE keys and with loopback plaintext, alternating, --security-reps times each
+     (budget: latency up by at most 10%, idle CPU under 1% of a core).
+Sections 1-5 run with CURVE keys made for the run (--control plaintext: without).
 Pushes cross a UCX TCP connection on loopback (UCX_NET_DEVICES=lo).
 """
 
@@ -55,8 +60,8 @@ from kvpath.connector.nixl_io import make_agent, register  # noqa: E402
 from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers  # noqa: E402
 from kvpath.connector.receiver import PushReceiver  # noqa: E402
 from kvpath.connector.sender import PushSender  # noqa: E402
-from connector_common import fmt_bytes, med  # noqa: E402
-from connector_latency import bench_latency  # noqa: E402
+from connector_common import CONTROL_KNOBS, fmt_bytes, med, med_range, set_control  # noqa: E402
+from connector_latency import _latency_one, bench_latency  # noqa: E402
 from connector_prefill import bench_prefill  # noqa: E402
 
 # Sections 1 and 2 live in connector_latency.py and connector_prefill.py, their shared helpers in
@@ -68,7 +73,8 @@ def bench_throughput(console: Console, mib: int, reps: int) -> dict:
     blen = 256 * 1024
     nb = max(8, mib * 1024 * 1024 // (4 * blen))
     spec = BufferSpec(regions=4, num_blocks=nb, block_len=blen, block_size=16)
-    cfg = KVPathConfig(lanes=1, side_channel_port=6100, ucx_net_devices="lo", lease_timeout_s=30, registration_timeout_s=60)
+    cfg = KVPathConfig(lanes=1, side_channel_port=6100, ucx_net_devices="lo", lease_timeout_s=30, registration_timeout_s=60,
+                       **CONTROL_KNOBS)
     bufs = make_buffers(spec, "random", seed=1)
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
     lay = layout_from_buffers(spans, nb, 16)
@@ -165,8 +171,8 @@ def bench_descriptors(console: Console) -> dict:
 IDLE_TARGET = 2.0  # % of a core
 
 
-def bench_idle_cpu(console: Console, idle_s: float) -> dict:
-    cfg = KVPathConfig(lanes=4, side_channel_port=6200, ucx_net_devices="lo")
+def bench_idle_cpu(console: Console, idle_s: float, port: int = 6200) -> dict:
+    cfg = KVPathConfig(lanes=4, side_channel_port=port, ucx_net_devices="lo", **CONTROL_KNOBS)
     buf = np.zeros(64 * 4096, dtype=np.uint8)
     spans = [(buf.ctypes.data, buf.nbytes)]
     lay = layout_from_buffers(spans, 64, 16)
@@ -199,6 +205,47 @@ def bench_idle_cpu(console: Console, idle_s: float) -> dict:
     return res
 
 
+# -- 6. what the control channel's security costs ---------------------------------------------
+SECURITY_LATENCY_BUDGET = 1.10  # CURVE / plaintext, small pushes
+SECURITY_IDLE_BUDGET = 1.0  # % of a core
+
+
+def bench_security(console: Console, reps: int, rounds: int, idle_s: float) -> dict:
+    """Small-push latency (D saw the notification, 1 at a time and 16 at once) and idle CPU,
+    CURVE vs plaintext, alternating so drift hits both alike."""
+    keep = dict(CONTROL_KNOBS)
+    res: dict = {m: {"lat1": [], "lat16": [], "idle": []} for m in ("plaintext", "curve")}
+    try:
+        for i in range(reps):
+            for mode in (("plaintext", "curve") if i % 2 == 0 else ("curve", "plaintext")):
+                set_control(mode)
+                port = 6500 + 20 * (2 * i + (mode == "curve"))
+                r = _latency_one(0.25, rounds, port)
+                res[mode]["lat1"].append(med(r["rounds"][("engine", 1)]["d"]))
+                res[mode]["lat16"].append(med(r["rounds"][("engine", 16)]["d"]))
+                idle = bench_idle_cpu(Console(quiet=True), idle_s, port + 10)
+                res[mode]["idle"].append(max(idle.values()))
+    finally:
+        CONTROL_KNOBS.clear()
+        CONTROL_KNOBS.update(keep)
+    t = Table(title=f"6. the control channel's security: 256 KiB pushes ({rounds} rounds) and idle CPU ({idle_s:.0f} s), "
+                    f"median (min-max) over {reps} alternating runs")
+    for c in ("control channel", "latency 1 at a time, ms", "latency 16 at once, ms", "idle CPU, max thread, % core"):
+        t.add_column(c)
+    for mode, r in res.items():
+        idle = f"{med(r['idle']):.2f} ({min(r['idle']):.2f}-{max(r['idle']):.2f})"
+        t.add_row(mode, med_range(r["lat1"]), med_range(r["lat16"]), idle)
+    console.print(t)
+    out = {"ratio1": med(res["curve"]["lat1"]) / med(res["plaintext"]["lat1"]),
+           "ratio16": med(res["curve"]["lat16"]) / med(res["plaintext"]["lat16"]),
+           "idle_curve": max(res["curve"]["idle"]), "res": res}
+    console.print(f"  CURVE / plaintext latency: 1 at a time {out['ratio1']:.2f}, 16 at once {out['ratio16']:.2f} "
+                  f"(budget <= {SECURITY_LATENCY_BUDGET}); idle CPU with CURVE at most {out['idle_curve']:.2f}% "
+                  f"(budget < {SECURITY_IDLE_BUDGET}%). The ZAP thread (pyzmq's authenticator) blocks in poll and "
+                  "is not counted; it wakes only when a peer connects.")
+    return out
+
+
 def parse_sizes(text: str) -> list[float]:
     try:
         sizes = [float(x) for x in text.split(",") if x.strip()]
@@ -224,10 +271,15 @@ def main() -> int:
                     help="section 2: do not pin the engine thread to a CPU of its own (D then shares its CPUs)")
     ap.add_argument("--mib", type=int, default=64, help="bytes per push for the throughput section, MiB")
     ap.add_argument("--idle-s", type=float, default=5.0)
-    ap.add_argument("--sections", type=lambda v: {int(x) for x in v.split(",") if x.strip()}, default={1, 2, 3, 4, 5},
+    ap.add_argument("--sections", type=lambda v: {int(x) for x in v.split(",") if x.strip()}, default={1, 2, 3, 4, 5, 6},
                     help="sections to run, e.g. 1,2 (default: all)")
     ap.add_argument("--samples", action="store_true", help="also print every push's phase times (ms, sorted)")
+    ap.add_argument("--control", choices=("curve", "plaintext"), default="curve",
+                    help="the control channel of sections 1-5 (default: CURVE keys made for the run)")
+    ap.add_argument("--security-reps", type=int, default=3, help="section 6: alternating runs per mode")
+    ap.add_argument("--security-rounds", type=int, default=8, help="section 6: latency rounds per run")
     args = ap.parse_args()
+    set_control(args.control)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     console = Console()
@@ -255,6 +307,11 @@ def main() -> int:
         idle = bench_idle_cpu(console, args.idle_s)
         parts.append(f"idle CPU writer {idle['writer (P)']:.2f}% receiver {idle['receiver (D)']:.2f}% "
                      f"(< {IDLE_TARGET:g}%: {'yes' if max(idle.values()) < IDLE_TARGET else 'NO'})")
+    if 6 in args.sections:
+        sec = bench_security(console, args.security_reps, args.security_rounds, args.idle_s)
+        ok = max(sec["ratio1"], sec["ratio16"]) <= SECURITY_LATENCY_BUDGET and sec["idle_curve"] < SECURITY_IDLE_BUDGET
+        parts.append(f"security CURVE/plaintext latency {sec['ratio1']:.2f} (1) {sec['ratio16']:.2f} (16), idle "
+                     f"{sec['idle_curve']:.2f}% (within budget: {'yes' if ok else 'NO'})")
     console.print(f"[bold]summary[/bold] ({time.monotonic() - t_start:.0f} s): " + "; ".join(parts))
     return 0
 

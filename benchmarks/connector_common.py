@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import time
+from typing import Any
 
 from kvpath.connector.messages import parse_notif
 from kvpath.connector.sender import PushSender
@@ -19,6 +21,23 @@ MiB = 1 << 20
 REGIONS = 4  # KV regions (layers x K/V) in the benchmark layouts
 LANES = 4  # lanes (P agents / raw agents) the concurrent pushes spread over
 med = statistics.median
+
+# The control channel's knobs every benchmark config gets (set_control): CURVE keys made
+# for the run, or loopback plaintext. One dict, written only by set_control.
+CONTROL_KNOBS: dict[str, Any] = {}
+
+
+def set_control(mode: str) -> None:
+    """``curve``: one key pair made for this run, trusted by both sides; ``plaintext``: none."""
+    from kvpath.connector.control_auth import shared_keys
+
+    CONTROL_KNOBS.clear()
+    if mode == "curve":
+        CONTROL_KNOBS.update(shared_keys(tempfile.mkdtemp(prefix="kvpath-bench-keys-")))
+    elif mode == "plaintext":
+        CONTROL_KNOBS["control_plaintext"] = True
+    else:
+        raise ValueError(f"control mode must be curve or plaintext, got {mode!r}")
 
 
 def plan_push(mib: float, block_len: int = 16 * 1024) -> tuple[int, int, int]:

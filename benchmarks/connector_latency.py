@@ -25,6 +25,7 @@ from kvpath.connector.nixl_io import make_agent, register
 from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
 from connector_common import (
+    CONTROL_KNOBS,
     LANES,
     MiB,
     REGIONS,
@@ -113,7 +114,7 @@ def _latency_one(mib: float, reps: int, port: int) -> dict:
     p_spec = BufferSpec(regions=REGIONS, num_blocks=nb, block_len=blen, block_size=16)
     d_spec = BufferSpec(regions=REGIONS, num_blocks=nb * CONC, block_len=blen, block_size=16)
     cfg = KVPathConfig(lanes=LANES, side_channel_port=port, ucx_net_devices="lo", lease_timeout_s=30,
-                       registration_timeout_s=60)
+                       registration_timeout_s=60, **CONTROL_KNOBS)
     bufs = make_buffers(p_spec, "random", seed=2)
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
     lay = layout_from_buffers(spans, nb, 16)

@@ -23,6 +23,7 @@ from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
 from connector_common import (
+    CONTROL_KNOBS,
     LANES,
     REGIONS,
     _instrument,
@@ -143,7 +144,7 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
     spec = BufferSpec(regions=REGIONS, num_blocks=nb, block_len=blen, block_size=16)
     d_spec = BufferSpec(regions=REGIONS, num_blocks=nb * depth, block_len=blen, block_size=16)
     cfg = KVPathConfig(lanes=LANES, side_channel_port=6400, ucx_net_devices="lo", lease_timeout_s=30,
-                       registration_timeout_s=60)
+                       registration_timeout_s=60, **CONTROL_KNOBS)
     bufs = make_buffers(spec, "random", seed=3)
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
     sender = PushSender(cfg, layout_from_buffers(spans, nb, 16), spans).start()

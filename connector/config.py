@@ -8,6 +8,7 @@ start-up instead of silently running on defaults.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -79,6 +80,16 @@ class KVPathConfig:
     # P ask the reservation service (reservation_url) when the push is ready to start,
     # for requests that came without a lane (waiting 50 ms at most for the answer).
     reserve_at: str = RESERVE_AT_ADMISSION
+    # The control channel's security (libzmq CURVE, docs/connector.md "Security"): this
+    # engine's secret key file (NAME.key_secret from `kvpath connector keys`) and a
+    # directory of the public key files (*.key) of the peers it trusts: P accepts only
+    # those D keys, D talks only to those P keys. Without them the connector refuses to
+    # start, unless control_plaintext is set, which works on loopback only.
+    control_key: str | None = None
+    control_trusted_keys: str | None = None
+    control_plaintext: bool = False
+    # The largest control message either side accepts (larger ones drop the connection).
+    control_max_message_bytes: int = 4 << 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -134,6 +145,30 @@ class KVPathConfig:
             raise ConfigError("kv_connector_extra_config.reserve_at=push needs reservation_url and fabric_host")
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
+        self.validate_security()
+
+    def validate_security(self) -> None:
+        """Keys or loopback plaintext, nothing in between (also checked when the
+        connector's threads start, for configs built without ``from_extra_config``)."""
+        if bool(self.control_key) != bool(self.control_trusted_keys):
+            raise ConfigError("kv_connector_extra_config.control_key and control_trusted_keys go together "
+                              "(this engine's secret key file and the directory of the peers' public keys)")
+        if self.control_plaintext and self.control_key:
+            raise ConfigError("kv_connector_extra_config.control_plaintext: give either keys or plaintext, not both")
+        if not self.control_plaintext and not self.control_key:
+            raise ConfigError(
+                "kv_connector_extra_config.control_key: the control channel needs keys (make them with "
+                "`kvpath connector keys DIR`, then set control_key and control_trusted_keys), or "
+                "control_plaintext=true on loopback only"
+            )
+        if self.control_plaintext and not is_loopback(self.side_channel_host):
+            raise ConfigError(
+                "kv_connector_extra_config.control_plaintext works on loopback only: side_channel_host is "
+                f"{self.side_channel_host!r} (give control_key and control_trusted_keys instead)"
+            )
+        if not 1024 <= self.control_max_message_bytes <= (1 << 30):
+            raise ConfigError("kv_connector_extra_config.control_max_message_bytes must be in [1024, 2^30], "
+                              f"got {self.control_max_message_bytes}")
 
     def heartbeat_s(self) -> float:
         """How often D asks P for heartbeats: four chances before the liveness clock ends."""
@@ -167,6 +202,15 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{where} must be a string, got {value!r}")
         return value
     return value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_host_port(addr: str, field_name: str = "peer") -> tuple[str, int]:

@@ -15,6 +15,7 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
+from kvpath.connector.control_auth import ControlKeys, CurveServer, limit_messages, names_agent, routing_id_matches
 from kvpath.trace import TransferRecord
 
 if TYPE_CHECKING:
@@ -28,8 +29,19 @@ class ControlChannel:
     the state is the sender's, this groups the code that reads and writes the socket)."""
 
     def _open_router(self: "PushSender") -> None:
-        self._router = self._ctx.socket(zmq.ROUTER)
+        self.cfg.validate_security()
+        if self.cfg.control_key:
+            keys = ControlKeys.load(self.cfg.control_key, self.cfg.control_trusted_keys or "")
+            self.public_key = keys.public
+            self._curve = CurveServer(keys, on_denied=lambda: self.stats.inc("peers_refused"))
+            self._router = self._curve.socket(zmq.ROUTER)
+        else:  # control_plaintext, loopback only (validated)
+            self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # D keeps its routing id across a reconnect: the new connection takes it over, so
+        # P's answers to registrations held across the break still reach D.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        limit_messages(self._router, self.cfg.control_max_message_bytes)
         self._sockets.append(self._router)
         try:
             self._router.bind(f"tcp://{self.address}")
@@ -41,19 +53,27 @@ class ControlChannel:
     def _drain_router(self: "PushSender") -> None:
         while True:
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self.stats.inc("messages_malformed")
                 logger.warning("dropped malformed control message (%d frames)", len(frames))
                 continue
-            ident, data = frames
+            ident, data = frames[0].bytes, frames[1].bytes
+            # the key that authenticated the sender (CURVE; None in loopback plaintext)
+            user = frames[1].get("User-Id").encode() if self._curve is not None else None
             try:
                 msg = M.decode_to_prefill(data)
             except M.MalformedMessage as e:
                 self.stats.inc("messages_malformed")
                 logger.warning("dropped malformed control message: %s", e)
+                continue
+            agent = msg.agent_name if isinstance(msg, (M.Hello, M.Register)) else None
+            if not routing_id_matches(ident, user) or (agent is not None and not names_agent(ident, agent)):
+                # a routing id made for another key, or a message about another D's agent
+                self.stats.inc("messages_unbound")
+                logger.warning("dropped a %s whose sender is not the agent or key it names", type(msg).__name__)
                 continue
             if isinstance(msg, M.Cancel):
                 self._on_cancel(ident, msg.transfer_id)
@@ -68,6 +88,10 @@ class ControlChannel:
         peer = self._peers.get(reg.agent_name)
         if peer is None:  # no handshake with this D (P restarted since): D says Hello again
             self._ack(ident, tid, "unknown_peer", "no handshake with this D worker")
+            return
+        if peer.ident != ident:  # the agent's handshake came over another key's connection
+            self.stats.inc("messages_unbound")
+            logger.warning("dropped a registration for agent %s from another connection", reg.agent_name)
             return
         bad = [b for b in reg.block_ids if b >= peer.hello.layout.num_blocks]
         if bad:
@@ -99,6 +123,11 @@ class ControlChannel:
             self._start_write(m)
 
     def _on_cancel(self: "PushSender", ident: bytes, tid: str) -> None:
+        holder = self.state.registered_by(tid)
+        if holder is not None and holder != ident:  # only the D that registered it may cancel it
+            self.stats.inc("messages_unbound")
+            logger.warning("dropped a Cancel of transfer %s from a D that did not register it", tid)
+            return
         status, fp, _ = self.state.cancel(tid)
         if status == "in_flight":
             return  # D hears the completion notification or a failure

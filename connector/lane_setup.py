@@ -84,6 +84,10 @@ class LaneSetup:
             self._send(ident, M.Welcome(self.instance, False, bad[0], bad[1]))
             return
         peer = self._peers.get(hello.agent_name)
+        if peer is not None and peer.ident != ident:  # the agent's name, another key's connection
+            self.stats.inc("messages_unbound")
+            logger.warning("dropped a Hello for agent %s from another connection", hello.agent_name)
+            return
         if peer is None:
             lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
                             self.cfg.lanes, *self._path_rule(hello))

@@ -1,6 +1,7 @@
 """The ``kv_transfer_params`` that carry kvpath's per-request fields (no vLLM import).
 
-D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port"}}
+D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port", "peer_key": K}}
+        (``peer_key``, P's CURVE public key, only where D trusts several P keys)
 P leg:  {"do_remote_decode": true,  "kvpath": {"transfer_id": T, "lane": 2, "lease_id": "r7"}}
 The proxy sends both legs at once; a plain client may instead send the P leg
 first and pass P's returned ``kv_transfer_params`` to D unchanged.
@@ -22,6 +23,7 @@ class BadTransferParams(ValueError):
 class DecodeParams:
     transfer_id: str
     peer: str
+    peer_key: str | None = None  # selects one of D's trusted P keys; can never add one
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,10 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
         parse_host_port(peer, "kv_transfer_params.kvpath.peer")
     except ValueError as e:
         raise BadTransferParams(str(e)) from None
-    return DecodeParams(tid, peer)
+    key = kp.get("peer_key")
+    if key is not None and not (isinstance(key, str) and len(key) == 40 and key.isascii()):
+        raise BadTransferParams("kv_transfer_params.kvpath.peer_key must be a 40-character z85 CURVE public key")
+    return DecodeParams(tid, peer, key or None)
 
 
 def _valid_id(tid: object) -> bool:
@@ -87,8 +92,11 @@ def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillP
     return PrefillParams(tid, lane, lease)
 
 
-def decode_leg_params(transfer_id: str, peer: str) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "kvpath": {"transfer_id": transfer_id, "peer": peer}}
+def decode_leg_params(transfer_id: str, peer: str, peer_key: str | None = None) -> dict[str, Any]:
+    kp: dict[str, Any] = {"transfer_id": transfer_id, "peer": peer}
+    if peer_key:
+        kp["peer_key"] = peer_key
+    return {"do_remote_prefill": True, "do_remote_decode": False, "kvpath": kp}
 
 
 def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str | None = None) -> dict[str, Any]:

@@ -102,6 +102,9 @@ def serve_decode(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp.
         elif cmd == "cancel":
             rx.cancel(args[0])
             q_out.put(("ok",))
+        elif cmd == "reconnect":  # break the control connections (no restart)
+            rx.reconnect()
+            q_out.put(("ok",))
         elif cmd == "wait":  # until all given request ids were released, or timeout
             waiter = (set(args[0]), time.monotonic() + args[1])
         elif cmd == "read":

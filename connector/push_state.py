@@ -157,6 +157,13 @@ class WriterState:
             fp = self.active[transfer_id].prefill
         return fp.request_id if fp is not None else None
 
+    def registered_by(self, transfer_id: str) -> bytes | None:
+        """The control identity of the D whose registration of ``transfer_id`` P holds."""
+        pr = self.registrations.get(transfer_id)
+        if pr is None and transfer_id in self.active:
+            pr = self.active[transfer_id].registration
+        return pr.reply_to if pr is not None else None
+
     def held_registrations(self) -> list[PendingRegistration]:
         """Registrations P holds (waiting for the prefill or being written): heartbeated."""
         return list(self.registrations.values()) + [m.registration for m in self.active.values()]

@@ -20,7 +20,8 @@ import msgspec
 import zmq
 
 from kvpath.connector import messages as M
-from kvpath.connector.config import KVPathConfig, parse_host_port
+from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
+from kvpath.connector.control_auth import ControlKeys, limit_messages, routing_id, secure_client
 from kvpath.connector.engine_thread import EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
@@ -45,6 +46,7 @@ class _PeerLink:
     refused_until: float = 0.0
     refusal: str = ""
     queued: list[M.Register] = field(default_factory=list)
+    server_key: bytes | None = None  # P's CURVE public key (None: loopback plaintext)
     # P's lane connections into us, (source ip, port), per P process (instance), as
     # its Welcomes listed them: the fence watches them to tell when P's bytes can no
     # longer arrive.
@@ -73,6 +75,10 @@ class PushReceiver(EngineThread):
         self._links: dict[str, _PeerLink] = {}
         self._regs: dict[str, M.Register] = {}  # receiver thread only: to re-send after P restarted
         self.instance = uuid.uuid4().hex[:12]
+        self._keys: ControlKeys | None = None
+        cfg.validate_security()
+        if cfg.control_key:
+            self._keys = ControlKeys.load(cfg.control_key, cfg.control_trusted_keys or "")
         self.agent: Any = None
 
     def start(self) -> "PushReceiver":
@@ -90,9 +96,19 @@ class PushReceiver(EngineThread):
         return self
 
     # -- engine thread ----------------------------------------------------------
-    def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0) -> None:
-        """Ask P at ``peer`` (host:port) to push ``transfer_id`` into ``block_ids``."""
+    def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0,
+                 peer_key: str | None = None) -> None:
+        """Ask P at ``peer`` (host:port) to push ``transfer_id`` into ``block_ids``.
+        ``peer_key``: P's public key (z85), needed when D trusts more than one."""
         parse_host_port(peer, "kv_transfer_params.kvpath.peer")
+        server_key, why = self._server_key(peer, peer_key)
+        if why:
+            # a peer this engine's own config does not trust: nothing is sent to it
+            with self._lock:
+                self.state.reject_new(request_id)
+            self.stats.inc("peers_untrusted")
+            logger.error("request %s not registered with %s: %s", request_id, peer, why)
+            return
         with self._lock:
             if not self.state.add(request_id, transfer_id, peer):
                 # Two live requests with one transfer id (a reused id, or n > 1 whose
@@ -102,13 +118,38 @@ class PushReceiver(EngineThread):
                 logger.warning("request %s reuses transfer id %s, which another request is waiting on: failed",
                                request_id, transfer_id)
                 return
-        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks))
+        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks, server_key))
 
-    def connect(self, peer: str) -> None:
+    def connect(self, peer: str, peer_key: str | None = None) -> None:
         """Handshake with P at ``peer`` now (P opens its lanes to us on our Hello), so the
         first request to it does not pay for that."""
         parse_host_port(peer, "peer")
-        self._put("connect", peer)
+        server_key, why = self._server_key(peer, peer_key)
+        if why:
+            raise ValueError(why)
+        self._put("connect", (peer, server_key))
+
+    def reconnect(self) -> None:
+        """Close and re-open every control connection (as a broken TCP connection does). The
+        routing id stays, so P's answers to held registrations still reach us."""
+        self._put("reconnect", None)
+
+    def _server_key(self, peer: str, peer_key: str | None) -> tuple[bytes | None, str]:
+        """(P's CURVE key to use, why not) for a registration naming ``peer``: only a key
+        in this engine's control_trusted_keys, whatever the request says."""
+        if self._keys is None:  # control_plaintext: loopback peers only
+            if not is_loopback(parse_host_port(peer)[0]):
+                return None, f"control_plaintext talks to loopback peers only, not {peer}"
+            return None, ""
+        if peer_key:
+            key = peer_key.encode()
+            if key not in self._keys.trusted:
+                return None, "kvpath.peer_key is not one of this engine's control_trusted_keys"
+            return key, ""
+        if len(self._keys.trusted) == 1:
+            return next(iter(self._keys.trusted)), ""
+        return None, (f"this engine trusts {len(self._keys.trusted)} prefill keys: "
+                      "the request must name P's in kv_transfer_params.kvpath.peer_key")
 
     def cancel(self, request_id: str) -> None:
         """D's request ended while waiting: ask P not to push; release when safe."""
@@ -122,13 +163,22 @@ class PushReceiver(EngineThread):
             return self.state.take()
 
     # -- receiver thread ----------------------------------------------------------
-    def _link(self, peer: str) -> _PeerLink:
+    def _link(self, peer: str, server_key: bytes | None) -> _PeerLink | None:
+        """The control connection to ``peer``; None when it is known by another key."""
         link = self._links.get(peer)
+        if link is not None and link.server_key != server_key:
+            return None
         if link is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            limit_messages(s, self.cfg.control_max_message_bytes)
+            # fixed for the process and bound to our key: after a broken connection P's
+            # answers still reach us (P's ROUTER hands the id over to the new connection)
+            s.routing_id = routing_id(self._keys.public if self._keys else None, self.agent.name)
+            if self._keys is not None and server_key is not None:
+                secure_client(s, self._keys, server_key)
             s.connect(f"tcp://{peer}")
-            link = self._links[peer] = _PeerLink(peer, s)
+            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key)
             self._sockets.append(s)
             self._poller.register(s, zmq.POLLIN)
         return link
@@ -170,17 +220,31 @@ class PushReceiver(EngineThread):
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
             if kind == "register":
-                request_id, tid, peer, block_ids, skip = arg
+                request_id, tid, peer, block_ids, skip, server_key = arg
+                link = self._link(peer, server_key)
+                if link is None:
+                    with self._lock:
+                        w = self.state.by_tid.get(tid)
+                        if w is not None:
+                            self.state.send_failed(tid, "P is known by another key")
+                    self.stats.inc("peers_untrusted")
+                    logger.error("request %s not registered: P at %s is known by another key", request_id, peer)
+                    continue
                 reg = M.Register(
                     transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
                     skip_blocks=skip, post_by_s=self.cfg.max_wait_s,
                 )
                 self._regs[tid] = reg
-                link = self._link(peer)
                 link.queued.append(reg)
                 self._flush(link)
+            elif kind == "reconnect":
+                for link in self._links.values():
+                    link.sock.disconnect(f"tcp://{link.addr}")
+                    link.sock.connect(f"tcp://{link.addr}")
             elif kind == "connect":
-                self._flush(self._link(arg))
+                link = self._link(*arg)
+                if link is not None:
+                    self._flush(link)
 
     def _flush(self, link: _PeerLink) -> None:
         """Send what waits for ``link``: a Hello first, registrations once welcomed."""

@@ -24,6 +24,7 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
+from kvpath.connector.control_auth import CurveServer
 from kvpath.connector.control_channel import ControlChannel
 from kvpath.connector.engine_thread import EngineThread
 from kvpath.connector.lane_setup import LaneSetup, Peer
@@ -71,6 +72,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self.instance = uuid.uuid4().hex[:12]  # D tells a restarted P by a new value
         self._next_heartbeat = 0.0
         self._asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
+        self._curve: CurveServer | None = None  # the control channel's CURVE context (keys given)
+        self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 
     def start(self) -> "PushSender":
         configure_ucx(self.cfg)
@@ -86,6 +89,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
 
     def close(self) -> None:
         super().close()
+        if self._curve is not None:  # after the router socket is closed (ctx.term waits for it)
+            self._curve.close()
         if self.notifier is not None:
             self.notifier.close()
 

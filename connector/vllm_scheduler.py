@@ -32,6 +32,7 @@ class RecvReq:
     peer: str
     block_ids: list[int]
     skip_blocks: int
+    peer_key: str | None = None
 
 
 @dataclass
@@ -51,11 +52,23 @@ class KVPathMetadata(KVConnectorMetadata):
     aborted: list[str] = field(default_factory=list)  # P transfer ids
 
 
+def _public_key(cfg: KVPathConfig) -> str | None:
+    if not cfg.control_key:
+        return None
+    import zmq.auth  # here, not at import: the plugin hook imports this package without ZMQ
+
+    public, _ = zmq.auth.load_certificate(cfg.control_key)
+    return public.decode()
+
+
 class KVPathScheduler:
     def __init__(self, vllm_config: "VllmConfig", cfg: KVPathConfig, engine_id: str):
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
+        ktc = vllm_config.kv_transfer_config
+        self.role = ktc.kv_role if ktc is not None else "kv_both"
+        self.public_key = _public_key(cfg)  # P's answer names it: D's server key for us
         self._meta = KVPathMetadata()
         self._p_pending: set[str] = set()  # P requests whose blocks the writer holds
         self._d_waiting: set[str] = set()  # D requests registered, KV not yet arrived
@@ -70,6 +83,12 @@ class KVPathScheduler:
             return 0, False
         if dp is None:
             return 0, False
+        if self.role == "kv_producer":
+            # no receiver here: waiting for a push would hold the request and its blocks
+            logger.error("request %s asks for a remote prefill (do_remote_prefill), but this engine's kv_role is "
+                         "kv_producer: computing its prefill locally", request.request_id)
+            request.kv_transfer_params = None
+            return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -82,7 +101,8 @@ class KVPathScheduler:
         all_ids = blocks.get_block_ids()[0]
         new_ids = blocks.get_unhashed_block_ids()
         skip = len(all_ids) - len(new_ids)  # local prefix hits come first
-        self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip))
+        self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
+                                                dp.peer_key))
         self._d_waiting.add(request.request_id)
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
@@ -106,6 +126,11 @@ class KVPathScheduler:
             return False, None
         if pp is None:
             return False, None
+        if self.role == "kv_consumer":
+            # no writer here: holding the blocks for a push would leak them
+            why = "do_remote_decode sent to an engine whose kv_role is kv_consumer: no KV is pushed"
+            logger.error("request %s: %s", rid, why)
+            return False, {"error": why, "kv_role": self.role}
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:
             self._meta.aborted.append(pp.transfer_id)
@@ -118,6 +143,7 @@ class KVPathScheduler:
             "kvpath": {
                 "transfer_id": pp.transfer_id,
                 "peer": self.cfg.side_channel_addr(0),
+                **({"peer_key": self.public_key} if self.public_key else {}),
                 "engine_id": self.engine_id,
                 "lane": pp.lane,
                 "num_blocks": len(block_ids),

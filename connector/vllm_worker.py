@@ -59,7 +59,8 @@ class KVPathWorker:
             for r in meta.registrations:
                 host, _, port = r.peer.rpartition(":")
                 # TP rank r of D talks to TP rank r of P (equal TP sizes).
-                self.receiver.register(r.request_id, r.transfer_id, f"{host}:{int(port) + self.rank}", r.block_ids, r.skip_blocks)
+                self.receiver.register(r.request_id, r.transfer_id, f"{host}:{int(port) + self.rank}", r.block_ids,
+                                       r.skip_blocks, peer_key=r.peer_key)
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
         if self.sender is not None:

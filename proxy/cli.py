@@ -134,8 +134,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8900)
-    r.add_argument("--admin-token", help="POST /v1/lanes then needs 'Authorization: Bearer TOKEN' "
-                                         "(/v1/reserve, /v1/release and reads stay open)")
+    r.add_argument("--admin-token", help="POST /v1/lanes, GET /v1/state and GET /v1/decisions then need "
+                                         "'Authorization: Bearer TOKEN' (/v1/reserve, /v1/release, /health and "
+                                         "/metrics stay open)")
     add_reservation_args(r)
     r.set_defaults(func=cmd_reservation)
 
@@ -148,7 +149,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H]")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
-                                         "--reservation inproc, POST /reservation/v1/lanes then needs it too")
+                                         "--reservation inproc, POST /reservation/v1/lanes and GET /reservation/v1/state and "
+                                         "/v1/decisions then need it too")
     p.add_argument("--first-byte-timeout-s", type=float, default=300.0,
                    help="a leg with no first byte by then (a non-streamed answer: no answer) ends the request with 504")
     p.add_argument("--upstream-timeout-s", type=float, dest="first_byte_timeout_s", action=DeprecatedAlias,

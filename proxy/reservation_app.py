@@ -167,13 +167,16 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
             raise HTTPException(422, str(e)) from None
         return _json(wire.LanesAnswer(True, len(body.lanes)))
 
+    # The reads name P/D agents and live transfer ids: behind the token when there is one.
     @app.get(wire.STATE_PATH)
-    async def state() -> dict:
+    async def state(request: Request) -> dict:
+        check_admin(request)
         return svc.state()
 
     @app.get(wire.DECISIONS_PATH)
-    async def decisions(since: float = 0.0) -> dict:
+    async def decisions(request: Request, since: float = 0.0) -> dict:
         """The service's last decisions (up to 100,000), those made after ``since`` (unix s)."""
+        check_admin(request)
         return {"decisions": [d for d in svc.decisions if d["at"] > since]}
 
     @app.get(wire.HEALTH_PATH)

@@ -162,9 +162,9 @@ def _cmd_connector_demo(args: argparse.Namespace) -> int:
                     base_port=args.base_port)
 
 
-def add_connector_parsers(sub: argparse._SubParsersAction) -> None:
-    """``kvpath connector demo``: the connector on real vLLM servers, which the testbed starts."""
-    conn = sub.add_parser("connector", help="the KV push connector").add_subparsers(dest="conn_cmd")
+def add_connector_parsers(conn: argparse._SubParsersAction) -> None:
+    """``kvpath connector demo`` (in the connector's command group): the connector on real
+    vLLM servers, which the testbed starts."""
     d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
     d.add_argument("--workdir", default="runs/connector-demo", help="model, logs and trace go here")
     d.add_argument("--requests", type=int, default=8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from pathlib import Path
 
 import httpx
@@ -32,7 +33,10 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
         t = prog.add_task("building the tiny model", total=None)
         model = str(build_tiny_model(wd / "model"))
         prog.update(t, description="starting P (core 0) and D (core 1) vllm servers")
-        common = dict(lanes=lanes, ucx_net_devices="lo")
+        # the control channel's keys, made for this demo (a prefill and a decode pair)
+        keys = wd / "keys"
+        shutil.rmtree(keys, ignore_errors=True)
+        common = dict(lanes=lanes, ucx_net_devices="lo", keys_dir=keys)
         p = VLLMServer(model, base_port, cpu=0, log_path=str(wd / "p.log"),
                        kv_transfer_config=connector_config("kv_producer", base_port + 500, trace_path=str(trace), **common))
         d = VLLMServer(model, base_port + 100, cpu=1, log_path=str(wd / "d.log"),

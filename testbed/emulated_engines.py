@@ -40,6 +40,7 @@ class EmulatedEngines:
 
     def _argv(self, role: str, host: str, proxy_url: str) -> list[str]:
         site, cfg, fabric = self.site, self.site.cfg, self.site.fabric
+        keys = site.control_keys(role)
         return fabric.exec_argv(host, [
             sys.executable, "-m", "kvpath.testbed.emulated_server", "--role", role, "--host", fabric.mgmt_ip(host),
             "--port", str(API_PORT), "--kv-host", fabric.spec.host_ip(host), "--kv-port", str(KV_PORT),
@@ -48,6 +49,8 @@ class EmulatedEngines:
             "--fabric", str(site.spec_file), "--fabric-host", host, "--kernel-oracle", fabric.prefix,
             "--reservation-url", f"{proxy_url}/reservation", "--trace", str(site.transfer_trace(host)),
             "--engine-id", engine_id(role, host), "--reserve-at", cfg.reserve_at,
+            "--control-key", keys["control_key"], "--control-trusted-keys", keys["control_trusted_keys"],
+            "--reservation-token", site.admin_token,
         ])
 
     def start(self, proxy_url: str) -> None:
@@ -67,7 +70,8 @@ class EmulatedEngines:
             r.raise_for_status()
         deadline = time.monotonic() + 120
         while True:
-            known = httpx.get(f"{proxy_url}/reservation/v1/state", timeout=10).json()["lanes_known"]
+            known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=site.admin_headers(),
+                              timeout=10).json()["lanes_known"]
             n = sum(len(ws) for ws in known.values())
             if n >= site.pairs:
                 console.log(f"lanes open and registered for all {site.pairs} P-D pairs")

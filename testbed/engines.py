@@ -58,6 +58,30 @@ class RunSite:
         """The connector's transfer records of the engine on ``host`` (either kind writes them)."""
         return self.out / f"transfers-{host}.jsonl"
 
+    @property
+    def admin_token(self) -> str:
+        """The run's token for the reservation service's lane registration and reads (the
+        proxy mounts it with --admin-token; P connectors send it as reservation_token)."""
+        path = self.out / "keys" / "admin-token"
+        if not path.exists():
+            import secrets
+
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path.write_text(secrets.token_urlsafe(24))
+            path.chmod(0o600)
+        return path.read_text()
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def control_keys(self, role: str) -> dict[str, str]:
+        """The connector's control-channel key knobs for ``role`` ("prefill"/"decode"):
+        a prefill and a decode key pair made for this run (in its folder), each
+        trusting the other."""
+        from kvpath.connector.control_auth import pd_key_knobs
+
+        return pd_key_knobs(self.out / "keys", role)
+
     def engine_log(self, role: str, host: str) -> Path:
         return self.logs / f"{role}-{host}.log"
 

@@ -120,8 +120,11 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
             data.decode_only = engines.decode_only(data.client, workload)
             data.kv_loss = engines.kv_loss()
             if cfg.pushes:
-                data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", timeout=30).json()["decisions"]
-                data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", timeout=30).json()["lanes_known"]
+                hdr = site.admin_headers()
+                data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr,
+                                           timeout=30).json()["decisions"]
+                data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=hdr,
+                                             timeout=30).json()["lanes_known"]
             flows = _minus(spine_flow_bytes(fabric), base_flows)
             data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in flows.items()}
             data.link_bytes = {f"{n}:{i}": b - base_links.get((n, i), 0) for (n, i), b in link_bytes(fabric).items()}
@@ -168,7 +171,7 @@ def proxy_argv(site: RunSite, engines: Engines) -> list[str]:
         argv += ["--mode", "push", "--reservation", "inproc", "--reservation-mode", cfg.mode,
                  "--fabric", str(site.spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                  "--kv-bytes-per-token", str(engines.kv_bytes_per_token()), "--lease-s", "60",
-                 "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric]
+                 "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric, "--admin-token", site.admin_token]
     else:
         argv += ["--mode", "pull"]
     return argv + site.proxy_instance_args()

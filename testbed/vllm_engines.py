@@ -70,11 +70,13 @@ class VllmEngines:
         env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
         if cfg.connector == "kvpath":
             role = "kv_producer" if pl.role == "prefill" else "kv_consumer"
-            kv = connector_config(role, KV_PORT, side_channel_host=pl.fabric_ip, ucx_net_devices="eth0",
+            kv = connector_config(role, KV_PORT, keys_dir=site.out / "keys", side_channel_host=pl.fabric_ip,
+                                  ucx_net_devices="eth0",
                                   fabric_host=pl.host, engine_id=engine_id(pl.role, pl.host),
                                   trace_path=str(site.transfer_trace(pl.host)), lanes=cfg.lanes,
                                   reservation_url=f"{proxy_url}/reservation", fabric_spec=str(site.spec_file),
-                                  kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at)
+                                  kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at,
+                                  reservation_token=site.admin_token)
         elif cfg.connector == "nixl":
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                   "engine_id": engine_id(pl.role, pl.host)}
@@ -110,7 +112,8 @@ class VllmEngines:
                 if i + 1 >= pairs:
                     break
                 continue
-            known = httpx.get(f"{proxy_url}/reservation/v1/state", timeout=10).json()["lanes_known"]
+            known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=self.site.admin_headers(),
+                              timeout=10).json()["lanes_known"]
             if sum(len(ws) for ws in known.values()) >= pairs:
                 break
         console.log(f"warm-up done: connections open for {pairs} P-D pair(s)")

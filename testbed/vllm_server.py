@@ -31,8 +31,15 @@ def vllm_executable() -> str:
     return found
 
 
-def connector_config(role: str, side_channel_port: int, **extra: Any) -> dict[str, Any]:
-    """The --kv-transfer-config for KVPathConnector (role: kv_producer/kv_consumer/kv_both)."""
+def connector_config(role: str, side_channel_port: int, keys_dir: str | Path | None = None,
+                     **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config for KVPathConnector (role: kv_producer/kv_consumer). With
+    ``keys_dir``, the control channel's keys for the role (a prefill and a decode pair,
+    made there on first use); without it, ``extra`` must give keys or plaintext."""
+    if keys_dir is not None:
+        from kvpath.connector.control_auth import pd_key_knobs
+
+        extra = {**pd_key_knobs(keys_dir, role), **extra}
     return {
         "kv_connector": "KVPathConnector",
         "kv_role": role,

@@ -13,6 +13,21 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def cluster_keys(tmp_path_factory) -> dict[str, str]:
+    """The control channel's key knobs for tests that give P and D one config: one key
+    pair that trusts itself (each run makes its own; no test needs plaintext)."""
+    from kvpath.connector.control_auth import shared_keys
+
+    return shared_keys(tmp_path_factory.mktemp("control-keys"))
+
+
+@pytest.fixture(scope="session")
+def keys_dir(tmp_path_factory) -> Path:
+    """A folder for a prefill and a decode key pair (``connector_config(keys_dir=...)``)."""
+    return tmp_path_factory.mktemp("pd-keys")
+
+
 @pytest.fixture
 def ns3_wheel() -> Path:
     """The ns3 wheel's install directory; skips where it is absent (scripts/setup.sh

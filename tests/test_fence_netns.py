@@ -57,9 +57,9 @@ def slow_link():
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
 
 
-def configs(port):
+def configs(port, keys):
     p = KVPathConfig(lanes=1, side_channel_host=P_IP, side_channel_port=port, lease_timeout_s=30.0,
-                     transfer_timeout_s=2.0, ucx_net_devices=VP)
+                     transfer_timeout_s=2.0, ucx_net_devices=VP, **keys)
     # D: liveness 1 s, P must post within 1.5 s
     d = dataclasses.replace(p, ucx_net_devices=VD, registration_timeout_s=1.0, max_wait_s=1.5, fence_grace_s=0.3)
     return p, d
@@ -75,10 +75,10 @@ def check_canary(d, rid):
 
 
 @contextlib.contextmanager
-def prefill_and_decode(port):
+def prefill_and_decode(port, keys):
     """P in this namespace, D behind the shaped link, and a small push first: the
     lane opens and works through the link. Yields (P, D, P's side-channel address)."""
-    p_cfg, d_cfg = configs(port)
+    p_cfg, d_cfg = configs(port, keys)
     addr = p_cfg.side_channel_addr()
     with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
             PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
@@ -88,8 +88,8 @@ def prefill_and_decode(port):
         yield p, d, addr
 
 
-def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
-    with prefill_and_decode(6950) as (p, d, addr):
+def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link, cluster_keys):
+    with prefill_and_decode(6950, cluster_keys) as (p, d, addr):
         t0 = time.monotonic()
         d.call("register", "d1", "slow", addr, BLOCKS, 0)
         p.call("submit", "p1", "slow", BLOCKS)
@@ -105,8 +105,8 @@ def test_a_write_that_outlasts_ds_wait_is_waited_for_not_overwritten(slow_link):
         assert st["pushes_ok"] == 2 and st["pushes_slow"] == 1, st
 
 
-def test_a_prefill_killed_mid_write_frees_ds_blocks_only_after_its_bytes_drained(slow_link):
-    with prefill_and_decode(6960) as (p, d, addr):
+def test_a_prefill_killed_mid_write_frees_ds_blocks_only_after_its_bytes_drained(slow_link, cluster_keys):
+    with prefill_and_decode(6960, cluster_keys) as (p, d, addr):
         d.call("register", "d1", "doomed", addr, BLOCKS, 0)
         p.call("submit", "p1", "doomed", BLOCKS)
         time.sleep(1.0)  # the WRITE is moving; the link's queue holds up to 2 s of it

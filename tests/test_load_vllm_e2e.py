@@ -45,7 +45,8 @@ async def complete(c: httpx.AsyncClient, url: str, prompt: list[int]) -> httpx.R
 def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_or_leaks(tmp_path_factory):
     model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
     logs = tmp_path_factory.mktemp("logs")
-    knobs = dict(lanes=2, ucx_net_devices="lo", registration_timeout_s=LIVENESS_S)
+    knobs = dict(lanes=2, ucx_net_devices="lo", registration_timeout_s=LIVENESS_S,
+                 keys_dir=tmp_path_factory.mktemp("keys"))
     p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs))
     d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"),

@@ -34,9 +34,10 @@ def kvpath_cmd(*args):
 def engines(mode, model, logs):
     if mode == "push":
         res = f"http://127.0.0.1:{RES_PORT}"
-        pk = connector_config("kv_producer", 5910, ucx_net_devices="lo", reservation_url=res, fabric_host="l0h0",
+        pk = connector_config("kv_producer", 5910, keys_dir=logs / "keys", ucx_net_devices="lo",
+                              reservation_url=res, fabric_host="l0h0",
                               trace_path=str(logs / "p_trace.jsonl"))
-        dk = connector_config("kv_consumer", 5920, ucx_net_devices="lo", fabric_host="l1h0")
+        dk = connector_config("kv_consumer", 5920, keys_dir=logs / "keys", ucx_net_devices="lo", fabric_host="l1h0")
         return pk, dk, {}, {}, ",kv_addr=127.0.0.1:5910,fabric_host=l0h0", ",fabric_host=l1h0"
     name = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     # short in-tree timeouts, so a lost push cannot hold a request for minutes

@@ -93,18 +93,22 @@ def guarded():
         yield c
 
 
-def test_with_a_token_lane_registration_needs_it_and_the_rest_stays_open(guarded):
+def test_with_a_token_lane_registration_and_the_reads_need_it_and_reservations_stay_open(guarded):
     assert guarded.post("/v1/lanes", json=LANES_BODY).status_code == 401
     r = guarded.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}x"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert guarded.post("/v1/lanes", json={"src_host": "l0h0"}).status_code == 401  # before looking at the body
-    assert guarded.get("/v1/state").json()["lanes_known"] == {}
-    assert guarded.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    # the reads name agents and live transfer ids
+    assert guarded.get("/v1/state").status_code == 401 and guarded.get("/v1/decisions").status_code == 401
+    assert guarded.get("/v1/state", headers=auth).json()["lanes_known"] == {}
+    assert guarded.post("/v1/lanes", json=LANES_BODY, headers=auth).status_code == 200
     # the proxy and P connectors reserve and release per request, without the token
     r = guarded.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5})
     assert r.status_code == 200 and r.json()["lane"] is not None
     assert guarded.post("/v1/release", json={"lease_id": r.json()["lease_id"]}).json()["released"] is True
-    assert guarded.get("/v1/state").status_code == 200 and guarded.get("/health").status_code == 200
+    assert guarded.get("/v1/decisions", headers=auth).json()["decisions"][0]["transfer_id"] is not None
+    assert guarded.get("/health").status_code == 200
     assert guarded.get("/metrics").status_code == 200
 
 

@@ -27,7 +27,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0)
+    common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0,
+                  keys_dir=tmp_path_factory.mktemp("keys"))
     p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, trace_path=str(logs / "p_trace.jsonl"), **common))
     d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"),
@@ -178,6 +179,28 @@ def test_a_reused_transfer_id_ends_the_second_legs_fast_and_frees_every_block(se
     assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0  # the second P leg's too
 
 
+def test_a_flag_that_does_not_fit_the_engines_role_is_refused_at_once_and_holds_no_block(servers):
+    p, d, _ = servers
+    prompt = make_prompts(1, seed=41)[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t0 = time.monotonic()
+    # a P leg sent to D (a kv_consumer: no writer there to push or to free the blocks)
+    r = httpx.post(f"{d.url}/v1/completions", timeout=30, json={
+        **body, "kv_transfer_params": {"do_remote_decode": True, "kvpath": {"transfer_id": "wrong-role-p"}}})
+    assert r.status_code == 200, r.text[:300]
+    kv = r.json().get("kv_transfer_params") or {}
+    assert "kv_consumer" in kv.get("error", "") and kv.get("kv_role") == "kv_consumer", kv
+    # a D leg sent to P (a kv_producer: no receiver there), naming a peer nobody serves
+    r = httpx.post(f"{p.url}/v1/completions", timeout=30, json={
+        **body, "max_tokens": 4,
+        "kv_transfer_params": {"do_remote_prefill": True, "kvpath": {"transfer_id": "wrong-role-d",
+                                                                      "peer": "127.0.0.1:1"}}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == asyncio.run(_direct(p.url, prompt, 4))
+    assert time.monotonic() - t0 < 20, "a wrong-role request must not wait for a push"
+    assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
+    assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
+
+
 def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_serving(servers):
     p, d, logs = servers
     prompts = make_prompts(6, seed=3)
@@ -209,7 +232,7 @@ def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_servin
 def test_unknown_knob_fails_at_startup_naming_it(model, tmp_path):
     log = tmp_path / "bad.log"
     s = VLLMServer(model, 8330, cpu=0, log_path=str(log),
-                   kv_transfer_config=connector_config("kv_producer", 5830, lanez=2)).start()
+                   kv_transfer_config=connector_config("kv_producer", 5830, keys_dir=tmp_path / "keys", lanez=2)).start()
     try:
         s.proc.wait(timeout=240)
     except subprocess.TimeoutExpired:

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.e2e
 def test_missing_push_is_recomputed_on_d(tmp_path_factory):
     model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
     logs = tmp_path_factory.mktemp("logs")
-    ktc = connector_config("kv_consumer", 5840, ucx_net_devices="lo", registration_timeout_s=2.0)
+    ktc = connector_config("kv_consumer", 5840, keys_dir=logs / "keys", ucx_net_devices="lo",
+                           registration_timeout_s=2.0)
     ktc["kv_load_failure_policy"] = "recompute"
     d = VLLMServer(model, 8340, cpu=1, log_path=str(logs / "d.log"), kv_transfer_config=ktc).start()
     try:

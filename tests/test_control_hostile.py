@@ -1,0 +1,227 @@
+"""A hostile peer on the control channel: a script that speaks the protocol as an attacker
+would, against a real P writer (this process) and a real D receiver (a child process),
+both with CURVE keys made for the test. Nothing here may cost a block or move a byte."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+import pytest
+import zmq
+import zmq.auth
+
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.control_auth import make_keys, make_trust_dir, routing_id
+from kvpath.connector.layout import layout_from_buffers
+from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+from kvpath.connector.sender import PushSender
+
+SPEC = BufferSpec(regions=2, num_blocks=32, block_len=1024, block_size=16)
+_port = [6700]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """P's and D's pairs, each trusting the other; plus Mallory, who is trusted by P
+    (another tenant's D) and Eve, whom nobody trusts."""
+    d = tmp_path_factory.mktemp("hostile-keys")
+    p_pub, p_sec = make_keys(d, "prefill")
+    d_pub, d_sec = make_keys(d, "decode")
+    m_pub, m_sec = make_keys(d, "mallory")
+    e_pub, e_sec = make_keys(d, "eve")
+    return {
+        "p": {"control_key": str(p_sec), "control_trusted_keys": str(make_trust_dir(d / "p-trusts", [d_pub, m_pub]))},
+        "d": {"control_key": str(d_sec), "control_trusted_keys": str(make_trust_dir(d / "d-trusts", [p_pub]))},
+        "mallory": zmq.auth.load_certificate(str(m_sec)),
+        "eve": zmq.auth.load_certificate(str(e_sec)),
+        "p_pub": zmq.auth.load_certificate(str(p_pub))[0],
+    }
+
+
+def cfgs(keys, **kw):
+    _port[0] += 2
+    base = dict(side_channel_port=_port[0], ucx_net_devices="lo", lease_timeout_s=5.0, registration_timeout_s=2.0,
+                max_wait_s=4.0, fence_grace_s=0.2)
+    base.update(kw)
+    return KVPathConfig(**base, **keys["p"]), KVPathConfig(**base, **keys["d"])
+
+
+def start_p(c: KVPathConfig):
+    bufs = make_buffers(SPEC, "random", seed=3)
+    spans = [(b.ctypes.data, b.nbytes) for b in bufs]
+    return PushSender(c, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans).start(), bufs
+
+
+def client(ctx, address, pair=None, server_key=None, ident=None):
+    """A DEALER as an attacker makes it: any key pair, any server key, any routing id."""
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    if pair is not None:
+        s.curve_publickey, s.curve_secretkey = pair
+        s.curve_serverkey = server_key
+    if ident is not None:
+        s.routing_id = ident
+    s.connect(f"tcp://{address}")
+    return s
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_untrusted_and_plaintext_peers_get_nothing_and_are_counted(keys):
+    pc, _ = cfgs(keys, lanes=1)
+    p, _ = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        eve = client(ctx, p.address, keys["eve"], keys["p_pub"], routing_id(keys["eve"][0], "eve"))
+        plain = client(ctx, p.address)
+        for s in (eve, plain):
+            s.send(M.encode(M.Cancel("anything")))
+            s.send(b"\x00garbage")
+        assert wait_for(lambda: p.stats.snapshot()["peers_refused"] >= 1)
+        time.sleep(0.5)
+        st = p.stats.snapshot()
+        # nothing they sent reached the protocol: not even as malformed
+        assert st["messages_malformed"] == 0 and st["handshakes"] == 0 and st["registrations"] == 0
+        assert eve.poll(200) == 0 and plain.poll(200) == 0  # and no answer came back
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
+def test_malformed_oversized_and_unbound_messages_are_dropped_and_counted(keys):
+    pc, _ = cfgs(keys, lanes=1, control_max_message_bytes=64 << 10)
+    p, _ = start_p(pc)
+    ctx = zmq.Context()
+    mallory_id = routing_id(keys["mallory"][0], "mallory-agent")
+    try:
+        m = client(ctx, p.address, keys["mallory"], keys["p_pub"], mallory_id)
+        m.send(b"\x00garbage")
+        m.send_multipart([b"a", b"b"])
+        assert wait_for(lambda: p.stats.snapshot()["messages_malformed"] == 2)
+        # a Register naming another D's agent, over Mallory's own connection
+        m.send(M.encode(M.Register("t1", "r1", "victim-agent", [1, 2])))
+        # a routing id made for another key (the victim's digest) with Mallory's key
+        forged = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(b"V" * 40, "victim-agent"))
+        forged.send(M.encode(M.Register("t2", "r2", "victim-agent", [1, 2])))
+        assert wait_for(lambda: p.stats.snapshot()["messages_unbound"] == 2)
+        # too big: libzmq drops it (and Mallory's connection); P goes on serving
+        big = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], "big"))
+        big.send(M.encode(M.Register("t3", "r3", "big", list(range(100000, 130000)))))
+        time.sleep(0.5)
+        st = p.stats.snapshot()
+        assert st["registrations"] == 0 and st["pushes_ok"] == 0 and st["messages_malformed"] == 2
+        m.send(b"\x00again")  # Mallory's own connection still works: P is alive
+        assert wait_for(lambda: p.stats.snapshot()["messages_malformed"] == 3)
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
+def test_p_never_writes_for_a_registration_or_cancel_that_is_not_its_senders(keys):
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=4.0, max_wait_s=8.0)
+    p, bufs = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        with PeerProcess(dc, SPEC) as d:
+            d.call("register", "warm", "warm", p.address, [0], 0)  # D's handshake: its agent is known to P
+            p.submit_finished("pw", "warm", [1])
+            assert d.call("wait", ["warm"], 10)[1] == ["warm"]
+            _, _, victim_agent, _ = d.call("info")
+            assert victim_agent in p.lanes()  # P knows the victim's agent (it has lanes to it)
+            d.call("register", "d1", "t-victim", p.address, [5], 0)
+            assert wait_for(lambda: p.state.registered_by("t-victim") is not None)
+            m = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], victim_agent))
+            # Mallory names the victim's agent (to make P write into its blocks 6..9) and
+            # cancels the victim's transfer: both are dropped, the victim's push goes on
+            m.send(M.encode(M.Register("t-mallory", "rm", victim_agent, [6, 7, 8, 9])))
+            m.send(M.encode(M.Cancel("t-victim")))
+            assert wait_for(lambda: p.stats.snapshot()["messages_unbound"] == 2)
+            p.submit_finished("p1", "t-victim", [11])
+            p.submit_finished("p2", "t-mallory", [12])
+            _, done, failed = d.call("wait", ["d1"], 10)
+            assert done == ["d1"] and not failed
+            assert d.call("read", [5])[1] == [b.reshape(SPEC.num_blocks, SPEC.block_len)[[11]].tobytes() for b in bufs]
+            assert d.call("read", [6, 7, 8, 9])[1] == [bytes(4 * SPEC.block_len)] * SPEC.regions  # untouched
+            st = p.stats.snapshot()
+            assert st["pushes_ok"] == 2 and st["messages_unbound"] == 2  # warm-up and the victim's, nothing else
+            got: set[str] = set()
+            assert wait_for(lambda: got.update(p.take_finished()) or {"p1", "p2"} <= got, 10)  # no block kept
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
+def test_d_sends_its_metadata_only_to_a_trusted_p_whatever_a_request_names(keys):
+    _, dc = cfgs(keys, lanes=1)
+    ctx = zmq.Context()
+    # a listener at the address a hostile request names: plaintext, then with Eve's key
+    listeners = []
+    for pair in (None, keys["eve"]):
+        s = ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        if pair is not None:
+            s.curve_publickey, s.curve_secretkey = pair
+            s.curve_server = True
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        listeners.append((s, f"127.0.0.1:{port}"))
+    try:
+        with PeerProcess(dc, SPEC) as d:
+            for i, (_, addr) in enumerate(listeners):
+                d.call("register", f"d{i}", f"t{i}", addr, [i + 1], 0)
+            # naming Eve's key in the request cannot make D trust it
+            d.call("register", "d9", "t9", listeners[1][1], [9], 0, keys["eve"][0].decode())
+            _, done, failed = d.call("wait", ["d9"], 2)
+            assert done == ["d9"] and failed == ["d9"]  # refused at once
+            for s, _ in listeners:
+                assert s.poll(3000) == 0, "a listener D does not trust received a message"
+            _, done, failed = d.call("wait", ["d0", "d1"], 15)  # given up on: blocks back, request failed
+            assert sorted(done) == ["d0", "d1"] and sorted(failed) == ["d0", "d1"]
+            st = d.call("stats")[1]
+            assert st["peers_untrusted"] == 1
+    finally:
+        ctx.destroy(0)
+
+
+def test_a_cancel_is_answered_with_p_instance_and_what_p_recorded(keys):
+    pc, _ = cfgs(keys, lanes=1)
+    p, _ = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        m = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], "m"))
+        m.send(M.encode(M.Cancel(f"never-seen-{uuid.uuid4().hex}")))
+        assert m.poll(5000)
+        ack = msgspec.msgpack.decode(m.recv(), type=M.Ack)
+        assert ack.status == "cancelled" and not ack.posted and ack.instance == p.instance
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
+def test_registrations_held_across_a_broken_control_connection_complete(keys):
+    # D's liveness clock is 1 s; P's prefill comes 4 s after the break. P's heartbeats must
+    # reach D over the new connection (its routing id is D's own, not the connection's).
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=1.0, max_wait_s=20.0)
+    p, bufs = start_p(pc)
+    try:
+        with PeerProcess(dc, SPEC) as d:
+            d.call("register", "d1", "held", p.address, [3], 0)
+            assert wait_for(lambda: p.state.registered_by("held") is not None)
+            d.call("reconnect")
+            time.sleep(4.0)
+            p.submit_finished("p1", "held", [4])
+            _, done, failed = d.call("wait", ["d1"], 10)
+            assert done == ["d1"] and not failed, "the held registration failed across the reconnect"
+            assert d.call("read", [3])[1] == [b.reshape(SPEC.num_blocks, SPEC.block_len)[[4]].tobytes() for b in bufs]
+            assert d.call("stats")[1]["recv_timeout"] == 0
+    finally:
+        p.close()

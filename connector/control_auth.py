@@ -27,6 +27,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvpath.connector.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # The largest control message either side accepts (libzmq drops the connection of a
@@ -34,12 +36,15 @@ logger = logging.getLogger(__name__)
 # Register one int per block: 4 MiB holds ~500k block ids.
 MAX_MESSAGE_BYTES = 4 << 20
 _DIGEST_BYTES = 16
+_NONCE_BYTES = 8
 _ROUTING_MARK = b"k"  # a routing id must not start with a zero byte (libzmq's own ids do)
+_HEAD = 1 + _DIGEST_BYTES + _NONCE_BYTES
+# ZMTP heartbeats: a half-open control connection (a peer gone without FIN) is dropped in
+# seconds, so a D that reconnects with its routing id is not refused for long.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+HANDSHAKE_IVL_MS = 5000  # an unauthenticated connection holds a descriptor this long at most
 _ZAP_DOMAIN = "kvpath"
-
-
-class KeyError_(ValueError):
-    """A key file or directory that cannot be used; the message names the knob."""
 
 
 @dataclass(frozen=True)
@@ -55,18 +60,18 @@ class ControlKeys:
         try:
             public, secret = zmq.auth.load_certificate(secret_path)
         except (OSError, ValueError) as e:
-            raise KeyError_(f"kv_connector_extra_config.control_key: cannot read {secret_path!r}: {e}") from None
+            raise ConfigError(f"kv_connector_extra_config.control_key: cannot read {secret_path!r}: {e}") from None
         if not secret:
-            raise KeyError_(f"kv_connector_extra_config.control_key: {secret_path!r} holds no secret key "
+            raise ConfigError(f"kv_connector_extra_config.control_key: {secret_path!r} holds no secret key "
                             "(give the NAME.key_secret file)")
         if not os.path.isdir(trusted_dir):
-            raise KeyError_(f"kv_connector_extra_config.control_trusted_keys: {trusted_dir!r} is not a directory")
+            raise ConfigError(f"kv_connector_extra_config.control_trusted_keys: {trusted_dir!r} is not a directory")
         try:
             trusted = frozenset(zmq.auth.load_certificates(trusted_dir))
         except (OSError, ValueError) as e:
-            raise KeyError_(f"kv_connector_extra_config.control_trusted_keys: {trusted_dir!r}: {e}") from None
+            raise ConfigError(f"kv_connector_extra_config.control_trusted_keys: {trusted_dir!r}: {e}") from None
         if not trusted:
-            raise KeyError_(f"kv_connector_extra_config.control_trusted_keys: no *.key file in {trusted_dir!r}")
+            raise ConfigError(f"kv_connector_extra_config.control_trusted_keys: no *.key file in {trusted_dir!r}")
         return cls(public, secret, trusted)
 
 
@@ -75,10 +80,12 @@ def key_digest(public_z85: bytes) -> bytes:
 
 
 def routing_id(public_z85: bytes | None, agent_name: str) -> bytes:
-    """D's routing id on the control channel: fixed for the process (a reconnect keeps
-    it, so P's replies reach D after a broken connection), bound to D's key."""
+    """D's routing id on the control channel: fixed for the socket (a reconnect keeps it,
+    so P's replies reach D after a broken connection), bound to D's key, and with a
+    random part that other peers cannot guess (it travels inside the CURVE handshake), so
+    no other connection can claim it."""
     head = _ROUTING_MARK + (key_digest(public_z85) if public_z85 else b"\0" * _DIGEST_BYTES)
-    return (head + agent_name.encode())[:255]
+    return (head + os.urandom(_NONCE_BYTES) + agent_name.encode())[:255]
 
 
 def routing_id_matches(ident: bytes, user_key: bytes | None) -> bool:
@@ -93,7 +100,7 @@ def routing_id_matches(ident: bytes, user_key: bytes | None) -> bool:
 def names_agent(ident: bytes, agent_name: str) -> bool:
     """Is ``ident`` the routing id of ``agent_name`` (a message about an agent must come
     from that agent's own connection)?"""
-    return ident[1 + _DIGEST_BYTES :] == agent_name.encode()[: 255 - 1 - _DIGEST_BYTES]
+    return ident[_HEAD:] == agent_name.encode()[: 255 - _HEAD]
 
 
 def make_keys(directory: str | Path, name: str) -> tuple[Path, Path]:
@@ -156,16 +163,20 @@ def shared_keys(directory: str | Path) -> dict[str, str]:
 
 
 class _TrustedKeys:
-    """ZAP credentials callback over a fixed key set."""
+    """ZAP credentials callback over a fixed key set (runs on the authenticator's thread)."""
 
     def __init__(self, trusted: frozenset[bytes], on_denied: Any = None):
         self.trusted = trusted
         self.on_denied = on_denied
+        self.denied = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         ok = key in self.trusted
         if not ok:
-            logger.warning("control channel: refused a peer with an untrusted key %s", key.decode(errors="replace"))
+            self.denied += 1
+            if self.denied <= 10 or self.denied % 1000 == 0:  # a refused peer must not flood the log
+                logger.warning("control channel: refused a peer with an untrusted key %s (%d refused so far)",
+                               key.decode(errors="replace"), self.denied)
             if self.on_denied is not None:
                 self.on_denied()
         return ok
@@ -177,9 +188,13 @@ class CurveServer:
     def __init__(self, keys: ControlKeys, on_denied: Any = None):
         self.keys = keys
         self.ctx = zmq.Context()
-        self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
-        self.auth.start()
-        self.auth.configure_curve_callback(_ZAP_DOMAIN, _TrustedKeys(keys.trusted, on_denied))
+        try:
+            self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
+            self.auth.start()
+            self.auth.configure_curve_callback(_ZAP_DOMAIN, _TrustedKeys(keys.trusted, on_denied))
+        except Exception:
+            self.ctx.destroy(0)
+            raise
 
     def socket(self, kind: int) -> zmq.Socket:
         s = self.ctx.socket(kind)
@@ -187,23 +202,29 @@ class CurveServer:
         s.curve_publickey = self.keys.public
         s.curve_server = True
         s.zap_domain = _ZAP_DOMAIN.encode()
+        s.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse, never accept all
         return s
 
     def close(self) -> None:
         try:
             self.auth.stop()
         finally:
-            self.ctx.term()
+            self.ctx.destroy(0)  # closes any socket still open: shutdown never waits on a peer
 
 
 def secure_client(sock: zmq.Socket, keys: ControlKeys, server_key: bytes) -> None:
     """D's side: talk to a P whose public key is ``server_key`` (one of ``keys.trusted``)."""
     if server_key not in keys.trusted:
-        raise KeyError_("P's key is not in control_trusted_keys")
+        raise ConfigError("P's key is not in control_trusted_keys")
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_key
 
 
-def limit_messages(sock: zmq.Socket, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+def harden(sock: zmq.Socket, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """Limits every control socket gets: the largest frame (libzmq closes the connection
+    of a peer that sends more), heartbeats and a handshake deadline."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)

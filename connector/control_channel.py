@@ -15,13 +15,15 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
-from kvpath.connector.control_auth import ControlKeys, CurveServer, limit_messages, names_agent, routing_id_matches
+from kvpath.connector.control_auth import ControlKeys, CurveServer, harden, names_agent, routing_id_matches
 from kvpath.trace import TransferRecord
 
 if TYPE_CHECKING:
     from kvpath.connector.sender import PushSender
 
 logger = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_STEP = 256
 
 
 class ControlChannel:
@@ -38,10 +40,10 @@ class ControlChannel:
         else:  # control_plaintext, loopback only (validated)
             self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        # D keeps its routing id across a reconnect: the new connection takes it over, so
-        # P's answers to registrations held across the break still reach D.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        limit_messages(self._router, self.cfg.control_max_message_bytes)
+        # D keeps its routing id across a reconnect, so P's answers to registrations held
+        # across the break still reach D. No ROUTER_HANDOVER: a second connection can
+        # never take a live one's id (heartbeats drop a half-open one within seconds).
+        harden(self._router, self.cfg.control_max_message_bytes)
         self._sockets.append(self._router)
         try:
             self._router.bind(f"tcp://{self.address}")
@@ -51,7 +53,8 @@ class ControlChannel:
             ) from e
 
     def _drain_router(self: "PushSender") -> None:
-        while True:
+        # at most this many per step: a flood must not starve pushes, heartbeats and acks
+        for _ in range(MAX_MESSAGES_PER_STEP):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -131,6 +134,9 @@ class ControlChannel:
         status, fp, _ = self.state.cancel(tid)
         if status == "in_flight":
             return  # D hears the completion notification or a failure
+        if status == "unregistered":  # this sender has nothing to cancel: nothing is touched
+            self._ack(ident, tid, "cancelled", "not registered", False)
+            return
         if fp is not None:
             self._release(fp)
             self.stats.inc("pushes_cancelled")

@@ -119,7 +119,17 @@ class LaneSet:
         exists now and its 5-tuple is known before the first real push is routed."""
         agent, h = self.agents[a], self.hello
         before = self.entropy.snapshot()
-        agent.add_remote_agent(h.agent_metadata)
+        name = agent.add_remote_agent(h.agent_metadata)
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        if name != h.agent_name:
+            # the metadata names another agent than the Hello: WRITEs addressed to
+            # h.agent_name would go to whatever agent NIXL knows by that name
+            try:
+                agent.remove_remote_agent(name)
+            except Exception:
+                logger.debug("removing remote agent %s failed", name, exc_info=True)
+            raise RuntimeError(f"the Hello's NIXL metadata names agent {name!r}, not {h.agent_name!r}")
         if h.probe_addr and h.probe_len:
             n = min(8, h.probe_len)
             loc = agent.get_xfer_descs(np.array([[self.probe_addr, n, 0]], dtype=np.uint64), "DRAM")

@@ -64,6 +64,7 @@ class WriterState:
         # after the end is answered with this, never with "cancelled, not posted".
         self._done: OrderedDict[str, tuple[str, bool]] = OrderedDict()
         self._remember = remember
+        self.forgotten = 0  # records dropped to stay bounded
 
     # -- inputs -----------------------------------------------------------
     def add_registration(self, reg: Register, reply_to: bytes, post_by: float) -> tuple[str, Match | None]:
@@ -114,9 +115,15 @@ class WriterState:
             return "in_flight", None, None
         if transfer_id in self._done:
             return "done", None, None
+        if transfer_id in self.prefills and transfer_id not in self.registrations:
+            # nobody registered it (a Cancel's sender is bound to its own registrations):
+            # the prefill keeps waiting for its registration or its lease
+            return "unregistered", None, None
         pr = self.registrations.pop(transfer_id, None)
         fp = self.prefills.pop(transfer_id, None)
-        self._finish(transfer_id, "cancelled", posted=False)
+        # Unseen here. If records were ever forgotten (bounded memory), it may be one that
+        # ended with a posted WRITE: say "posted", so D keeps its fence (grace) for it.
+        self._finish(transfer_id, "cancelled", posted=pr is None and fp is None and self.forgotten > 0)
         return "cancelled", fp, pr
 
     def abort_prefill(self, transfer_id: str) -> PendingRegistration | None:
@@ -184,5 +191,6 @@ class WriterState:
         self._done.move_to_end(tid)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)
+            self.forgotten += 1
         if len(self.aborted) > self._remember:
             self.aborted.clear()

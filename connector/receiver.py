@@ -21,7 +21,7 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
-from kvpath.connector.control_auth import ControlKeys, limit_messages, routing_id, secure_client
+from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
 from kvpath.connector.engine_thread import EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
@@ -167,11 +167,15 @@ class PushReceiver(EngineThread):
         """The control connection to ``peer``; None when it is known by another key."""
         link = self._links.get(peer)
         if link is not None and link.server_key != server_key:
-            return None
+            if link.instance:  # that key answered: P at this address holds it
+                return None
+            # never welcomed: the other key may be the wrong one; the newest request decides
+            self._drop_link(link, "P's key changed before its handshake completed")
+            link = None
         if link is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            limit_messages(s, self.cfg.control_max_message_bytes)
+            harden(s, self.cfg.control_max_message_bytes)
             # fixed for the process and bound to our key: after a broken connection P's
             # answers still reach us (P's ROUTER hands the id over to the new connection)
             s.routing_id = routing_id(self._keys.public if self._keys else None, self.agent.name)
@@ -182,6 +186,16 @@ class PushReceiver(EngineThread):
             self._sockets.append(s)
             self._poller.register(s, zmq.POLLIN)
         return link
+
+    def _drop_link(self, link: _PeerLink, why: str) -> None:
+        for reg in link.queued:
+            with self._lock:
+                self.state.send_failed(reg.transfer_id, why)
+        link.queued.clear()
+        self._poller.unregister(link.sock)
+        self._sockets.remove(link.sock)
+        link.sock.close(0)
+        del self._links[link.addr]
 
     def _run(self) -> None:
         self._poller = zmq.Poller()

@@ -225,3 +225,51 @@ def test_registrations_held_across_a_broken_control_connection_complete(keys):
             assert d.call("stats")[1]["recv_timeout"] == 0
     finally:
         p.close()
+
+
+def test_a_hello_whose_nixl_metadata_names_another_agent_is_refused(keys):
+    from kvpath.connector.nixl_io import make_agent, register as nixl_register
+
+    pc, _ = cfgs(keys, lanes=1)
+    p, bufs = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        # Mallory's metadata is that of an agent named like a victim; her Hello claims her own name
+        decoy_bufs = make_buffers(SPEC)
+        spans = [(b.ctypes.data, b.nbytes) for b in decoy_bufs]
+        decoy = make_agent(f"victim-{uuid.uuid4().hex[:6]}")
+        nixl_register(decoy, spans, "DRAM")
+        hello = M.Hello(engine_id="m", agent_name="mallory-agent", agent_metadata=decoy.get_agent_metadata(),
+                        layout=layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), compat=p.compat,
+                        instance="m1", heartbeat_s=1.0)
+        m = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], "mallory-agent"))
+        m.send(M.encode(hello))
+        assert m.poll(10000)
+        w = msgspec.msgpack.decode(m.recv(), type=M.Welcome)
+        assert not w.ok and "names agent" in w.detail, w
+        assert "mallory-agent" not in p.lanes()
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
+def test_a_second_connection_cannot_take_a_live_ds_routing_id(keys):
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
+    p, bufs = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        with PeerProcess(dc, SPEC) as d:
+            d.call("register", "d1", "t1", p.address, [2], 0)
+            assert wait_for(lambda: p.state.registered_by("t1") is not None)
+            victim_id = p.state.registered_by("t1")
+            # Mallory somehow knows the victim's routing id (she cannot: it has a random
+            # part) and connects with it: P keeps routing to the live connection
+            m = client(ctx, p.address, keys["mallory"], keys["p_pub"], victim_id)
+            time.sleep(3.0)  # P heartbeats the held registration meanwhile (every 0.5 s)
+            p.submit_finished("p1", "t1", [5])
+            _, done, failed = d.call("wait", ["d1"], 10)
+            assert done == ["d1"] and not failed
+            assert m.poll(500) == 0, "P's answers to the victim reached another connection"
+    finally:
+        ctx.destroy(0)
+        p.close()

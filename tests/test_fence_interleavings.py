@@ -405,3 +405,14 @@ def test_known_lanes_never_drained_hold_past_the_bound():
         c.t = t
         r.expire(never_drained)
     assert r.take() == (set(), set())  # a live P's lanes: its answer or its death decides
+
+
+def test_a_cancel_cannot_free_a_prefill_nobody_registered_and_forgotten_records_answer_posted():
+    s = WriterState(lease_s=5, remember=2)
+    s.add_prefill(FinishedPrefill("p1", "t1", [1]))
+    assert s.cancel("t1")[0] == "unregistered" and "t1" in s.prefills  # waits for its registration or lease
+    for i in range(3):  # the memory of ended transfers is bounded: one record is forgotten
+        s.cancel(f"x{i}")
+    assert s.forgotten == 1
+    status, fp, pr = s.cancel("never-seen-or-forgotten")
+    assert status == "cancelled" and s.final("never-seen-or-forgotten") == ("cancelled", True)

@@ -75,13 +75,16 @@ def test_lease_expiry_frees_unmatched_prefill_and_post_by_expires_registration()
 def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
     s = WriterState(lease_s=5)
     s.add_prefill(fp("a"))
-    status, freed, _ = s.cancel("a")
-    assert status == "cancelled" and freed.request_id == "p-a"
+    # nobody registered "a": a Cancel (bound to its sender's registrations) leaves it be
+    assert s.cancel("a") == ("unregistered", None, None) and s.holder("a") == "p-a"
+    add_reg(s, "c")
+    status, freed, dropped = s.cancel("c")
+    assert status == "cancelled" and freed is None and dropped.reg.transfer_id == "c"
     add_reg(s, "b")
     s.add_prefill(fp("b"))
     assert s.cancel("b")[0] == "in_flight"
     # the prefill of a cancelled transfer finishing later is dead on arrival
-    assert s.add_prefill(fp("a"))[0] == "dead"
+    assert s.add_prefill(fp("c"))[0] == "dead"
 
 
 def test_aborted_prefill_rejects_registration_in_either_order():

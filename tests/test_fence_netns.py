@@ -75,10 +75,11 @@ def check_canary(d, rid):
 
 
 @contextlib.contextmanager
-def prefill_and_decode(port, keys):
+def prefill_and_decode(port, keys, **d_knobs):
     """P in this namespace, D behind the shaped link, and a small push first: the
     lane opens and works through the link. Yields (P, D, P's side-channel address)."""
     p_cfg, d_cfg = configs(port, keys)
+    d_cfg = dataclasses.replace(d_cfg, **d_knobs)
     addr = p_cfg.side_channel_addr()
     with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p, \
             PeerProcess(d_cfg, SPEC, netns=NS, canary=CANARY) as d:
@@ -119,3 +120,33 @@ def test_a_prefill_killed_mid_write_frees_ds_blocks_only_after_its_bytes_drained
         assert st["fence_drain_releases"] == 1, st
         check_canary(d, "d1")
     assert since_kill < 25, since_kill
+
+
+def test_a_prefill_restarted_on_its_address_mid_write_cannot_shortcut_the_fence(slow_link, cluster_keys):
+    # The new P answers D's Cancel with "cancelled, never posted" for a transfer it never
+    # saw; D must weigh that by P's instance and still wait for the old P's bytes to drain.
+    # D gives up about 4 s after registering (P silent) and re-sends its Cancel for 4 s more:
+    # the new P, up a few seconds after the kill, hears one
+    with prefill_and_decode(6970, cluster_keys, registration_timeout_s=4.0, max_wait_s=6.0) as (p, d, addr):
+        p_cfg, _ = configs(6970, cluster_keys)
+        # 100 kbit/s: the killed P's bytes already queued (TCP small queues let about 256 KB in)
+        # take about 20 s to drain, far longer than the new P takes to start
+        sh("tc", "qdisc", "change", "dev", VP, "root", "tbf", "rate", "100kbit", "burst", "64kb", "latency", "60s")
+        d.call("register", "d1", "doomed", addr, BLOCKS, 0)
+        p.call("submit", "p1", "doomed", BLOCKS)
+        time.sleep(1.0)  # the WRITE is moving
+        p.kill()
+        with PeerProcess(p_cfg, SPEC, role="prefill", max_byte=CANARY) as p2:  # same address, new process
+            _, done, failed = d.call("wait", ["d1"], 90)
+            assert done == ["d1"] and failed == ["d1"], "a dead P's push fails, and the request ends"
+            st = d.call("stats")[1]
+            # the new process's "cancelled, never posted" was heard and ignored; the release
+            # came from the drain of the old process's lanes
+            assert st["acks_ignored"] >= 1 and st["fence_drain_releases"] == 1, st
+            check_canary(d, "d1")
+            sh("tc", "qdisc", "change", "dev", VP, "root", "tbf", "rate", "4mbit", "burst", "64kb", "latency", "2s")
+            # and the restarted P serves D
+            d.call("register", "d2", "after", addr, [44], 0)
+            p2.call("submit", "p2", "after", [45])
+            _, done, failed = d.call("wait", ["d2"], 20)
+            assert done == ["d2"] and not failed

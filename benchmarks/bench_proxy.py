@@ -129,10 +129,10 @@ async def register_lanes(px_url: str, token: str) -> None:
                 raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
 
 
-async def reservation_counts(px_url: str) -> tuple[int, int]:
-    """(reservations decided, fallbacks) so far, from the proxy."""
+async def reservation_counts(px_url: str, token: str) -> tuple[int, int]:
+    """(reservations decided, fallbacks) so far, from the proxy (its reads need the token)."""
     async with aiohttp.ClientSession() as c:
-        async with c.get(px_url + "/reservation" + wire.STATE_PATH) as r:
+        async with c.get(px_url + "/reservation" + wire.STATE_PATH, headers={"Authorization": f"Bearer {token}"}) as r:
             decided = (await r.json())["counters"].get("reservations", 0)
         async with c.get(px_url + "/metrics") as r:
             text = await r.text()
@@ -224,7 +224,7 @@ def main() -> int:
                       f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{p_err}")
         con.print(t)
         if args.reservation == "inproc":
-            decided, fallbacks = uvloop.run(reservation_counts(px_url))
+            decided, fallbacks = uvloop.run(reservation_counts(px_url, token))
             con.print(f"reservations decided in the proxied path: {decided}, fallbacks: {fallbacks}")
         if args.plot:
             plot_ttfb(samples, args.plot, t.title or "")

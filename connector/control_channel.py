@@ -121,6 +121,9 @@ class ControlChannel:
             self.stats.inc("registrations_rejected")
             self._ack(ident, tid, "rejected", "prefill request was aborted")
             return
+        if status == "key_mismatch":
+            self._refuse_key(ident, tid)
+            return
         self._ack(ident, tid, "accepted")
         if m is not None:
             self._start_write(m)
@@ -146,6 +149,13 @@ class ControlChannel:
         # cancelled, and D weighs that answer by our instance.
         final, posted = self.state.final(tid) or ("cancelled", False)
         self._ack(ident, tid, final, "already ended" if status == "done" else "", posted)
+
+    def _refuse_key(self: "PushSender", ident: bytes, tid: str) -> None:
+        """A registration without the transfer's key (someone who learned only its id)."""
+        self.stats.inc("registrations_rejected")
+        self.stats.inc("transfer_key_mismatch")
+        logger.warning("registration of transfer %s refused: it does not carry the transfer's key", tid)
+        self._ack(ident, tid, "rejected", "the registration does not carry the transfer's key")
 
     def _heartbeat(self: "PushSender") -> None:
         """Tell each D that P still holds its registrations (so D's clock measures

@@ -93,6 +93,9 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     skip_blocks: int = 0
     sent_at: float = 0.0  # D's wall clock when sent; P subtracts the message's age
     post_by_s: float = 60.0  # P must not post a WRITE later than this after sent_at
+    # The transfer's secret from D's kv_transfer_params (encrypted by CURVE on the wire):
+    # P pushes only when it equals the one its own request carried.
+    transfer_key: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):

@@ -2,6 +2,9 @@
 
 D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port", "peer_key": K}}
         (``peer_key``, P's CURVE public key, only where D trusts several P keys)
+Both legs may carry ``"transfer_key": K``, a secret the client (the proxy) makes per
+transfer: P then pushes only to a registration that carries the same K, so a peer that
+learns a transfer id cannot receive its KV.
 P leg:  {"do_remote_decode": true,  "kvpath": {"transfer_id": T, "lane": 2, "lease_id": "r7"}}
 The proxy sends both legs at once; a plain client may instead send the P leg
 first and pass P's returned ``kv_transfer_params`` to D unchanged.
@@ -9,6 +12,7 @@ first and pass P's returned ``kv_transfer_params`` to D unchanged.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,6 +28,7 @@ class DecodeParams:
     transfer_id: str
     peer: str
     peer_key: str | None = None  # selects one of D's trusted P keys; can never add one
+    transfer_key: str = ""  # the transfer's secret, sent to P with the registration
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class PrefillParams:
     transfer_id: str
     lane: int | None
     lease_id: str | None = None
+    transfer_key: str = ""  # when set, P pushes only to a registration carrying it
 
 
 def _kvpath(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -59,7 +65,16 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
     key = kp.get("peer_key")
     if key is not None and not (isinstance(key, str) and len(key) == 40 and key.isascii()):
         raise BadTransferParams("kv_transfer_params.kvpath.peer_key must be a 40-character z85 CURVE public key")
-    return DecodeParams(tid, peer, key or None)
+    return DecodeParams(tid, peer, key or None, _transfer_key(kp))
+
+
+def _transfer_key(kp: Mapping[str, Any]) -> str:
+    k = kp.get("transfer_key")
+    if k is None:
+        return ""
+    if not isinstance(k, str) or not 16 <= len(k) <= 128 or not k.isascii() or not k.isprintable():
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_key must be 16-128 printable ASCII characters")
+    return k
 
 
 def _valid_id(tid: object) -> bool:
@@ -89,18 +104,29 @@ def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillP
     lease = kp.get("lease_id")
     if lease is not None and (not isinstance(lease, str) or len(lease) > 64 or not (lease == "" or _valid_id(lease))):
         raise BadTransferParams("kv_transfer_params.kvpath.lease_id must be a string")
-    return PrefillParams(tid, lane, lease)
+    return PrefillParams(tid, lane, lease, _transfer_key(kp))
 
 
-def decode_leg_params(transfer_id: str, peer: str, peer_key: str | None = None) -> dict[str, Any]:
+def new_transfer_key() -> str:
+    """A transfer's secret (both legs carry it)."""
+    return secrets.token_urlsafe(24)
+
+
+def decode_leg_params(transfer_id: str, peer: str, peer_key: str | None = None,
+                      transfer_key: str = "") -> dict[str, Any]:
     kp: dict[str, Any] = {"transfer_id": transfer_id, "peer": peer}
     if peer_key:
         kp["peer_key"] = peer_key
+    if transfer_key:
+        kp["transfer_key"] = transfer_key
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvpath": kp}
 
 
-def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str | None = None) -> dict[str, Any]:
+def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str | None = None,
+                       transfer_key: str = "") -> dict[str, Any]:
     kp: dict[str, Any] = {"transfer_id": transfer_id}
+    if transfer_key:
+        kp["transfer_key"] = transfer_key
     if lane is not None:
         kp["lane"] = lane
     if lease_id:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvpath.connector.params import decode_leg_params, prefill_leg_params
+from kvpath.connector.params import decode_leg_params, new_transfer_key, prefill_leg_params
 
 
 @dataclass
@@ -44,7 +44,8 @@ async def pd_request(
     tid = uuid.uuid4().hex
     body = {"model": model, "prompt": prompt, "temperature": 0}
     t0 = time.perf_counter()
-    p_body = {**body, "max_tokens": 1, "kv_transfer_params": prefill_leg_params(tid, lane)}
+    key = new_transfer_key()  # only a registration carrying it gets this transfer's KV
+    p_body = {**body, "max_tokens": 1, "kv_transfer_params": prefill_leg_params(tid, lane, transfer_key=key)}
     if mode == "sequential":
         rp = await client.post(f"{p_url}/v1/completions", json=p_body)
         p_leg = time.perf_counter() - t0
@@ -53,7 +54,7 @@ async def pd_request(
         d_params = rp.json()["kv_transfer_params"]
         rd = await client.post(f"{d_url}/v1/completions", json={**body, "max_tokens": max_tokens, "kv_transfer_params": d_params})
     elif mode == "concurrent":
-        d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer)}
+        d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer, transfer_key=key)}
         rd, rp = await asyncio.gather(
             client.post(f"{d_url}/v1/completions", json=d_body), client.post(f"{p_url}/v1/completions", json=p_body),
             return_exceptions=True,

@@ -9,6 +9,7 @@ by D's ``post_by`` is expired (D is told no WRITE was posted).
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class FinishedPrefill:
     lane: int | None = None  # lane chosen by the caller (the proxy); None: hash
     lease_id: str | None = None  # the reservation behind that lane, released when the push ends
     lane_asked: bool = False  # reserve_at=push: P has asked the reservation service for its lane
+    transfer_key: str = ""  # when set, only a registration carrying it gets the push
     finished_at: float = field(default_factory=time.time)
     deadline: float = 0.0
 
@@ -50,6 +52,13 @@ class Expired:
     registrations: list[PendingRegistration] = field(default_factory=list)
 
 
+def _keys_fit(fp: FinishedPrefill, reg: Register) -> bool:
+    """No transfer key on P's request: any registration; else exactly that key."""
+    if not fp.transfer_key:
+        return True
+    return hmac.compare_digest(fp.transfer_key.encode(), reg.transfer_key.encode())
+
+
 class WriterState:
     """Bookkeeping of the writer thread, kept pure so it can be unit-tested."""
 
@@ -68,7 +77,9 @@ class WriterState:
 
     # -- inputs -----------------------------------------------------------
     def add_registration(self, reg: Register, reply_to: bytes, post_by: float) -> tuple[str, Match | None]:
-        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("aborted", None)."""
+        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("aborted", None)
+        | ("key_mismatch", None): the prefill waits with a transfer key this registration
+        does not carry, so it is refused and the prefill keeps waiting for the right one."""
         tid = reg.transfer_id
         if tid in self.registrations or tid in self.active or tid in self._done:
             return "duplicate", None
@@ -77,19 +88,25 @@ class WriterState:
             self._finish(tid, "aborted", posted=False)
             return "aborted", None
         pr = PendingRegistration(reg, reply_to, post_by=post_by)
-        fp = self.prefills.pop(tid, None)
+        fp = self.prefills.get(tid)
         if fp is None:
             self.registrations[tid] = pr
             return "waiting", None
+        if not _keys_fit(fp, reg):
+            return "key_mismatch", None
+        del self.prefills[tid]
         m = Match(fp, pr)
         self.active[tid] = m
         return "matched", m
 
     def add_prefill(self, fp: FinishedPrefill) -> tuple[str, Match | None]:
-        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("dead", None).
+        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("dead", None)
+        | ("key_mismatch", m).
 
         "dead": the transfer already ended (cancelled by D, expired, aborted):
-        the caller frees this prefill's blocks at once.
+        the caller frees this prefill's blocks at once. "key_mismatch": the waiting
+        registration (``m.registration``, dropped: the caller refuses it) lacks the
+        prefill's transfer key; the prefill waits for another registration or its lease.
         """
         tid = fp.transfer_id
         if tid in self.prefills or tid in self.active:
@@ -101,6 +118,9 @@ class WriterState:
         if pr is None:
             self.prefills[tid] = fp
             return "waiting", None
+        if not _keys_fit(fp, pr.reg):
+            self.prefills[tid] = fp
+            return "key_mismatch", Match(fp, pr)
         m = Match(fp, pr)
         self.active[tid] = m
         return "matched", m

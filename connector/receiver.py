@@ -97,9 +97,10 @@ class PushReceiver(EngineThread):
 
     # -- engine thread ----------------------------------------------------------
     def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0,
-                 peer_key: str | None = None) -> None:
+                 peer_key: str | None = None, transfer_key: str = "") -> None:
         """Ask P at ``peer`` (host:port) to push ``transfer_id`` into ``block_ids``.
-        ``peer_key``: P's public key (z85), needed when D trusts more than one."""
+        ``peer_key``: P's public key (z85), needed when D trusts more than one;
+        ``transfer_key``: the transfer's secret, when the request carries one."""
         parse_host_port(peer, "kv_transfer_params.kvpath.peer")
         server_key, why = self._server_key(peer, peer_key)
         if why:
@@ -118,7 +119,7 @@ class PushReceiver(EngineThread):
                 logger.warning("request %s reuses transfer id %s, which another request is waiting on: failed",
                                request_id, transfer_id)
                 return
-        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks, server_key))
+        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks, server_key, transfer_key))
 
     def connect(self, peer: str, peer_key: str | None = None) -> None:
         """Handshake with P at ``peer`` now (P opens its lanes to us on our Hello), so the
@@ -234,7 +235,7 @@ class PushReceiver(EngineThread):
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
             if kind == "register":
-                request_id, tid, peer, block_ids, skip, server_key = arg
+                request_id, tid, peer, block_ids, skip, server_key, transfer_key = arg
                 link = self._link(peer, server_key)
                 if link is None:
                     with self._lock:
@@ -246,7 +247,7 @@ class PushReceiver(EngineThread):
                     continue
                 reg = M.Register(
                     transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
-                    skip_blocks=skip, post_by_s=self.cfg.max_wait_s,
+                    skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
                 )
                 self._regs[tid] = reg
                 link.queued.append(reg)

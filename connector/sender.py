@@ -96,9 +96,11 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
 
     # -- called from the engine thread ---------------------------------------
     def submit_finished(
-        self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None, lease_id: str | None = None
+        self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None,
+        lease_id: str | None = None, transfer_key: str = "",
     ) -> None:
-        self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id))
+        self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
+                                              transfer_key=transfer_key))
 
     def abort(self, transfer_id: str) -> None:
         self._put("abort", transfer_id)
@@ -170,6 +172,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
             logger.info("transfer %s already ended (%s): blocks freed", fp.transfer_id,
                         self.state.status_of(fp.transfer_id))
             self._release(fp)
+        elif status == "key_mismatch" and m is not None:
+            self._refuse_key(m.registration.reply_to, fp.transfer_id)
         elif m is not None:
             self._start_write(m)
 

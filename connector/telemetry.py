@@ -25,6 +25,7 @@ COUNTERS = (
     "messages_unbound",
     "peers_refused",
     "peers_untrusted",
+    "transfer_key_mismatch",
     "recv_ok",
     "recv_failed",
     "recv_timeout",

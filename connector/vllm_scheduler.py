@@ -33,6 +33,7 @@ class RecvReq:
     block_ids: list[int]
     skip_blocks: int
     peer_key: str | None = None
+    transfer_key: str = ""
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SendReq:
     block_ids: list[int]
     lane: int | None
     lease_id: str | None = None
+    transfer_key: str = ""
 
 
 @dataclass
@@ -102,7 +104,7 @@ class KVPathScheduler:
         new_ids = blocks.get_unhashed_block_ids()
         skip = len(all_ids) - len(new_ids)  # local prefix hits come first
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
-                                                dp.peer_key))
+                                                dp.peer_key, dp.transfer_key))
         self._d_waiting.add(request.request_id)
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
@@ -135,7 +137,8 @@ class KVPathScheduler:
         if not ok or not block_ids:
             self._meta.aborted.append(pp.transfer_id)
             return False, None
-        self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id))
+        self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id,
+                                           pp.transfer_key))
         self._p_pending.add(rid)
         return True, {
             "do_remote_prefill": True,
@@ -144,6 +147,7 @@ class KVPathScheduler:
                 "transfer_id": pp.transfer_id,
                 "peer": self.cfg.side_channel_addr(0),
                 **({"peer_key": self.public_key} if self.public_key else {}),
+                **({"transfer_key": pp.transfer_key} if pp.transfer_key else {}),
                 "engine_id": self.engine_id,
                 "lane": pp.lane,
                 "num_blocks": len(block_ids),

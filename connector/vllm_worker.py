@@ -60,12 +60,13 @@ class KVPathWorker:
                 host, _, port = r.peer.rpartition(":")
                 # TP rank r of D talks to TP rank r of P (equal TP sizes).
                 self.receiver.register(r.request_id, r.transfer_id, f"{host}:{int(port) + self.rank}", r.block_ids,
-                                       r.skip_blocks, peer_key=r.peer_key)
+                                       r.skip_blocks, peer_key=r.peer_key, transfer_key=r.transfer_key)
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
         if self.sender is not None:
             for s in meta.finished:
-                self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id)
+                self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id,
+                                            transfer_key=s.transfer_key)
             for tid in meta.aborted:
                 self.sender.abort(tid)
 

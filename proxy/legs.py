@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 from kvpath.connector.config import parse_host_port
-from kvpath.connector.params import decode_leg_params, prefill_leg_params
+from kvpath.connector.params import decode_leg_params, new_transfer_key, prefill_leg_params
 from kvpath.proxy.instances import Instance
 
 MODES = ("push", "pull", "inproc-push")
@@ -39,9 +39,12 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
 
 
 def push_legs(body: dict[str, Any], p: Instance, transfer_id: str, lane: int | None, lease_id: str | None):
+    # a secret per transfer: P pushes only to the registration that carries it, so
+    # whoever learns the transfer id (a log, another tenant) cannot receive the KV
+    key = new_transfer_key()
     return (
-        prefill_body(body, prefill_leg_params(transfer_id, lane, lease_id)),
-        decode_body(body, decode_leg_params(transfer_id, p.kv_addr)),
+        prefill_body(body, prefill_leg_params(transfer_id, lane, lease_id, transfer_key=key)),
+        decode_body(body, decode_leg_params(transfer_id, p.kv_addr, transfer_key=key)),
     )
 
 

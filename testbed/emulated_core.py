@@ -79,6 +79,7 @@ class EmuRequest:
     peer: str = ""  # D: P's kv address
     lane: int | None = None
     lease_id: str | None = None
+    transfer_key: str = ""  # the transfer's secret (both legs); never written to the trace
     blocks: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.time)
     prefill_start: float | None = None
@@ -215,7 +216,8 @@ class EmulatedEngine:
             r.prefill_end = t1
             if self.sender is not None and r.transfer_id:
                 self.pushing[r.request_id] = r
-                self.sender.submit_finished(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id)
+                self.sender.submit_finished(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id,
+                                            transfer_key=r.transfer_key)
             else:
                 self.pool.free(r.blocks)
             self._finish(r, "ok")
@@ -254,7 +256,8 @@ class EmulatedEngine:
             if self.receiver is not None and req.transfer_id:
                 self.kv_wait[req.request_id] = req
                 n = self.spec.blocks_for(req.prompt_tokens)
-                self.receiver.register(req.request_id, req.transfer_id, req.peer, blocks[:n])
+                self.receiver.register(req.request_id, req.transfer_id, req.peer, blocks[:n],
+                                       transfer_key=req.transfer_key)
             else:
                 self.recompute.append(req)  # no remote prefill: D computes the prompt itself
         if self.recompute:

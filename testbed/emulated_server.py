@@ -88,10 +88,11 @@ def create_app(engine: EmulatedEngine, model_name: str, connector: Any = None) -
                 pp = parse_prefill(params, rid)
                 if pp is not None:
                     req.transfer_id, req.lane, req.lease_id = pp.transfer_id, pp.lane, pp.lease_id
+                    req.transfer_key = pp.transfer_key
             else:
                 dp = parse_decode(params)
                 if dp is not None:
-                    req.transfer_id, req.peer = dp.transfer_id, dp.peer
+                    req.transfer_id, req.peer, req.transfer_key = dp.transfer_id, dp.peer, dp.transfer_key
         except BadTransferParams as e:
             return _error(400, str(e), "kv_transfer_params")
         created = int(time.time())

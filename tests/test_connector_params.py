@@ -32,6 +32,18 @@ def test_a_lease_id_that_cannot_be_written_is_refused_and_good_params_pass():
     assert (p.transfer_id, p.lane, p.lease_id) == ("t-é", 2, "r7")
 
 
+def test_a_transfer_key_travels_in_both_legs_and_a_bad_one_is_refused_naming_it():
+    from kvpath.connector.params import decode_leg_params, new_transfer_key, prefill_leg_params
+
+    key = new_transfer_key()
+    assert parse_prefill(prefill_leg_params("t", transfer_key=key), "r").transfer_key == key
+    assert parse_decode(decode_leg_params("t", "127.0.0.1:5600", transfer_key=key)).transfer_key == key
+    assert parse_prefill(prefill_leg_params("t"), "r").transfer_key == ""  # optional
+    for bad in ("short", 5, "x" * 129, "bad key with \n newline....."):
+        with pytest.raises(BadTransferParams, match="transfer_key"):
+            parse_prefill({"do_remote_decode": True, "kvpath": {"transfer_id": "t", "transfer_key": bad}}, "r")
+
+
 class _Failing:
     def __init__(self, exc: Exception):
         self.exc, self.calls = exc, 0

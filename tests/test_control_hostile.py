@@ -36,6 +36,8 @@ def keys(tmp_path_factory):
         "p": {"control_key": str(p_sec), "control_trusted_keys": str(make_trust_dir(d / "p-trusts", [d_pub, m_pub]))},
         "d": {"control_key": str(d_sec), "control_trusted_keys": str(make_trust_dir(d / "d-trusts", [p_pub]))},
         "mallory": zmq.auth.load_certificate(str(m_sec)),
+        # Mallory as a real D engine: her own key, trusting P (another tenant's decode)
+        "mallory_d": {"control_key": str(m_sec), "control_trusted_keys": str(d / "d-trusts")},
         "eve": zmq.auth.load_certificate(str(e_sec)),
         "p_pub": zmq.auth.load_certificate(str(p_pub))[0],
     }
@@ -273,3 +275,50 @@ def test_a_second_connection_cannot_take_a_live_ds_routing_id(keys):
     finally:
         ctx.destroy(0)
         p.close()
+
+
+def test_a_stolen_transfer_id_gets_nothing(keys):
+    """Mallory, a trusted D of another tenant, learned a transfer id (not its key) and
+    registers it: in either order P refuses her, writes nothing into her blocks, and the
+    owner's registration, which carries the key, gets the KV."""
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=4.0, max_wait_s=8.0)
+    _, mc = cfgs(keys, lanes=1, registration_timeout_s=4.0, max_wait_s=8.0)
+    mc = KVPathConfig(**{**_knobs(mc), **keys["mallory_d"]})
+    p, bufs = start_p(pc)
+    key = "k" * 32
+    try:
+        with PeerProcess(dc, SPEC) as d, PeerProcess(mc, SPEC) as m:
+            # P's prefill first, then Mallory (refused at once), then the owner
+            p.submit_finished("p1", "t-first", [11], transfer_key=key)
+            m.call("register", "m1", "t-first", p.address, [5], 0)
+            _, done, failed = m.call("wait", ["m1"], 10)
+            assert done == ["m1"] and failed == ["m1"]
+            d.call("register", "d1", "t-first", p.address, [5], 0, None, key)
+            _, done, failed = d.call("wait", ["d1"], 10)
+            assert done == ["d1"] and not failed
+            # Mallory first (held: P has no prefill yet), then P's prefill: refused
+            m.call("register", "m2", "t-second", p.address, [6], 0)
+            assert wait_for(lambda: p.state.registered_by("t-second") is not None)
+            p.submit_finished("p2", "t-second", [12], transfer_key=key)
+            _, done, failed = m.call("wait", ["m2"], 10)
+            assert done == ["m2"] and failed == ["m2"]
+            zero = [bytes(SPEC.block_len)] * SPEC.regions
+            assert m.call("read", [5])[1] == zero and m.call("read", [6])[1] == zero  # nothing landed
+            d.call("register", "d2", "t-second", p.address, [6], 0, None, key)
+            _, done, failed = d.call("wait", ["d2"], 10)
+            assert done == ["d2"] and not failed
+            src = [b.reshape(SPEC.num_blocks, SPEC.block_len) for b in bufs]
+            assert d.call("read", [5])[1] == [r[[11]].tobytes() for r in src]
+            assert d.call("read", [6])[1] == [r[[12]].tobytes() for r in src]
+            st = p.stats.snapshot()
+            assert st["transfer_key_mismatch"] == 2 and st["pushes_ok"] == 2
+            got: set[str] = set()
+            assert wait_for(lambda: got.update(p.take_finished()) or {"p1", "p2"} <= got, 10)
+    finally:
+        p.close()
+
+
+def _knobs(c: KVPathConfig) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "extra"}

@@ -31,7 +31,7 @@ class FakeSender:
         self.submitted: list[tuple] = []
         self.done: set[str] = set()
 
-    def submit_finished(self, request_id, transfer_id, block_ids, lane=None, lease_id=None) -> None:
+    def submit_finished(self, request_id, transfer_id, block_ids, lane=None, lease_id=None, transfer_key="") -> None:
         self.submitted.append((request_id, transfer_id, list(block_ids), lane, lease_id))
 
     def take_finished(self) -> set[str]:
@@ -46,7 +46,7 @@ class FakeReceiver:
         self.failed: set[str] = set()
         self.cancelled: list[str] = []
 
-    def register(self, request_id, transfer_id, peer, block_ids, skip_blocks=0) -> None:
+    def register(self, request_id, transfer_id, peer, block_ids, skip_blocks=0, peer_key=None, transfer_key="") -> None:
         self.registered.append((request_id, transfer_id, peer, list(block_ids)))
 
     def cancel(self, request_id) -> None:

@@ -313,7 +313,7 @@ def test_reservation_service_down_falls_back_and_counts(setup):
 @pytest.mark.parametrize("setup", [{"reservation": "inproc"}], indirect=True)
 def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
     """With the service in the proxy, connectors register lanes at /reservation;
-    registering needs the proxy's admin token, reserving and releasing do not."""
+    registering and reading need the proxy's admin token, reserving and releasing do not."""
     url = setup.url + "/reservation/v1/lanes"
     lanes_body = {"src_host": "l0h1", "dst_host": "l1h1", "lanes": [
         {"lane": 0, "src_port": 41000}, {"lane": 1, "src_port": 41001}]}
@@ -323,7 +323,8 @@ def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
     r = httpx.post(url, json=lanes_body, headers=h)
     assert r.status_code == 200, r.text
     assert httpx.post(url, json={"src_host": "l0h1"}, headers=h).status_code == 422
-    st = httpx.get(setup.url + "/reservation/v1/state").json()
+    assert httpx.get(setup.url + "/reservation/v1/state").status_code == 401  # the reads name agents and transfers
+    st = httpx.get(setup.url + "/reservation/v1/state", headers=h).json()
     assert st["lanes_known"]["l0h1->l1h1"] == {"": [[0, 41000, 0], [1, 41001, 0]]}
     res = httpx.post(setup.url + "/reservation/v1/reserve", json={"src_host": "l0h1", "dst_host": "l1h1", "bytes": 1})
     assert res.status_code == 200 and res.json()["lane"] in (0, 1)
@@ -642,3 +643,14 @@ def test_a_relay_whose_stream_never_started_still_releases_everything():
         assert ran == ["relay finally"]  # a relay that ran cleans up by itself, once
 
     asyncio.run(go())
+
+
+def test_push_legs_carry_one_fresh_transfer_key_each():
+    from kvpath.proxy import legs
+    from kvpath.proxy.instances import Instance
+
+    p = Instance("http://p:1", "prefill", kv_addr="10.0.0.1:5600")
+    (pb, db), (pb2, _) = (legs.push_legs({"prompt": "x"}, p, "t1", None, None) for _ in range(2))
+    key = pb["kv_transfer_params"]["kvpath"]["transfer_key"]
+    assert len(key) >= 16 and db["kv_transfer_params"]["kvpath"]["transfer_key"] == key
+    assert pb2["kv_transfer_params"]["kvpath"]["transfer_key"] != key

@@ -278,3 +278,22 @@ def test_d_spins_only_while_a_posted_push_should_be_moving():
     assert r.progress_need() == "fast"  # slower than expected: keep progressing, not spinning
     r.on_done("t1", "-lane0", p_agents)
     assert r.progress_need() == "idle"
+
+
+def test_a_registration_without_the_transfer_key_is_refused_in_either_order():
+    key = "s" * 24
+    s = WriterState(lease_s=5)
+    s.add_prefill(FinishedPrefill("p-a", "a", [1], transfer_key=key))
+    assert s.add_registration(Register("a", "d", "agent", [1]), b"mallory", 5.0) == ("key_mismatch", None)
+    assert s.holder("a") == "p-a"  # the prefill keeps waiting
+    status, m = s.add_registration(Register("a", "d", "agent", [1], transfer_key=key), b"owner", 5.0)
+    assert status == "matched" and m.registration.reply_to == b"owner"
+    # registration first
+    s.add_registration(Register("b", "d", "agent", [1], transfer_key="wrong" * 5), b"mallory", 5.0)
+    status, m = s.add_prefill(FinishedPrefill("p-b", "b", [2], transfer_key=key))
+    assert status == "key_mismatch" and m.registration.reply_to == b"mallory"
+    assert s.holder("b") == "p-b" and s.registered_by("b") is None
+    assert s.add_registration(Register("b", "d", "agent", [1], transfer_key=key), b"owner", 5.0)[0] == "matched"
+    # no key on P's request: any registration (clients that send none)
+    s.add_prefill(FinishedPrefill("p-c", "c", [3]))
+    assert s.add_registration(Register("c", "d", "agent", [1]), b"d", 5.0)[0] == "matched"

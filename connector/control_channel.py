@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
@@ -45,9 +46,20 @@ class ControlChannel:
         # never take a live one's id (heartbeats drop a half-open one within seconds).
         harden(self._router, self.cfg.control_max_message_bytes)
         self._sockets.append(self._router)
+        # libzmq drops a peer's connection without telling us why (an oversized frame, a
+        # peer that closed, heartbeats that stopped): the monitor counts those drops
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.insert(0, self._monitor)  # closed before the router
         try:
             self._router.bind(f"tcp://{self.address}")
         except zmq.ZMQError as e:
+            # nobody will call close() on a writer that failed to start: free what it holds
+            for s in (self._monitor, self._router):
+                self._sockets.remove(s)
+                s.close(0)
+            if self._curve is not None:
+                self._curve.close()
+                self._curve = None
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port: cannot listen on {self.address}: {e}"
             ) from e
@@ -84,6 +96,16 @@ class ControlChannel:
                 self._on_hello(ident, msg)
             else:
                 self._on_register(ident, msg)
+
+    def _drain_monitor(self: "PushSender") -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError, IndexError):  # a short or odd event: nothing to count
+                continue
+            self.stats.inc("control_disconnects")
 
     def _on_register(self: "PushSender", ident: bytes, reg: M.Register) -> None:
         self.stats.inc("registrations")

@@ -115,6 +115,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._next_expire = 0.0
         self._loop(self._step)
@@ -128,6 +129,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
             return
         if self._router in events:
             self._drain_router()
+        if self._monitor in events:
+            self._drain_monitor()
         self._drain_cmds()
         if self._inflight:
             # Without NIXL's progress thread, UCX moves bytes only while we poll:

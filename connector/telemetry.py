@@ -26,6 +26,7 @@ COUNTERS = (
     "peers_refused",
     "peers_untrusted",
     "transfer_key_mismatch",
+    "control_disconnects",
     "recv_ok",
     "recv_failed",
     "recv_timeout",

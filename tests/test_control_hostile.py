@@ -119,7 +119,7 @@ def test_malformed_oversized_and_unbound_messages_are_dropped_and_counted(keys):
         # too big: libzmq drops it (and Mallory's connection); P goes on serving
         big = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], "big"))
         big.send(M.encode(M.Register("t3", "r3", "big", list(range(100000, 130000)))))
-        time.sleep(0.5)
+        assert wait_for(lambda: p.stats.snapshot()["control_disconnects"] >= 1)  # counted as its dropped connection
         st = p.stats.snapshot()
         assert st["registrations"] == 0 and st["pushes_ok"] == 0 and st["messages_malformed"] == 2
         m.send(b"\x00again")  # Mallory's own connection still works: P is alive
@@ -322,3 +322,19 @@ def _knobs(c: KVPathConfig) -> dict:
     import dataclasses
 
     return {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "extra"}
+
+
+def test_a_port_in_use_is_a_config_error_and_leaves_no_thread_behind(keys):
+    import threading
+
+    from kvpath.connector.config import ConfigError
+
+    pc, _ = cfgs(keys, lanes=1)
+    p, _ = start_p(pc)
+    try:
+        n = threading.active_count()
+        with pytest.raises(ConfigError, match="side_channel_port: cannot listen"):
+            start_p(pc)
+        assert wait_for(lambda: threading.active_count() == n, 5), "the failed writer's ZAP thread is still running"
+    finally:
+        p.close()

@@ -269,7 +269,7 @@ class Proxy:
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
         assert self.session is not None
         try:
-            async with self.session.post(url, json=body, headers=headers, timeout=self.answer_timeout) as r:
+            async with await self._post(url, body, headers, timeout=self.answer_timeout) as r:
                 status, text, r_headers = r.status, await r.text(), r.headers
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             self._leg_failed(inst, e)
@@ -288,7 +288,7 @@ class Proxy:
         KV arrived), or its whole body when not streaming. ``_watch`` bounds the time."""
         assert self.session is not None
         try:
-            resp = await self.session.post(d.url + endpoint, json=body, headers=headers)
+            resp = await self._post(d.url + endpoint, body, headers)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             self._leg_failed(d, e)
             raise transport_error(d, e, "unreachable") from None
@@ -310,6 +310,19 @@ class Proxy:
             resp.close()
             raise
         return resp, first
+
+    async def _post(self, url: str, body: dict, headers: dict, **kw: Any) -> aiohttp.ClientResponse:
+        """POST a leg, once more on a fresh connection when the pooled one turned out to
+        be closed before the request was written (the engine closed an idle keep-alive
+        connection): the engine has not seen that request, so sending it again is safe."""
+        assert self.session is not None
+        try:
+            return await self.session.post(url, json=body, headers=headers, **kw)
+        except aiohttp.ClientOSError as e:
+            if "write request body" not in str(e):
+                raise
+            logger.info("a pooled connection to %s was closed before the request was written: sent again", url)
+            return await self.session.post(url, json=body, headers=headers, **kw)
 
     def _leg_failed(self, inst: Instance, exc: BaseException) -> None:
         inst.errors += 1

@@ -88,6 +88,12 @@ def test_vllm_bench_serve_through_the_proxy(mode, model, tmp_path):
         p_log = (tmp_path / "p.log").read_text(errors="replace")
         if mode == "inproc-push" and LOST_PUSH in p_log:
             pytest.xfail(f"vLLM NixlPushConnector lost a push over UCX TCP: P logged '{LOST_PUSH}'")
+        # Seen once on CI (2026-11-25): with the in-tree push connector's threads spinning
+        # both cores, P's API server stopped reading request bodies for about a minute
+        # (every leg: "Can not write request body") while it still answered /health.
+        px_log = (tmp_path / "proxy.log").read_text(errors="replace") if (tmp_path / "proxy.log").exists() else ""
+        if mode == "inproc-push" and "Can not write request body" in px_log:
+            pytest.xfail("vLLM's P with the in-tree NixlPushConnector stopped reading request bodies (CPU-starved)")
         raise
 
 

@@ -125,19 +125,22 @@ def make_trust_dir(directory: str | Path, public_files: list[Path]) -> Path:
     return d
 
 
+def _pd_layout(d: Path) -> dict[str, dict[str, str]]:
+    """Where :func:`pd_keys` puts each side's knobs (one place for the file names)."""
+    return {short: {"control_key": str(d / f"{name}.key_secret"), "control_trusted_keys": str(d / f"trusted-by-{name}")}
+            for short, name in (("p", "prefill"), ("d", "decode"))}
+
+
 def pd_keys(directory: str | Path) -> dict[str, dict[str, str]]:
     """One key pair for the prefill pool and one for the decode pool under ``directory``,
     each side trusting the other's: the connector knobs per role, ``{"p": {...}, "d": {...}}``.
     What the testbed, the demo and the tests use (each run makes its own)."""
     d = Path(directory)
-    p_pub, p_sec = make_keys(d, "prefill")
-    d_pub, d_sec = make_keys(d, "decode")
-    p_trust = make_trust_dir(d / "trusted-by-prefill", [d_pub])
-    d_trust = make_trust_dir(d / "trusted-by-decode", [p_pub])
-    return {
-        "p": {"control_key": str(p_sec), "control_trusted_keys": str(p_trust)},
-        "d": {"control_key": str(d_sec), "control_trusted_keys": str(d_trust)},
-    }
+    p_pub, _ = make_keys(d, "prefill")
+    d_pub, _ = make_keys(d, "decode")
+    make_trust_dir(d / "trusted-by-prefill", [d_pub])
+    make_trust_dir(d / "trusted-by-decode", [p_pub])
+    return _pd_layout(d)
 
 
 def pd_key_knobs(directory: str | Path, side: str) -> dict[str, str]:
@@ -149,8 +152,7 @@ def pd_key_knobs(directory: str | Path, side: str) -> dict[str, str]:
         raise ValueError(f"side must be p or d, got {side!r}")
     if not (d / "prefill.key_secret").exists():
         pd_keys(d)
-    name = "prefill" if short == "p" else "decode"
-    return {"control_key": str(d / f"{name}.key_secret"), "control_trusted_keys": str(d / f"trusted-by-{name}")}
+    return _pd_layout(d)[short]
 
 
 def shared_keys(directory: str | Path) -> dict[str, str]:

@@ -22,7 +22,7 @@ import zmq
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
 from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
-from kvpath.connector.engine_thread import EngineThread
+from kvpath.connector.engine_thread import DORMANT_POLL_MS, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from kvpath.connector.recv_state import ReceiverState
@@ -212,7 +212,10 @@ class PushReceiver(EngineThread):
         # is slow or a handshake's lane probes may come, every millisecond; else
         # (nothing posted: P's control messages wake the poll) at the idle pace.
         spinning = need == "spin"
-        timeout_ms = 0 if spinning else 1 if need == "fast" else int(self.cfg.idle_poll_s * 1000)
+        if need == "idle" and not self._busy():
+            timeout_ms = DORMANT_POLL_MS
+        else:
+            timeout_ms = 0 if spinning else 1 if need == "fast" else int(self.cfg.idle_poll_s * 1000)
         events = self._poll(timeout_ms)
         if events is None:
             return
@@ -231,6 +234,13 @@ class PushReceiver(EngineThread):
             self._expire()
             self._next_expire = now + 0.05
         self._send_cancels()
+
+    def _busy(self) -> bool:
+        """Anything held (a request, a handshake whose lane probes P may send now)."""
+        with self._lock:
+            if self.state.pending():
+                return True
+        return any(not link.welcomed or link.queued for link in self._links.values())
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():

@@ -75,6 +75,9 @@ class KVPathScheduler:
         self._p_pending: set[str] = set()  # P requests whose blocks the writer holds
         self._d_waiting: set[str] = set()  # D requests registered, KV not yet arrived
         self._d_cancelled: set[str] = set()  # D requests ended while waiting
+        # requests whose flags do not fit kv_role -> the error their answer carries
+        # (one entry per live request: request_finished removes it)
+        self._role_errors: dict[str, str] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -86,10 +89,13 @@ class KVPathScheduler:
         if dp is None:
             return 0, False
         if self.role == "kv_producer":
-            # no receiver here: waiting for a push would hold the request and its blocks
-            logger.error("request %s asks for a remote prefill (do_remote_prefill), but this engine's kv_role is "
-                         "kv_producer: computing its prefill locally", request.request_id)
+            # no receiver here: waiting for a push would hold the request and its blocks.
+            # The connector API cannot refuse a request, so it is computed locally and its
+            # answer's kv_transfer_params carry the error (the proxy fails such a leg).
+            why = "do_remote_prefill sent to an engine whose kv_role is kv_producer: prefill computed locally"
+            logger.error("request %s: %s", request.request_id, why)
             request.kv_transfer_params = None
+            self._role_errors[request.request_id] = why
             return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -116,6 +122,9 @@ class KVPathScheduler:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        role_error = self._role_errors.pop(rid, None)
+        if role_error is not None:
+            return False, {"error": role_error, "kv_role": self.role}
         if rid in self._d_waiting:  # D gave up before its KV arrived
             self._d_waiting.discard(rid)
             self._d_cancelled.add(rid)

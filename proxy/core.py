@@ -277,11 +277,20 @@ class Proxy:
         if status >= 400:
             inst.errors += 1
             raise engine_error(inst, status, text, r_headers)
-        inst.served += 1
         try:
-            return json.loads(text)
+            out = json.loads(text)
         except json.JSONDecodeError:
+            inst.errors += 1
             raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
+        kv = out.get("kv_transfer_params") if isinstance(out, dict) else None
+        if isinstance(kv, dict) and kv.get("error"):
+            # the engine did not serve the leg as one (a kv_role that does not fit it):
+            # D would wait for a push that never comes
+            inst.errors += 1
+            raise UpstreamError(502, "upstream_error",
+                                f"{inst.role} {inst.url} did not serve the leg: {str(kv['error'])[:300]}")
+        inst.served += 1
+        return out
 
     async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
         """Send D's leg; return its response and its first bytes (they come once the

@@ -41,6 +41,7 @@ class StubBehaviour:
     cancelled: int = 0  # requests whose client went away before the answer
     stream_cancelled: int = 0  # streams whose client went away mid-stream
     keep_records: bool = True
+    kv_error: str = ""  # answer a leg as an engine of the wrong kv_role does: kv_transfer_params.error
 
 
 def _text(body: dict[str, Any], n: int) -> list[str]:
@@ -106,7 +107,9 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "model": body.get("model"),
                "choices": [choice], "usage": {"completion_tokens": n}}
-        if kvp is not None:
+        if kvp is not None and b.kv_error:
+            out["kv_transfer_params"] = {"error": b.kv_error, "kv_role": "kv_consumer"}
+        elif kvp is not None:
             out["kv_transfer_params"] = {**kvp, "do_remote_prefill": True, "do_remote_decode": False, "served_by": name}
         return JSONResponse(out)
 

@@ -244,6 +244,20 @@ def test_upstream_error_is_502_with_its_message_and_proxy_stays_up(setup):
     assert setup.svc.state()["active"] == 0  # leases of failed requests released
 
 
+def test_a_p_leg_answered_with_a_role_error_fails_the_request_and_cancels_d(setup):
+    # a P pool entry that is really a kv_consumer answers 200 with kv_transfer_params.error
+    setup.pb[0].kv_error = "do_remote_decode sent to an engine whose kv_role is kv_consumer"
+    setup.db[0].delay_s = 2.0  # like a real D, it waits for the push that never comes
+    r = post(setup.url, BODY)
+    assert r.status_code == 502, r.text
+    assert "did not serve the leg" in r.json()["error"]["message"] and "kv_consumer" in r.json()["error"]["message"]
+    assert wait_until(lambda: setup.db[0].cancelled == 1)  # the D leg was cancelled, not left waiting
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)  # its lease released
+    setup.pb[0].kv_error = ""
+    setup.db[0].delay_s = 0
+    assert post(setup.url, BODY).status_code == 200
+
+
 def test_upstream_timeout_is_504(setup):
     setup.db[0].hang = True
     t0 = time.monotonic()

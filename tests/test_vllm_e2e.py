@@ -210,6 +210,8 @@ def test_a_flag_that_does_not_fit_the_engines_role_is_refused_at_once_and_holds_
         "kv_transfer_params": {"do_remote_prefill": True, "kvpath": {"transfer_id": "wrong-role-d",
                                                                       "peer": "127.0.0.1:1"}}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == asyncio.run(_direct(p.url, prompt, 4))
+    kv = r.json().get("kv_transfer_params") or {}
+    assert "kv_producer" in kv.get("error", "") and kv.get("kv_role") == "kv_producer", kv
     assert time.monotonic() - t0 < 20, "a wrong-role request must not wait for a push"
     assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
     assert wait_metric(p.url, "vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0

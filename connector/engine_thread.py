@@ -25,11 +25,14 @@ from kvpath.trace import TraceWriter
 
 logger = logging.getLogger(__name__)
 
-# How long a thread with nothing held sleeps between housekeeping ticks. Every input
-# (an engine command, a control message, a socket event) wakes the poll at once, and
-# with nothing held no deadline can fall due, so a slow tick costs no latency; it keeps
+# How long a thread with nothing held sleeps between ticks. Engine commands and control
+# messages wake the poll at once, and with nothing held no deadline can fall due; what
+# does not wake it (NIXL notifications, UCX traffic such as a WRITE's completion or a
+# lane probe) only happens while something is held or just after: the threads keep the
+# idle pace for LINGER_S after the last held item before they go dormant. This keeps
 # an idle engine's connector threads far under 1% of a core.
 DORMANT_POLL_MS = 250
+LINGER_S = 1.0
 
 
 class EngineThread:

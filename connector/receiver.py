@@ -22,7 +22,7 @@ import zmq
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
 from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
-from kvpath.connector.engine_thread import DORMANT_POLL_MS, EngineThread
+from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from kvpath.connector.recv_state import ReceiverState
@@ -202,20 +202,32 @@ class PushReceiver(EngineThread):
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._next_expire = 0.0
+        self._active_until = 0.0
         self._loop(self._step)
 
     def _step(self) -> None:
         with self._lock:
             need = self.state.progress_need()
+            held = self.state.pending() > 0
+        now = time.monotonic()
+        if need == "idle" and self._handshaking(now):
+            need = "fast"  # P probes its lanes into us now: each probe waits on our progress
+        if held or need != "idle":
+            self._active_until = now + LINGER_S
         # Over TCP a WRITE moves only while the target progresses UCX: while a posted
         # push should be moving, progress without pause (yielding the GIL); while one
-        # is slow or a handshake's lane probes may come, every millisecond; else
-        # (nothing posted: P's control messages wake the poll) at the idle pace.
+        # is slow or a handshake's lane probes may come, every millisecond; while
+        # something is held (P's control messages wake the poll), at the idle pace;
+        # with nothing held for LINGER_S, at the dormant pace.
         spinning = need == "spin"
-        if need == "idle" and not self._busy():
-            timeout_ms = DORMANT_POLL_MS
+        if spinning:
+            timeout_ms = 0
+        elif need == "fast":
+            timeout_ms = 1
+        elif now < self._active_until:
+            timeout_ms = int(self.cfg.idle_poll_s * 1000)
         else:
-            timeout_ms = 0 if spinning else 1 if need == "fast" else int(self.cfg.idle_poll_s * 1000)
+            timeout_ms = DORMANT_POLL_MS
         events = self._poll(timeout_ms)
         if events is None:
             return
@@ -235,12 +247,11 @@ class PushReceiver(EngineThread):
             self._next_expire = now + 0.05
         self._send_cancels()
 
-    def _busy(self) -> bool:
-        """Anything held (a request, a handshake whose lane probes P may send now)."""
-        with self._lock:
-            if self.state.pending():
-                return True
-        return any(not link.welcomed or link.queued for link in self._links.values())
+    def _handshaking(self, now: float) -> bool:
+        """A Hello went out recently and P has not answered: P may be opening its lanes
+        into us (a link that never gets an answer stops counting after two heartbeats)."""
+        window = 2 * self.cfg.heartbeat_s()
+        return any(not link.welcomed and now - link.hello_at < window for link in self._links.values())
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():

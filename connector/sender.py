@@ -26,7 +26,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.control_auth import CurveServer
 from kvpath.connector.control_channel import ControlChannel
-from kvpath.connector.engine_thread import DORMANT_POLL_MS, EngineThread
+from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.lane_setup import LaneSetup, Peer
 from kvpath.connector.lanes import Lane
 from kvpath.connector.nixl_io import configure_ucx
@@ -118,11 +118,15 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._next_expire = 0.0
+        self._active_until = 0.0
         self._loop(self._step)
 
     def _step(self) -> None:
+        now = time.monotonic()
+        if self._inflight or self._asking or not self.state.idle():
+            self._active_until = now + LINGER_S
         timeout_ms = (0 if self._inflight else 5 if self._asking
-                      else int(self.cfg.idle_poll_s * 1000) if not self.state.idle() else DORMANT_POLL_MS)
+                      else int(self.cfg.idle_poll_s * 1000) if now < self._active_until else DORMANT_POLL_MS)
         events = self._poll(timeout_ms)
         if self._asking:
             self._stop_asking()

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpath.proxy.body_limit import BodyLimit
 from kvpath.proxy.bodies import INFERENCE, ChatBody, CompletionBody, InstanceBody
 from kvpath.proxy.core import Proxy
 from kvpath.proxy.errors import describe_validation_errors, error_response, is_invalid_json
@@ -128,4 +129,4 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
 
     if reservation_app is not None:
         app.mount("/reservation", reservation_app)  # its leases expire lazily: mounts get no lifespan
-    return _InferenceFastPath(app, proxy)
+    return BodyLimit(_InferenceFastPath(app, proxy), proxy.cfg.max_body_bytes)

@@ -120,7 +120,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                       first_byte_timeout_s=args.first_byte_timeout_s, chunk_gap_timeout_s=args.chunk_gap_timeout_s,
                       connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
                       health_timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
-                      kv_bytes_per_token=args.kv_bytes_per_token)
+                      kv_bytes_per_token=args.kv_bytes_per_token, max_body_bytes=args.max_body_bytes)
     try:
         proxy = Proxy(cfg, prefill, decode, reserver)
     except ValueError as e:
@@ -166,6 +166,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="failures in a row (probes, or legs whose connection failed) that take an instance out "
                         "of rotation (one 200 from /health puts it back)")
     p.add_argument("--kv-bytes-per-token", type=int, default=131072, help="flow size estimate for reservations")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="a request body above this is refused with 413 (default 32 MiB)")
     p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",
                    help="inproc: run the reservation service inside the proxy (push mode); "

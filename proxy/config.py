@@ -33,6 +33,9 @@ class ProxyConfig:
     unhealthy_after: int = 2
     kv_bytes_per_token: int = 131072  # for the reservation's flow size estimate
     max_connections: int = 2048
+    # A client's request body above this is refused (413) before it is read whole: a
+    # 128k-token prompt as token ids is about 1 MiB of JSON, images inline a few MiB.
+    max_body_bytes: int = 32 * 1024 * 1024
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -41,5 +44,7 @@ class ProxyConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if min(self.first_byte_timeout_s, self.chunk_gap_timeout_s, self.connect_timeout_s, self.health_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.health_interval_s < 0 or self.unhealthy_after < 1:
             raise ValueError("health_interval_s must be >= 0 and unhealthy_after >= 1")

@@ -170,6 +170,7 @@ class Proxy:
                 )
             content = first  # non-streaming: _open_decode read the whole body
             d_resp.release()
+            self._check_decode_answer(d, content)
             ok = True
             d.served += 1
             self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -282,7 +283,10 @@ class Proxy:
         except json.JSONDecodeError:
             inst.errors += 1
             raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
-        kv = out.get("kv_transfer_params") if isinstance(out, dict) else None
+        if not isinstance(out, dict):
+            inst.errors += 1
+            raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with JSON that is not an object")
+        kv = out.get("kv_transfer_params")
         if isinstance(kv, dict) and kv.get("error"):
             # the engine did not serve the leg as one (a kv_role that does not fit it):
             # D would wait for a push that never comes
@@ -376,6 +380,20 @@ class Proxy:
                     await p_task
         if grant.lease_id and self.reserver is not None:
             await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
+
+    def _check_decode_answer(self, d: Instance, content: bytes) -> None:
+        """D computed the answer itself when its kv_role does not fit a D leg: the output
+        is right, so it is passed on, but P's KV went nowhere (its blocks wait for their
+        lease): counted as D's error and logged. (Cheap test first: this is the hot path.)"""
+        if b'"kv_role"' not in content:
+            return
+        try:
+            kv = json.loads(content).get("kv_transfer_params") or {}
+        except (ValueError, AttributeError):
+            return
+        if isinstance(kv, dict) and kv.get("error"):
+            d.errors += 1
+            logger.warning("decode %s did not serve its leg as one: %s", d.url, str(kv["error"])[:300])
 
     def _p_leg_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)

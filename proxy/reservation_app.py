@@ -33,10 +33,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvpath import reservation_wire as wire
 from kvpath.proxy.auth import bearer_ok
+from kvpath.proxy.body_limit import BodyLimit
 from kvpath.proxy.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
 from kvpath.reservation import ReservationError, ReservationService
 
 logger = logging.getLogger(__name__)
+
+# The largest body any call needs: a lane registration of a few thousand lanes.
+MAX_BODY_BYTES = 1024 * 1024
 
 _BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
 Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
@@ -115,6 +119,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
         task.cancel()
 
     app = FastAPI(title="kvpath reservation service", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.state.svc = svc
 

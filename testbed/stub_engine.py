@@ -41,6 +41,7 @@ class StubBehaviour:
     cancelled: int = 0  # requests whose client went away before the answer
     stream_cancelled: int = 0  # streams whose client went away mid-stream
     keep_records: bool = True
+    raw_answer: bytes | None = None  # answer with these bytes (200, JSON content type)
     kv_error: str = ""  # answer a leg as an engine of the wrong kv_role does: kv_transfer_params.error
 
 
@@ -68,6 +69,8 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
                 return Response(status_code=499)
             except asyncio.TimeoutError:
                 pass
+        if b.raw_answer is not None:
+            return Response(b.raw_answer, media_type="application/json")
         if b.fail_status:
             return JSONResponse({"error": {"message": f"{name} failed on purpose", "code": b.fail_status}},
                                 status_code=b.fail_status,

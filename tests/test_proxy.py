@@ -256,6 +256,20 @@ def test_a_p_leg_answered_with_a_role_error_fails_the_request_and_cancels_d(setu
     setup.pb[0].kv_error = ""
     setup.db[0].delay_s = 0
     assert post(setup.url, BODY).status_code == 200
+    # a D that is really a kv_producer computes the answer itself: passed on, counted
+    setup.db[0].kv_error = "do_remote_prefill sent to an engine whose kv_role is kv_producer"
+    r = post(setup.url, BODY)
+    assert r.status_code == 200 and "kv_producer" in r.json()["kv_transfer_params"]["error"]
+    assert httpx.get(setup.url + "/status").json()["decode"][0]["errors"] == 1
+
+
+@pytest.mark.parametrize("setup", [{"mode": "push"}, {"mode": "pull"}], indirect=True)
+def test_a_p_answer_that_is_not_a_json_object_is_502(setup):
+    setup.pb[0].raw_answer = b"[]"
+    r = post(setup.url, BODY)
+    assert r.status_code == 502 and "not an object" in r.json()["error"]["message"]
+    setup.pb[0].raw_answer = None
+    assert post(setup.url, BODY).status_code == 200
 
 
 def test_upstream_timeout_is_504(setup):

@@ -37,8 +37,12 @@ class _InferenceFastPath:
 
     def __init__(self, app: FastAPI, proxy: Proxy):
         self.app, self.proxy = app, proxy
+        self._limited = BodyLimit(self._route, proxy.cfg.max_body_bytes)  # every route, admin and mounts too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._limited(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         schema = INFERENCE.get(scope.get("path", "")) if scope["type"] == "http" else None
         if schema is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
@@ -129,4 +133,4 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
 
     if reservation_app is not None:
         app.mount("/reservation", reservation_app)  # its leases expire lazily: mounts get no lifespan
-    return BodyLimit(_InferenceFastPath(app, proxy), proxy.cfg.max_body_bytes)
+    return _InferenceFastPath(app, proxy)

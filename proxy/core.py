@@ -14,7 +14,6 @@ rotation (proxy/health.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvpath.proxy import legs
+from kvpath.proxy.aio import cancel_and_wait
 from kvpath.proxy.auth import bearer_ok
 from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
 from kvpath.proxy.errors import describe_validation_errors, error_response
@@ -261,11 +261,7 @@ class Proxy:
                     if exc is not None:
                         raise exc  # P failed: D would wait for a push that never comes
         finally:
-            for t in (main, gone):
-                if not t.done():
-                    t.cancel()
-                    with contextlib.suppress(BaseException):
-                        await t
+            await cancel_and_wait(*(t for t in (main, gone) if not t.done()))
 
     async def _post_json(self, url: str, body: dict, headers: dict, inst: Instance) -> dict:
         assert self.session is not None
@@ -365,21 +361,28 @@ class Proxy:
             i.inflight += 1
             self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
 
+    def _leave(self, i: Instance) -> None:
+        i.inflight -= 1
+        self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+
     async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool) -> None:
-        for i in (p, d):
-            i.inflight -= 1
-            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
-        if p_task is not None and not p_task.done():
-            if ok:
-                # D answered, so P pushed; let P's own answer arrive without holding the client
-                self._background.add(p_task)
-                p_task.add_done_callback(self._p_leg_done)
-            else:
-                p_task.cancel()  # failed or abandoned request: abort the prefill too
-                with contextlib.suppress(BaseException):
-                    await p_task
-        if grant.lease_id and self.reserver is not None:
-            await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
+        self._leave(d)
+        p_left = False
+        try:
+            if p_task is not None and not p_task.done():
+                if ok:
+                    # D answered, so P pushed; let P's own answer arrive without holding the
+                    # client. P stays in flight until it does (least_outstanding counts it).
+                    self._background.add(p_task)
+                    p_task.add_done_callback(lambda t: self._p_leg_done(t, p))
+                    p_left = True
+                else:
+                    await cancel_and_wait(p_task)  # failed or abandoned request: abort the prefill too
+        finally:
+            if not p_left:
+                self._leave(p)
+            if grant.lease_id and self.reserver is not None:
+                await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
 
     def _check_decode_answer(self, d: Instance, content: bytes) -> None:
         """D computed the answer itself when its kv_role does not fit a D leg: the output
@@ -395,8 +398,9 @@ class Proxy:
             d.errors += 1
             logger.warning("decode %s did not serve its leg as one: %s", d.url, str(kv["error"])[:300])
 
-    def _p_leg_done(self, task: asyncio.Task) -> None:
+    def _p_leg_done(self, task: asyncio.Task, p: Instance) -> None:
         self._background.discard(task)
+        self._leave(p)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("prefill leg failed after decode answered: %s", task.exception())
 

@@ -28,6 +28,7 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
         b["max_completion_tokens"] = 1
     b["stream"] = False
     b.pop("stream_options", None)
+    b.pop("min_tokens", None)  # min_tokens > max_tokens (1) is a 400 from vLLM; D's leg keeps it
     b["kv_transfer_params"] = params
     return b
 

@@ -10,11 +10,12 @@ for ``http.disconnect`` and cancels the relay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from kvpath.proxy.aio import cancel_and_wait
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -64,9 +65,7 @@ class RelayResponse(Response):
                 raise  # cancelled from outside: not a client disconnect
             relay.uncancel()  # the client left: end quietly, as Starlette does
         finally:
-            watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await watcher
+            await cancel_and_wait(watcher)
             await self.abandon()
 
     async def abandon(self) -> None:

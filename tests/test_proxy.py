@@ -272,6 +272,25 @@ def test_a_p_answer_that_is_not_a_json_object_is_502(setup):
     assert post(setup.url, BODY).status_code == 200
 
 
+@pytest.mark.parametrize("setup", [{"mode": "push"}, {"mode": "pull"}], indirect=True)
+def test_min_tokens_goes_to_the_decode_leg_only(setup):
+    r = post(setup.url, {**BODY, "min_tokens": 4})
+    assert r.status_code == 200, r.text
+    p_body = setup.p_legs(1)[0]["body"]
+    assert p_body["max_tokens"] == 1 and "min_tokens" not in p_body
+    assert setup.db[0].received[0]["body"]["min_tokens"] == 4
+
+
+def test_p_stays_in_flight_until_its_leg_ends_after_d_answered(setup):
+    setup.pb[0].delay_s = 3.0  # P's answer comes well after D's
+    r = post(setup.url, BODY)
+    assert r.status_code == 200
+    status = httpx.get(setup.url + "/status").json()
+    assert status["decode"][0]["inflight"] == 0
+    assert status["prefill"][0]["inflight"] == 1  # least_outstanding must see P busy
+    assert wait_until(lambda: httpx.get(setup.url + "/status").json()["prefill"][0]["inflight"] == 0)
+
+
 def test_upstream_timeout_is_504(setup):
     setup.db[0].hang = True
     t0 = time.monotonic()

@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvpath.connector import messages as M
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.reservation_wire import RESERVE_AT
 
@@ -117,6 +118,13 @@ class KVPathConfig:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")
         if self.idle_poll_s > 1.0:
             raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")
+        # what D sends (heartbeat_s, post_by_s) must be within what P accepts on the wire
+        if not 4 * M.MIN_HEARTBEAT_S <= self.registration_timeout_s <= 4 * M.MAX_HEARTBEAT_S:
+            raise ConfigError(f"kv_connector_extra_config.registration_timeout_s must be in [{4 * M.MIN_HEARTBEAT_S:g}, "
+                              f"{4 * M.MAX_HEARTBEAT_S:g}], got {self.registration_timeout_s}")
+        if self.max_wait_s > M.MAX_POST_BY_S:
+            raise ConfigError(f"kv_connector_extra_config.max_wait_s must be <= {M.MAX_POST_BY_S:g}, "
+                              f"got {self.max_wait_s}")
         # P heartbeats every registration_timeout_s / 4; a heartbeat must fit in a few polls.
         if self.registration_timeout_s < 4 * self.idle_poll_s:
             raise ConfigError(

@@ -15,6 +15,10 @@ import hashlib
 import msgspec
 
 NOTIF_PREFIX = b"kvpath:done:"
+# Bounds a peer's timing fields must keep: a heartbeat asked every microsecond would
+# spin P's writer, a post_by_s of inf would hold a registration forever.
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
+MAX_POST_BY_S = 3600.0
 # 3: Ack.instance, Welcome.agents (a D that checks notifications by agent must not
 # handshake with a P that does not name its agents).
 PROTOCOL_VERSION = 3
@@ -184,8 +188,8 @@ def validate_hello(h: Hello) -> None:
     for r in lay.regions:
         if r.base <= 0 or r.block_len <= 0 or r.block_stride < r.block_len:
             raise MalformedMessage(f"hello with a bad region {r}")
-    if not h.heartbeat_s > 0:
-        raise MalformedMessage("hello with a non-positive heartbeat_s")
+    if not MIN_HEARTBEAT_S <= h.heartbeat_s <= MAX_HEARTBEAT_S:  # also refuses nan
+        raise MalformedMessage(f"hello with heartbeat_s {h.heartbeat_s} outside [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}]")
 
 
 def validate_register(reg: Register) -> None:
@@ -201,8 +205,8 @@ def validate_register(reg: Register) -> None:
         raise MalformedMessage("negative block id")
     if len(set(reg.block_ids)) != len(reg.block_ids):
         raise MalformedMessage("duplicate block ids")
-    if not reg.post_by_s > 0:
-        raise MalformedMessage("register with a non-positive post_by_s")
+    if not 0 < reg.post_by_s <= MAX_POST_BY_S:  # also refuses inf and nan
+        raise MalformedMessage(f"register with post_by_s {reg.post_by_s} outside (0, {MAX_POST_BY_S}]")
 
 
 def parse_notif(msg: bytes) -> str | None:

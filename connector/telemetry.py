@@ -46,6 +46,8 @@ COUNTERS = (
     "trace_write_failed",
     "reservation_calls_ok",
     "reservation_calls_failed",
+    "lanes_reserved_at_push",
+    "lanes_reserve_fallback",
 )
 
 

@@ -30,6 +30,8 @@ def test_known_knobs_are_parsed_and_coerced():
         ({"ucx_transport": ""}, "ucx_transport"),
         ({"max_wait_s": 5, "registration_timeout_s": 10}, "max_wait_s"),
         ({"registration_timeout_s": 0.05}, "registration_timeout_s"),
+        ({"registration_timeout_s": 1000, "max_wait_s": 2000}, "registration_timeout_s"),
+        ({"max_wait_s": 1e9}, "max_wait_s"),
         ({"fabric_spec": "/tmp/f.json"}, "fabric_host"),
         ({"lane_candidates": 0}, "lane_candidates"),
         ({"fence_grace_s": 0}, "fence_grace_s"),

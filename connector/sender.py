@@ -125,7 +125,10 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         now = time.monotonic()
         if self._inflight or self._asking or not self.state.idle():
             self._active_until = now + LINGER_S
-        timeout_ms = (0 if self._inflight else 5 if self._asking
+        # a WRITE past transfer_timeout_s (a stuck peer) is progressed every millisecond,
+        # not in a busy loop: it must not cost P a core for as long as UCX takes to fail it
+        spinning = any(not f.slow for f in self._inflight.values())
+        timeout_ms = (0 if spinning else 1 if self._inflight else 5 if self._asking
                       else int(self.cfg.idle_poll_s * 1000) if now < self._active_until else DORMANT_POLL_MS)
         events = self._poll(timeout_ms)
         if self._asking:
@@ -137,7 +140,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         if self._monitor in events:
             self._drain_monitor()
         self._drain_cmds()
-        if self._inflight:
+        if spinning:
             # Without NIXL's progress thread, UCX moves bytes only while we poll:
             # progress the in-flight WRITEs for a short burst, then look at the
             # sockets again. CPU is spent only while a push is in flight. The short
@@ -147,6 +150,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
             while self._inflight and time.monotonic() < burst_end and self._cmds.empty():
                 self._progress()
                 time.sleep(0.0002)
+        elif self._inflight:
+            self._progress()
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()

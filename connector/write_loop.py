@@ -35,6 +35,7 @@ class InFlight:
     handle: Any
     record: TransferRecord
     slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
+    slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
 
 
 class WriteLoop:
@@ -146,8 +147,8 @@ class WriteLoop:
             else:
                 why = "transfer error"
             if state == "PROC":
-                if now > f.slow_at:
-                    f.slow_at = float("inf")
+                if not f.slow and now > f.slow_at:
+                    f.slow = True
                     self.stats.inc("pushes_slow")
                     logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
                                    tid, self.cfg.transfer_timeout_s)

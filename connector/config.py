@@ -91,6 +91,14 @@ class KVPathConfig:
     control_plaintext: bool = False
     # The largest control message either side accepts (larger ones drop the connection).
     control_max_message_bytes: int = 4 << 20
+    # A D worker (P side) or a P (D side) that sent nothing and holds nothing for this
+    # long is forgotten (its lanes and NIXL remote agents released); a later request
+    # makes a new handshake. Bounds what restarts and departed peers leave behind.
+    peer_idle_timeout_s: float = 600.0
+    # The connector's log (trace_path) is rotated at this size, keeping trace_keep old
+    # files (trace_path.1 ...): a long-running engine's disk use is bounded.
+    trace_max_bytes: int = 256 << 20
+    trace_keep: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -113,9 +121,12 @@ class KVPathConfig:
         if self.lanes < 1 or self.lanes > 64:
             raise ConfigError(f"kv_connector_extra_config.lanes must be in [1, 64], got {self.lanes}")
         for name in ("lease_timeout_s", "registration_timeout_s", "max_wait_s", "fence_grace_s", "idle_poll_s",
-                     "transfer_timeout_s"):
+                     "transfer_timeout_s", "peer_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")
+        if self.trace_max_bytes < 1 << 20 or not 0 <= self.trace_keep <= 100:
+            raise ConfigError("kv_connector_extra_config.trace_max_bytes must be >= 1 MiB and trace_keep in [0, 100], "
+                              f"got {self.trace_max_bytes} and {self.trace_keep}")
         if self.idle_poll_s > 1.0:
             raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")
         # what D sends (heartbeat_s, post_by_s) must be within what P accepts on the wire

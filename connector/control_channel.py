@@ -118,6 +118,7 @@ class ControlChannel:
             self.stats.inc("messages_unbound")
             logger.warning("dropped a registration for agent %s from another connection", reg.agent_name)
             return
+        peer.last_seen = time.monotonic()
         bad = [b for b in reg.block_ids if b >= peer.hello.layout.num_blocks]
         if bad:
             self.stats.inc("registrations_rejected")

@@ -54,7 +54,7 @@ class EngineThread:
         self.engine_id = engine_id or cfg.engine_id or f"{id_prefix}-{uuid.uuid4().hex[:8]}"
         self.rank = rank
         self.stats = stats or Stats()
-        self.trace = trace or TraceWriter(cfg.trace_path)
+        self.trace = trace or TraceWriter(cfg.trace_path, max_bytes=cfg.trace_max_bytes, keep=cfg.trace_keep)
         # Without vLLM (tests, benchmarks) only the layout is known.
         self.compat = compat or M.Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=rank)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()

@@ -8,6 +8,7 @@ and :meth:`LaneSetup.worker_pair`, which only read.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# D workers one P knows at once (each holds a NIXL remote agent per lane): beyond it, the
+# least recently seen idle one is forgotten, or the new one refused when all are busy.
+MAX_PEERS = 1024
+
 
 @dataclass
 class Peer:
@@ -32,6 +37,7 @@ class Peer:
     hello: M.Hello
     ident: bytes  # its control-channel identity
     lanes: LaneSet
+    last_seen: float = 0.0  # monotonic time of its last Hello or Register
 
 
 class LaneSetup:
@@ -88,6 +94,14 @@ class LaneSetup:
             self.stats.inc("messages_unbound")
             logger.warning("dropped a Hello for agent %s from another connection", hello.agent_name)
             return
+        if peer is None and len(self._peers) >= MAX_PEERS:
+            self._prune_peers(time.monotonic(), need_room=True)
+            if len(self._peers) >= MAX_PEERS:
+                self.stats.inc("peers_over_limit")
+                logger.warning("refused D %s: %d D workers known, all of them busy", hello.agent_name, MAX_PEERS)
+                self._send(ident, M.Welcome(self.instance, False, "peers",
+                                            f"this P serves at most {MAX_PEERS} D workers at once"))
+                return
         if peer is None:
             lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
                             self.cfg.lanes, *self._path_rule(hello))
@@ -102,7 +116,33 @@ class LaneSetup:
             peer = self._peers[hello.agent_name] = Peer(hello, ident, lanes)
             self._lanes_opened(peer)
         peer.ident = ident
+        peer.last_seen = time.monotonic()
         self._welcome(peer)
+
+    def _prune_peers(self: "PushSender", now: float, need_room: bool = False) -> None:
+        """Forget D workers that hold nothing here and sent nothing for
+        peer_idle_timeout_s (a restarted or departed D leaves its old agent behind);
+        ``need_room``: also the least recently seen idle one, to make room for a new D."""
+        busy = {pr.reg.agent_name for pr in self.state.held_registrations()}
+        busy |= {f.match.registration.reg.agent_name for f in self._inflight.values()}
+        busy |= {m.registration.reg.agent_name for m, _ in self._asking.values()}
+        idle = sorted((p.last_seen, name) for name, p in self._peers.items() if name not in busy)
+        for last_seen, name in idle:
+            if now - last_seen > self.cfg.peer_idle_timeout_s:
+                self._forget_peer(self._peers[name], f"idle for {now - last_seen:.0f}s")
+        if need_room and len(self._peers) >= MAX_PEERS:
+            rest = [name for _, name in idle if name in self._peers]
+            if rest:
+                self._forget_peer(self._peers[rest[0]], "the least recently seen, to make room")
+
+    def _forget_peer(self: "PushSender", peer: Peer, why: str) -> None:
+        """Release a D worker's lanes (its NIXL remote agent on each lane agent) and
+        forget it; a later Register from it is answered unknown_peer (D says Hello again)."""
+        for i in range(len(peer.lanes.lanes)):
+            peer.lanes.tear_down(i)
+        del self._peers[peer.hello.agent_name]
+        self.stats.inc("peers_forgotten")
+        logger.info("forgot D %s (%s)", peer.hello.agent_name, why)
 
     def _welcome(self: "PushSender", peer: Peer) -> None:
         lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]

@@ -98,12 +98,25 @@ class LaneSet:
             opened[a] = self._connect(a, a)
             return opened[a].path
 
-        chosen = pick_distinct(try_agent, len(self.agents), self.n_lanes, min(self.n_lanes, self.n_paths))
+        try:
+            chosen = pick_distinct(try_agent, len(self.agents), self.n_lanes, min(self.n_lanes, self.n_paths))
+        except Exception:
+            for a in opened:  # a failed set-up leaves no remote agent behind
+                self._remove_remote(a)
+            raise
         self.candidates_opened = len(opened)
         for lane_id, a in enumerate(chosen):
             lane = opened[a]
             lane.lane_id = lane_id
             self.lanes[lane_id] = lane
+        for a in set(opened) - set(chosen):  # candidates not taken: nothing of D's stays on them
+            self._remove_remote(a)
+
+    def _remove_remote(self, a: int) -> None:
+        try:
+            self.agents[a].remove_remote_agent(self.hello.agent_name)
+        except Exception:
+            logger.warning("removing %s from agent %d failed", self.hello.agent_name, a, exc_info=True)
 
     def agent(self, i: int) -> Any:
         return self.agents[self.lanes[i].agent]
@@ -131,14 +144,11 @@ class LaneSet:
                 logger.debug("removing remote agent %s failed", name, exc_info=True)
             raise RuntimeError(f"the Hello's NIXL metadata names agent {name!r}, not {h.agent_name!r}")
         if h.probe_addr and h.probe_len:
-            n = min(8, h.probe_len)
-            loc = agent.get_xfer_descs(np.array([[self.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
-            rem = agent.get_xfer_descs(np.array([[h.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
-            handle = agent.initialize_xfer("WRITE", loc, rem, h.agent_name)
-            state = wait_xfer(agent, handle, timeout_s=5.0)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"lane {lane_id} probe ended in state {state}")
+            try:
+                self._probe(agent, lane_id)
+            except Exception:
+                self._remove_remote(a)  # a lane that failed to open leaves no remote agent behind
+                raise
         conns = self.entropy.learn(before, h.listen_ports, self.own_port)
         if len(conns) == 1:
             src_ip, src_port, dst_ip, dst_port = conns[0]
@@ -149,6 +159,19 @@ class LaneSet:
         if self.path_of is not None and lane.src_port:
             lane.path = self.path_of(lane)
         return lane
+
+    def _probe(self, agent: Any, lane_id: int) -> None:
+        h = self.hello
+        n = min(8, h.probe_len)
+        loc = agent.get_xfer_descs(np.array([[self.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
+        rem = agent.get_xfer_descs(np.array([[h.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
+        handle = agent.initialize_xfer("WRITE", loc, rem, h.agent_name)
+        try:
+            state = wait_xfer(agent, handle, timeout_s=5.0)
+        finally:
+            agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"lane {lane_id} probe ended in state {state}")
 
     def ensure(self, i: int) -> Lane:
         lane = self.lanes[i]

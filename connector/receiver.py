@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -21,9 +20,10 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
-from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
+from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
+from kvpath.connector.peer_links import MAX_LINKS, PeerLinks, _PeerLink
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.tcp_table import lanes_drained
@@ -36,27 +36,7 @@ logger = logging.getLogger(__name__)
 REFUSAL_RETRY_S = 5.0
 
 
-@dataclass
-class _PeerLink:
-    addr: str
-    sock: zmq.Socket
-    welcomed: bool = False
-    instance: str = ""
-    hello_at: float = 0.0
-    refused_until: float = 0.0
-    refusal: str = ""
-    queued: list[M.Register] = field(default_factory=list)
-    server_key: bytes | None = None  # P's CURVE public key (None: loopback plaintext)
-    # P's lane connections into us, (source ip, port), per P process (instance), as
-    # its Welcomes listed them: the fence watches them to tell when P's bytes can no
-    # longer arrive.
-    lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
-    # NIXL names of P's agents, per P process, as its Welcomes listed them: a push's
-    # notification counts only from an agent of the process its registration went to.
-    agents: dict[str, set[str]] = field(default_factory=dict)
-
-
-class PushReceiver(EngineThread):
+class PushReceiver(PeerLinks, EngineThread):
     def __init__(
         self,
         cfg: KVPathConfig,
@@ -73,6 +53,8 @@ class PushReceiver(EngineThread):
                                    write_bound_s=cfg.transfer_timeout_s)
         self._lock = threading.Lock()  # guards self.state between threads
         self._links: dict[str, _PeerLink] = {}
+        self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
+        self._next_prune = 0.0
         self._regs: dict[str, M.Register] = {}  # receiver thread only: to re-send after P restarted
         self.instance = uuid.uuid4().hex[:12]
         self._keys: ControlKeys | None = None
@@ -164,40 +146,6 @@ class PushReceiver(EngineThread):
             return self.state.take()
 
     # -- receiver thread ----------------------------------------------------------
-    def _link(self, peer: str, server_key: bytes | None) -> _PeerLink | None:
-        """The control connection to ``peer``; None when it is known by another key."""
-        link = self._links.get(peer)
-        if link is not None and link.server_key != server_key:
-            if link.instance:  # that key answered: P at this address holds it
-                return None
-            # never welcomed: the other key may be the wrong one; the newest request decides
-            self._drop_link(link, "P's key changed before its handshake completed")
-            link = None
-        if link is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            harden(s, self.cfg.control_max_message_bytes)
-            # fixed for the process and bound to our key: after a broken connection P's
-            # answers still reach us (P's ROUTER hands the id over to the new connection)
-            s.routing_id = routing_id(self._keys.public if self._keys else None, self.agent.name)
-            if self._keys is not None and server_key is not None:
-                secure_client(s, self._keys, server_key)
-            s.connect(f"tcp://{peer}")
-            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key)
-            self._sockets.append(s)
-            self._poller.register(s, zmq.POLLIN)
-        return link
-
-    def _drop_link(self, link: _PeerLink, why: str) -> None:
-        for reg in link.queued:
-            with self._lock:
-                self.state.send_failed(reg.transfer_id, why)
-        link.queued.clear()
-        self._poller.unregister(link.sock)
-        self._sockets.remove(link.sock)
-        link.sock.close(0)
-        del self._links[link.addr]
-
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
@@ -245,13 +193,10 @@ class PushReceiver(EngineThread):
         if now >= self._next_expire:
             self._expire()
             self._next_expire = now + 0.05
+        if now >= self._next_prune:
+            self._prune_links(now)
+            self._next_prune = now + 1.0
         self._send_cancels()
-
-    def _handshaking(self, now: float) -> bool:
-        """A Hello went out recently and P has not answered: P may be opening its lanes
-        into us (a link that never gets an answer stops counting after two heartbeats)."""
-        window = 2 * self.cfg.heartbeat_s()
-        return any(not link.welcomed and now - link.hello_at < window for link in self._links.values())
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
@@ -259,13 +204,16 @@ class PushReceiver(EngineThread):
                 request_id, tid, peer, block_ids, skip, server_key, transfer_key = arg
                 link = self._link(peer, server_key)
                 if link is None:
+                    known = peer in self._links
+                    why = "P is known by another key" if known else f"{MAX_LINKS} P peers connected, none idle"
                     with self._lock:
                         w = self.state.by_tid.get(tid)
                         if w is not None:
-                            self.state.send_failed(tid, "P is known by another key")
-                    self.stats.inc("peers_untrusted")
-                    logger.error("request %s not registered: P at %s is known by another key", request_id, peer)
+                            self.state.send_failed(tid, why)
+                    self.stats.inc("peers_untrusted" if known else "peers_over_limit")
+                    logger.error("request %s not registered with %s: %s", request_id, peer, why)
                     continue
+                link.used_at = time.monotonic()
                 reg = M.Register(
                     transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
                     skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
@@ -335,6 +283,7 @@ class PushReceiver(EngineThread):
                 data = link.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            link.used_at = time.monotonic()
             try:
                 msg = M.decode_to_decode(data)
             except M.MalformedMessage as e:

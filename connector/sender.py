@@ -118,6 +118,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._next_expire = 0.0
+        self._next_prune = 0.0
         self._active_until = 0.0
         self._loop(self._step)
 
@@ -156,6 +157,9 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         if now >= self._next_expire:
             self._expire()
             self._next_expire = now + 0.05
+        if now >= self._next_prune:
+            self._prune_peers(now)
+            self._next_prune = now + 1.0
         if now >= self._next_heartbeat:
             self._heartbeat()
 

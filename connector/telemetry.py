@@ -48,6 +48,8 @@ COUNTERS = (
     "reservation_calls_failed",
     "lanes_reserved_at_push",
     "lanes_reserve_fallback",
+    "peers_forgotten",
+    "peers_over_limit",
 )
 
 

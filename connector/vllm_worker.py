@@ -33,7 +33,7 @@ class KVPathWorker:
         self.rank = rank
         self.compat_fields = compat or {}  # model, dtype, tp_size (the layout adds the rest)
         self.stats = Stats()
-        self.trace = TraceWriter(cfg.trace_path)
+        self.trace = TraceWriter(cfg.trace_path, max_bytes=cfg.trace_max_bytes, keep=cfg.trace_keep)
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
 

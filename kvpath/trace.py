@@ -30,6 +30,7 @@ from typing import IO, Any, Iterable, Union
 import msgspec
 
 from kvpath.five_tuple import PROTOS, FiveTuple
+from kvpath.trace_rotation import log_files, rotate_if_full
 
 __all__ = [
     "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "TraceError", "FiveTuple", "Header", "RequestRecord", "FlowRecord",
@@ -277,13 +278,17 @@ class TraceWriter:
 
     With a header: a run's trace, the file truncated and the header written first.
     Without one: a connector's log, appended to (several processes may share the file);
-    ``{pid}`` in the path becomes this process's id. A ``None`` path writes nothing."""
+    ``{pid}`` in the path becomes this process's id, and ``max_bytes`` rotates it
+    (:mod:`kvpath.trace_rotation`, ``keep`` old files). A ``None`` path writes nothing."""
 
-    def __init__(self, path: str | Path | None, header: Header | None = None):
+    def __init__(self, path: str | Path | None, header: Header | None = None, max_bytes: int | None = None,
+                 keep: int = 3):
         self._lock = threading.Lock()
         self._fh: IO[bytes] | None = None
         self.count = 0
         self.path: Path | None = None
+        self._max_bytes = max_bytes if header is None else None  # a run's trace is one file
+        self._keep = keep
         if path is None or str(path) == "":
             return
         if header is not None:
@@ -314,6 +319,8 @@ class TraceWriter:
                         raise OSError(f"{self.path}: no progress writing a trace record")
                     view = view[n:]
                 self.count += 1
+                if self._max_bytes is not None and self.path is not None:
+                    self._fh = rotate_if_full(self.path, self._fh, self._max_bytes, self._keep)
 
     def write_all(self, recs: Iterable[Record]) -> None:
         for r in recs:
@@ -405,9 +412,18 @@ def _from_v1(row: dict[str, Any]) -> ConnectorRecord:
 
 def read_connector_log(path: str | Path) -> ConnectorLog:
     """A connector's log: its transfer, received and lanes records in file order, from a
-    log of either schema version. Records of a run's trace in it are skipped. A last line
+    log of either schema version, its rotated files (``path.N`` ... ``path.1``) included.
+    Records of a run's trace in it are skipped. A last line
     without its newline is one being written now, and is skipped too."""
+    out = ConnectorLog([], [], [])
     p = Path(path)
+    for f in [f for f in log_files(p) if f != p]:  # rotated files (trace_max_bytes) first, oldest first
+        _read_connector_file(f, out)
+    _read_connector_file(p, out)
+    return out
+
+
+def _read_connector_file(p: Path, out: ConnectorLog) -> None:
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -415,7 +431,6 @@ def read_connector_log(path: str | Path) -> ConnectorLog:
     lines = data.splitlines()
     if lines and not data.endswith(b"\n"):
         lines.pop()
-    out = ConnectorLog([], [], [])
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -437,7 +452,6 @@ def read_connector_log(path: str | Path) -> ConnectorLog:
             out.received.append(rec)
         elif isinstance(rec, LanesRecord):
             out.lanes.append(rec)
-    return out
 
 
 def read_transfers(path: str | Path) -> list[TransferRecord]:

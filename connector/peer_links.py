@@ -1,0 +1,117 @@
+"""D's control connections to its P peers (one DEALER each): made on the first request
+to a peer, dropped when they hold nothing and were idle for peer_idle_timeout_s, and
+bounded in number. A mixin of :class:`~kvpath.connector.receiver.PushReceiver` (the
+state is the receiver's; receiver thread only)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import zmq
+
+from kvpath.connector import messages as M
+from kvpath.connector.control_auth import harden, routing_id, secure_client
+
+if TYPE_CHECKING:
+    from kvpath.connector.receiver import PushReceiver
+
+logger = logging.getLogger(__name__)
+
+# P addresses one D worker keeps a connection to at once: a request naming a new one
+# beyond it (after idle links are dropped) fails at once.
+MAX_LINKS = 1024
+
+
+@dataclass
+class _PeerLink:
+    addr: str
+    sock: zmq.Socket
+    welcomed: bool = False
+    instance: str = ""
+    hello_at: float = 0.0
+    refused_until: float = 0.0
+    refusal: str = ""
+    queued: list[M.Register] = field(default_factory=list)
+    server_key: bytes | None = None  # P's CURVE public key (None: loopback plaintext)
+    # P's lane connections into us, (source ip, port), per P process (instance), as
+    # its Welcomes listed them: the fence watches them to tell when P's bytes can no
+    # longer arrive.
+    lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    # NIXL names of P's agents, per P process, as its Welcomes listed them: a push's
+    # notification counts only from an agent of the process its registration went to.
+    agents: dict[str, set[str]] = field(default_factory=dict)
+    used_at: float = field(default_factory=time.monotonic)  # last request for it, or message from it
+
+
+class PeerLinks:
+    def _link(self: "PushReceiver", peer: str, server_key: bytes | None) -> _PeerLink | None:
+        """The control connection to ``peer``; None when it is known by another key."""
+        link = self._links.get(peer)
+        if link is not None and link.server_key != server_key:
+            if link.instance:  # that key answered: P at this address holds it
+                return None
+            # never welcomed: the other key may be the wrong one; the newest request decides
+            self._drop_link(link, "P's key changed before its handshake completed")
+            link = None
+        if link is None:
+            if len(self._links) >= MAX_LINKS:
+                self._prune_links(time.monotonic(), need_room=True)
+                if len(self._links) >= MAX_LINKS:
+                    return None
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            harden(s, self.cfg.control_max_message_bytes)
+            # One id for all of this process's links, bound to our key: after a broken
+            # connection, or a link dropped while idle and made again, P knows us by it
+            # (its handshake and registrations are bound to the id).
+            if self._routing_id is None:
+                self._routing_id = routing_id(self._keys.public if self._keys else None, self.agent.name)
+            s.routing_id = self._routing_id
+            if self._keys is not None and server_key is not None:
+                secure_client(s, self._keys, server_key)
+            s.connect(f"tcp://{peer}")
+            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key)
+            self._sockets.append(s)
+            self._poller.register(s, zmq.POLLIN)
+        return link
+
+    def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
+        for reg in link.queued:
+            with self._lock:
+                self.state.send_failed(reg.transfer_id, why)
+        link.queued.clear()
+        self._poller.unregister(link.sock)
+        self._sockets.remove(link.sock)
+        link.sock.close(0)
+        del self._links[link.addr]
+
+    def _prune_links(self: "PushReceiver", now: float, need_room: bool = False) -> None:
+        """Drop links that hold nothing (no request waits on that P, nothing queued) and
+        were idle for peer_idle_timeout_s, or whose Hello was never answered for two
+        heartbeats; ``need_room``: also the least recently used idle one."""
+        with self._lock:
+            busy = {w.peer for w in self.state.by_tid.values()}
+        window = 2 * self.cfg.heartbeat_s()
+        idle = sorted((link.used_at, addr) for addr, link in self._links.items()
+                      if addr not in busy and not link.queued)
+        for used_at, addr in idle:
+            link = self._links[addr]
+            unanswered = not link.welcomed and now - link.hello_at > window
+            if now - used_at > self.cfg.peer_idle_timeout_s or unanswered:
+                self._drop_link(link, "idle")
+                self.stats.inc("peers_forgotten")
+        if need_room and len(self._links) >= MAX_LINKS:
+            rest = [addr for _, addr in idle if addr in self._links]
+            if rest:
+                self._drop_link(self._links[rest[0]], "the least recently used, to make room")
+                self.stats.inc("peers_forgotten")
+
+    def _handshaking(self: "PushReceiver", now: float) -> bool:
+        """A Hello went out recently and P has not answered: P may be opening its lanes
+        into us (a link that never gets an answer stops counting after two heartbeats)."""
+        window = 2 * self.cfg.heartbeat_s()
+        return any(not link.welcomed and now - link.hello_at < window for link in self._links.values())
+

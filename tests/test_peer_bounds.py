@@ -1,0 +1,192 @@
+"""What peers leave behind on P is bounded: lanes that fail to open release their NIXL
+remote agents, candidate lanes not taken release theirs, and D workers that hold
+nothing and were silent for peer_idle_timeout_s are forgotten (or make room)."""
+
+import time
+
+import pytest
+
+from kvpath.connector import lane_setup
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.lane_setup import Peer
+from kvpath.connector.lanes import LaneSet
+from kvpath.connector.layout import BlockLayout, Region
+from kvpath.connector.push_state import PendingRegistration, WriterState
+from kvpath.connector.sender import PushSender
+from kvpath.connector.telemetry import Stats
+
+LAY = BlockLayout([Region(base=4096, block_len=64, block_stride=64)], num_blocks=8, block_size=16)
+
+
+class FakeNixlAgent:
+    """The NIXL calls LaneSet makes; ``fail_probe``: the probe WRITE ends in ERR."""
+
+    def __init__(self, name: str, fail_probe: bool = False):
+        self.name, self.fail_probe = name, fail_probe
+        self.remote: set[str] = set()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        self.remote.add(metadata.decode())
+        return metadata.decode()
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.remote.discard(name)
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, loc, rem, remote, notif=b""):
+        return object()
+
+    def transfer(self, handle) -> str:
+        return "ERR" if self.fail_probe else "DONE"
+
+    def check_xfer_state(self, handle) -> str:
+        return self.transfer(handle)
+
+    def release_xfer_handle(self, handle) -> None:
+        pass
+
+
+class NoEntropy:
+    def snapshot(self):
+        return set()
+
+    def learn(self, before, peer_ports, own_port):
+        return []
+
+
+def hello(name: str = "d-agent") -> M.Hello:
+    return M.Hello(engine_id="d", agent_name=name, agent_metadata=name.encode(), layout=LAY, compat=M.Compat(),
+                   instance="i", heartbeat_s=1.0, probe_addr=8192, probe_len=8)
+
+
+def test_a_lane_whose_probe_fails_leaves_no_remote_agent():
+    agents = [FakeNixlAgent("a0"), FakeNixlAgent("a1", fail_probe=True)]
+    ls = LaneSet(hello(), agents, probe_addr=4096, own_port=1, n_lanes=2, entropy=NoEntropy())
+    with pytest.raises(RuntimeError, match="probe"):
+        ls.open_all()
+    assert agents[1].remote == set()  # the failed lane's agent
+    for i in range(2):  # what the writer does after a failed set-up
+        ls.tear_down(i)
+    assert all(a.remote == set() for a in agents)
+
+
+def test_path_candidates_release_their_agents_when_not_taken_or_when_set_up_fails():
+    agents = [FakeNixlAgent(f"a{i}") for i in range(4)]
+    ls = LaneSet(hello(), agents, probe_addr=4096, own_port=1, n_lanes=2, path_of=lambda lane: "s0", n_paths=2,
+                 entropy=NoEntropy())
+    ls.open_all()  # all four candidates take spine s0: two are taken, the others let go
+    taken = {ls.lanes[i].agent for i in range(2)}
+    assert [bool(a.remote) for a in agents] == [i in taken for i in range(4)]
+    agents = [FakeNixlAgent("a0"), FakeNixlAgent("a1"), FakeNixlAgent("a2", fail_probe=True)]
+    ls = LaneSet(hello(), agents, probe_addr=4096, own_port=1, n_lanes=2, path_of=lambda lane: "s0", n_paths=2,
+                 entropy=NoEntropy())
+    with pytest.raises(RuntimeError):
+        ls.open_all()
+    assert all(a.remote == set() for a in agents)
+
+
+class FakeLanes:
+    def __init__(self):
+        self.lanes = [object(), object()]
+        self.torn = []
+
+    def tear_down(self, i):
+        self.torn.append(i)
+
+
+def writer(timeout_s: float = 600.0) -> PushSender:
+    snd = PushSender.__new__(PushSender)
+    snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=timeout_s)
+    snd.state = WriterState(lease_s=30.0)
+    snd.stats = Stats()
+    snd._peers, snd._inflight, snd._asking = {}, {}, {}
+    return snd
+
+
+def add_peer(snd: PushSender, name: str, last_seen: float) -> Peer:
+    p = snd._peers[name] = Peer(hello(name), name.encode(), FakeLanes(), last_seen=last_seen)
+    return p
+
+
+def test_idle_silent_peers_are_forgotten_and_their_lanes_released_busy_ones_kept():
+    snd = writer(timeout_s=60.0)
+    now = time.monotonic()
+    old = add_peer(snd, "gone", now - 120)
+    add_peer(snd, "recent", now - 5)
+    add_peer(snd, "busy", now - 120)
+    snd.state.registrations["t"] = PendingRegistration(M.Register("t", "r", "busy", [1]), b"busy", post_by=now + 60)
+    snd._prune_peers(now)
+    assert set(snd._peers) == {"recent", "busy"}
+    assert old.lanes.torn == [0, 1] and snd.stats.totals["peers_forgotten"] == 1
+
+
+def test_a_full_table_makes_room_with_the_least_recently_seen_idle_peer(monkeypatch):
+    monkeypatch.setattr(lane_setup, "MAX_PEERS", 2)
+    snd = writer()
+    now = time.monotonic()
+    add_peer(snd, "older", now - 30)
+    add_peer(snd, "newer", now - 10)
+    snd._prune_peers(now, need_room=True)
+    assert set(snd._peers) == {"newer"}
+
+
+# -- D: control links --------------------------------------------------------------
+
+
+class _Named:
+    name = "d-agent-x"
+
+
+@pytest.fixture
+def receiver():
+    import numpy as np
+    import zmq
+
+    from kvpath.connector.layout import layout_from_buffers
+    from kvpath.connector.receiver import PushReceiver
+
+    buf = np.zeros(16 * 1024, dtype=np.uint8)
+    spans = [(buf.ctypes.data, buf.nbytes)]
+    r = PushReceiver(KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0), layout_from_buffers(spans, 16, 16),
+                     spans)
+    r.agent = _Named()
+    r._poller = zmq.Poller()
+    yield r
+    r.close()
+
+
+def test_idle_links_are_dropped_busy_ones_kept_and_a_new_link_keeps_the_routing_id(receiver):
+    r = receiver
+    idle, busy = r._link("127.0.0.1:1", None), r._link("127.0.0.1:2", None)
+    assert idle.sock.routing_id == busy.sock.routing_id  # one id per process: P knows us again by it
+    rid = idle.sock.routing_id
+    idle.welcomed = busy.welcomed = True
+    idle.used_at = busy.used_at = time.monotonic() - 120
+    r.state.add("req", "t1", "127.0.0.1:2")  # a request waits on P 2
+    r._prune_links(time.monotonic())
+    assert set(r._links) == {"127.0.0.1:2"} and r.stats.totals["peers_forgotten"] == 1
+    assert r._link("127.0.0.1:1", None).sock.routing_id == rid
+
+
+def test_an_unanswered_hello_link_is_dropped_after_two_heartbeats(receiver):
+    r = receiver
+    link = r._link("127.0.0.1:1", None)
+    link.hello_at = time.monotonic() - 3 * r.cfg.heartbeat_s()
+    r._prune_links(time.monotonic())
+    assert r._links == {}
+
+
+def test_past_the_link_limit_a_new_peer_gets_none_unless_an_idle_link_makes_room(receiver, monkeypatch):
+    from kvpath.connector import peer_links
+
+    monkeypatch.setattr(peer_links, "MAX_LINKS", 1)
+    r = receiver
+    first = r._link("127.0.0.1:1", None)
+    first.welcomed = True
+    r.state.add("req", "t1", "127.0.0.1:1")
+    assert r._link("127.0.0.1:2", None) is None  # the only link is busy
+    r.state.by_tid.clear()
+    assert r._link("127.0.0.1:2", None) is not None and set(r._links) == {"127.0.0.1:2"}

@@ -49,6 +49,7 @@ class ReservationNotifier:
         # reserve calls get their own thread: a push must not wait behind registrations
         # and releases (up to timeout_s each when the service is down)
         self._rq: queue.Queue[_Call | None] = queue.Queue(maxsize=10000)
+        self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"kvpath-reservation-{n}", daemon=True)
                          for q, n in ((self._q, "notifier"), (self._rq, "reserver"))]
         for t in self._threads:
@@ -93,8 +94,14 @@ class ReservationNotifier:
             self.stats.inc("reservation_calls_failed")
 
     def close(self) -> None:
+        """Stop the threads; never blocks on a full queue (the calls left are dropped:
+        the service's leases expire by themselves)."""
+        self._stop.set()
         for q in (self._q, self._rq):
-            q.put(None)
+            try:
+                q.put_nowait(None)  # wakes a thread waiting on an empty queue at once
+            except queue.Full:
+                pass
         for t in self._threads:
             t.join(timeout=3)
 
@@ -108,8 +115,11 @@ class ReservationNotifier:
                     client.get(self.base_url + wire.HEALTH_PATH)
                 except Exception:
                     pass
-            while True:
-                call = q.get()
+            while not self._stop.is_set():
+                try:
+                    call = q.get(timeout=0.5)
+                except queue.Empty:
+                    continue
                 if call is None:
                     return
                 lane = lease = None

@@ -200,28 +200,40 @@ class WriteLoop:
 
     def _expire(self: "PushSender") -> None:
         ex = self.state.expire()
+        # each one on its own: a failure on one (already popped from the state) must not
+        # strand the blocks or the answers of the others
         for fp in ex.prefills:
-            self._release(fp)
-            self.stats.inc("pushes_expired")
-            self._record(
-                TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
-                               detail=f"no registration within {self.cfg.lease_timeout_s}s")
-            )
-            logger.warning("lease of %s expired: D never registered; blocks freed", fp.transfer_id)
+            try:
+                self._release(fp)
+                self.stats.inc("pushes_expired")
+                self._record(
+                    TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
+                                   detail=f"no registration within {self.cfg.lease_timeout_s}s")
+                )
+                logger.warning("lease of %s expired: D never registered; blocks freed", fp.transfer_id)
+            except Exception:
+                self.stats.inc("engine_thread_errors")
+                logger.exception("expiring %s failed", fp.transfer_id)
         for pr in ex.registrations:
-            self.stats.inc("registrations_rejected")
-            self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
+            try:
+                self.stats.inc("registrations_rejected")
+                self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
+            except Exception:
+                self.stats.inc("engine_thread_errors")
+                logger.exception("answering the expiry of %s failed", pr.reg.transfer_id)
 
     def _release(self: "PushSender", fp: FinishedPrefill) -> None:
         """The push of ``fp`` ended (any way): free its blocks, end its reservation."""
-        if fp.lease_id and self.notifier is not None:
-            self.notifier.release(fp.lease_id)
         request_id = fp.request_id
         # Report each request once: vLLM frees (and forgets) it on the first report.
-        if request_id in self._released:
-            return
-        self._released[request_id] = None
-        if len(self._released) > 65536:
-            self._released.popitem(last=False)
-        with self._finished_lock:
-            self._finished.add(request_id)
+        if request_id not in self._released:
+            self._released[request_id] = None
+            if len(self._released) > 65536:
+                self._released.popitem(last=False)
+            with self._finished_lock:
+                self._finished.add(request_id)
+        if fp.lease_id and self.notifier is not None:  # after the blocks: it must not keep them
+            try:
+                self.notifier.release(fp.lease_id)
+            except Exception:
+                logger.exception("releasing the reservation of %s failed", fp.transfer_id)

@@ -1,0 +1,80 @@
+"""One failure never strands the other releases, and the reservation notifier's
+close never waits for its backlog."""
+
+import socket
+import threading
+import time
+
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.push_state import FinishedPrefill, PendingRegistration, WriterState
+from kvpath.connector.reservation_hooks import ReservationNotifier
+from kvpath.connector.sender import PushSender
+from kvpath.connector.telemetry import Stats
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_failing_release_does_not_strand_the_other_expired_prefills_or_registrations():
+    c = Clock()
+    snd = PushSender.__new__(PushSender)
+    snd.cfg = KVPathConfig(control_plaintext=True)
+    snd.state = WriterState(lease_s=1.0, clock=c)
+    snd.stats = Stats()
+    snd._record = lambda rec: None
+    acks = []
+    snd._ack = lambda ident, tid, status, detail="": acks.append((tid, status))
+    freed = []
+
+    def release(fp):
+        if fp.transfer_id == "t0":
+            raise OSError("disk full")
+        freed.append(fp.transfer_id)
+
+    snd._release = release
+    for i in range(3):
+        snd.state.add_prefill(FinishedPrefill(f"r{i}", f"t{i}", [i]))
+    snd.state.registrations["u"] = PendingRegistration(M.Register("u", "d", "a", [1]), b"d", post_by=c.t + 0.5)
+    c.t += 5
+    snd._expire()
+    assert freed == ["t1", "t2"] and acks == [("u", "expired")]
+    assert snd.stats.totals["engine_thread_errors"] == 1
+
+
+def test_notifier_close_stops_its_threads_without_working_off_the_backlog():
+    # a service that accepts connections and never answers: every call waits its timeout
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    n = ReservationNotifier(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=0.3)
+    try:
+        for i in range(10000):  # the queue's size: full
+            n.release(f"lease-{i}")
+        n.release("one too many")  # dropped and counted, never blocks
+        assert n.stats.totals["reservation_calls_failed"] >= 1
+        t0 = time.monotonic()
+        n.close()
+        assert not any(t.is_alive() for t in n._threads), "a thread is still working off 10,000 calls"
+        assert time.monotonic() - t0 < 10  # a hang guard, not a timing claim
+    finally:
+        stop.set()
+        srv.close()
+        for s in held:
+            s.close()

@@ -95,6 +95,9 @@ class KVPathConfig:
     # long is forgotten (its lanes and NIXL remote agents released); a later request
     # makes a new handshake. Bounds what restarts and departed peers leave behind.
     peer_idle_timeout_s: float = 600.0
+    # What the handshake compares as the model's identity; unset: the model's path and
+    # revision. Set the same string on P and D when they load one model from different paths.
+    model_identity: str | None = None
     # The connector's log (trace_path) is rotated at this size, keeping trace_keep old
     # files (trace_path.1 ...): a long-running engine's disk use is bounded.
     trace_max_bytes: int = 256 << 20

@@ -52,9 +52,14 @@ class Compat(msgspec.Struct, frozen=True):
 
     protocol: int = PROTOCOL_VERSION
     model: str = ""  # vLLM's served model name
+    model_identity: str = ""  # path@revision, or the model_identity knob
+    quantization: str = ""
+    vllm_version: str = ""
+    attention_backend: str = ""  # the layers' backends: their KV layout in memory
     dtype: str = ""  # KV cache dtype
     block_size: int = 0  # tokens per block
     kv_layout: str = ""  # BlockLayout.shape()
+    layers: str = ""  # the KV layers' names and order, "count:digest"
     tp_size: int = 1
     tp_rank: int = 0  # D rank r pairs with P rank r
 

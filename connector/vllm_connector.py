@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.vllm_compat import attention_backend, compat_fields, refuse_unsupported
 from kvpath.connector.vllm_scheduler import KVPathMetadata, KVPathScheduler
 
 if TYPE_CHECKING:
@@ -43,16 +44,6 @@ def _share_vllm_logging() -> None:
         ours.propagate = False
 
 
-def _compat_fields(vllm_config: "VllmConfig") -> dict[str, Any]:
-    """What the handshake compares besides the layout: model, KV dtype, TP size."""
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    names = mc.served_model_name
-    model = names[0] if isinstance(names, (list, tuple)) and names else str(names or mc.model)
-    dtype = str(mc.dtype) if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
-    return {"model": model, "dtype": dtype.removeprefix("torch."),
-            "tp_size": vllm_config.parallel_config.tensor_parallel_size}
-
-
 class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -68,6 +59,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
                 f"manager this model has {len(kv_cache_config.kv_cache_groups)}. Start vLLM with "
                 "--disable-hybrid-kv-cache-manager to give it one group."
             )
+        refuse_unsupported(vllm_config)
         from kvpath.connector.nixl_io import load_nixl
 
         load_nixl()  # fail at start-up, naming the missing piece, not at the first request
@@ -83,7 +75,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = KVPathWorker(
                 self.cfg, self.engine_id, ktc.kv_role, vllm_config.cache_config.block_size,
-                kv_cache_config.num_blocks, rank=get_tensor_model_parallel_rank(), compat=_compat_fields(vllm_config),
+                kv_cache_config.num_blocks, rank=get_tensor_model_parallel_rank(), compat=compat_fields(vllm_config, self.cfg),
             )
 
     # ---------------- scheduler side ----------------
@@ -121,6 +113,8 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self._worker is not None
+        # the model is loaded now: its layers say which attention backend they use
+        self._worker.compat_fields["attention_backend"] = attention_backend(self._vllm_config)
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

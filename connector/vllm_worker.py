@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.layout import layout_from_tensors
 from kvpath.connector.messages import Compat
+from kvpath.connector.vllm_compat import layers_digest
 from kvpath.connector.receiver import PushReceiver
 from kvpath.connector.sender import PushSender
 from kvpath.connector.telemetry import Stats
@@ -43,7 +44,8 @@ class KVPathWorker:
             "kvpath: %d KV tensors -> %d regions, %d B per block, %d blocks (%s)",
             len(kv_caches), len(layout.regions), layout.bytes_per_block(), layout.num_blocks, self.role,
         )
-        compat = Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=self.rank, **self.compat_fields)
+        compat = Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=self.rank,
+                        layers=layers_digest(kv_caches), **self.compat_fields)
         logger.info("kvpath: compatibility %s (digest %s)", compat, compat.digest())
         if self.role in ("kv_producer", "kv_both"):
             self.sender = PushSender(

@@ -98,6 +98,9 @@ class KVPathConfig:
     # What the handshake compares as the model's identity; unset: the model's path and
     # revision. Set the same string on P and D when they load one model from different paths.
     model_identity: str | None = None
+    # The host P's answers give D to reach its side channel; unset: side_channel_host,
+    # or this host's primary address when that is a wildcard (0.0.0.0, ::).
+    advertise_host: str | None = None
     # The connector's log (trace_path) is rotated at this size, keeping trace_keep old
     # files (trace_path.1 ...): a long-running engine's disk use is bounded.
     trace_max_bytes: int = 256 << 20
@@ -197,7 +200,19 @@ class KVPathConfig:
         return self.registration_timeout_s / 4
 
     def side_channel_addr(self, rank: int = 0) -> str:
+        """Where P's control socket listens (may be a wildcard address)."""
         return f"{self.side_channel_host}:{self.side_channel_port + rank}"
+
+    def advertised_addr(self, rank: int = 0) -> str:
+        """The address P's answers name for D to connect to: ``advertise_host`` when set;
+        for a wildcard ``side_channel_host`` (0.0.0.0, ::), this host's primary address,
+        since a D elsewhere cannot reach a wildcard; else ``side_channel_host``."""
+        host = self.advertise_host or self.side_channel_host
+        if not self.advertise_host and _is_wildcard(host):
+            host = _primary_address(ipv6=":" in host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.side_channel_port + rank}"
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -247,3 +262,23 @@ def parse_host_port(addr: str, field_name: str = "peer") -> tuple[str, int]:
     if not host or not 0 < port < 65536:
         raise ValueError(f"{field_name} must be 'host:port', got {addr!r}")
     return host, port
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _primary_address(ipv6: bool = False) -> str:
+    """The source address of this host's default route (no packet is sent)."""
+    import socket
+
+    family, probe = (socket.AF_INET6, ("2001:db8::1", 9)) if ipv6 else (socket.AF_INET, ("192.0.2.1", 9))
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(probe)
+            return s.getsockname()[0]
+        except OSError:  # no route at all: only this host can reach us
+            return "::1" if ipv6 else "127.0.0.1"

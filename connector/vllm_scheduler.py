@@ -154,7 +154,7 @@ class KVPathScheduler:
             "do_remote_decode": False,
             "kvpath": {
                 "transfer_id": pp.transfer_id,
-                "peer": self.cfg.side_channel_addr(0),
+                "peer": self.cfg.advertised_addr(0),
                 **({"peer_key": self.public_key} if self.public_key else {}),
                 **({"transfer_key": pp.transfer_key} if pp.transfer_key else {}),
                 "engine_id": self.engine_id,

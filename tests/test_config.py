@@ -102,3 +102,13 @@ def test_the_control_channel_needs_keys_or_loopback_plaintext(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="control_trusted_keys: no \\*.key file"):
         ControlKeys.load(knobs["p"]["control_key"], str(tmp_path / "empty"))
+
+
+def test_p_never_advertises_a_wildcard_address():
+    from kvpath.connector.config import KVPathConfig, parse_host_port
+
+    wild = KVPathConfig(side_channel_host="0.0.0.0", side_channel_port=5600)
+    host, port = parse_host_port(wild.advertised_addr(1))
+    assert port == 5601 and host not in ("0.0.0.0", "")
+    assert KVPathConfig(side_channel_host="0.0.0.0", advertise_host="10.1.2.3").advertised_addr() == "10.1.2.3:5600"
+    assert KVPathConfig(side_channel_host="10.9.9.9").advertised_addr() == "10.9.9.9:5600"

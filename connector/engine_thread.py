@@ -19,7 +19,7 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
-from kvpath.connector.nixl_io import PROBE_BYTES
+from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import TraceWriter
 
@@ -36,6 +36,8 @@ LINGER_S = 1.0
 
 
 class EngineThread:
+    STOP_TIMEOUT_S = 10.0  # close() waits this long for the thread (a lane probe takes up to 5 s)
+
     def __init__(
         self,
         cfg: KVPathConfig,
@@ -70,6 +72,10 @@ class EngineThread:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(addr)
         self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
+        self._nixl_regs: list[tuple[Any, Any]] = []  # (agent, registration): deregistered on close
+
+    def _register(self, agent: Any, spans: list[tuple[int, int]], mem_type: str, device_id: int = 0) -> None:
+        self._nixl_regs.append((agent, register(agent, spans, mem_type, device_id)))
 
     def _record(self, rec: Any) -> None:
         """Append a record to the connector's log. Never raises: a record that cannot be
@@ -137,11 +143,30 @@ class EngineThread:
             except queue.Empty:
                 return
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the thread, then close its sockets and release its NIXL agents. False
+        when the thread did not stop in time (stuck in a NIXL call): its sockets and
+        agents are then left to the process's exit, never pulled from under it."""
         self._stop.set()
         self._wake()
         if self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=self.STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("%s did not stop in %g s: its sockets and NIXL agents stay until the process exits",
+                               self._thread.name, self.STOP_TIMEOUT_S)
+                self.trace.close()
+                return False
         for s in self._sockets:
             s.close(0)
+        for agent, reg in self._nixl_regs:
+            try:
+                agent.deregister_memory(reg)
+            except Exception:
+                logger.debug("deregistering memory failed", exc_info=True)
+        self._nixl_regs.clear()
+        self._drop_agents()
         self.trace.close()
+        return True
+
+    def _drop_agents(self) -> None:
+        """Release the NIXL agents (their remote agents first): the subclass knows them."""

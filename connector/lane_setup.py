@@ -16,7 +16,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
 from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
-from kvpath.connector.nixl_io import PROBE_BYTES, make_agent, register
+from kvpath.connector.nixl_io import PROBE_BYTES, make_agent
 from kvpath.reservation_wire import LaneInfo
 from kvpath.trace import LaneRecord, LanesRecord
 
@@ -63,8 +63,8 @@ class LaneSetup:
         pool = self.cfg.lanes * (self.cfg.lane_candidates if self.oracle else 1)
         for i in range(pool):
             agent = make_agent(f"{self.engine_id}-r{self.rank}-lane{i}")
-            register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
-            register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
+            self._register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
+            self._register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
 
     def worker_pair(self: "PushSender", hello: M.Hello) -> str:

@@ -24,7 +24,7 @@ from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
 from kvpath.connector.peer_links import MAX_LINKS, PeerLinks, _PeerLink
-from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent, register
+from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.tcp_table import lanes_drained
 from kvpath.connector.telemetry import Stats
@@ -71,11 +71,14 @@ class PushReceiver(PeerLinks, EngineThread):
             before = listening_ports()
             self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
             self.listen_ports = sorted(listening_ports() - before)
-        register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
-        register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
+        self._register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
+        self._register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
         self._start_thread(self._run, "kvpath-push-receiver")
         return self
+
+    def _drop_agents(self) -> None:
+        self.agent = None  # NIXL's agent object releases its UCX worker when collected
 
     # -- engine thread ----------------------------------------------------------
     def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0,

@@ -87,13 +87,20 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
 
-    def close(self) -> None:
-        super().close()
-        if self._curve is not None:  # after the router socket is closed (ctx.term waits for it)
+    def close(self) -> bool:
+        stopped = super().close()
+        if self._curve is not None and stopped:  # after the router socket is closed (ctx.term waits for it)
             self._curve.close()
         if self.notifier is not None:
             self.notifier.close()
+        return stopped
 
+    def _drop_agents(self) -> None:
+        for peer in list(self._peers.values()):
+            for i in range(len(peer.lanes.lanes)):
+                peer.lanes.tear_down(i)
+        self._peers.clear()
+        self.lane_agents = []
     # -- called from the engine thread ---------------------------------------
     def submit_finished(
         self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None,

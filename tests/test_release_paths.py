@@ -78,3 +78,43 @@ def test_notifier_close_stops_its_threads_without_working_off_the_backlog():
         srv.close()
         for s in held:
             s.close()
+
+
+class _Agent:
+    def __init__(self):
+        self.deregistered = []
+
+    def deregister_memory(self, reg):
+        self.deregistered.append(reg)
+
+
+def _thread_that_blocks(stuck: threading.Event):
+    import numpy as np
+
+    from kvpath.connector.engine_thread import EngineThread
+    from kvpath.connector.layout import layout_from_buffers
+
+    buf = np.zeros(4096, dtype=np.uint8)
+    spans = [(buf.ctypes.data, buf.nbytes)]
+    t = EngineThread(KVPathConfig(control_plaintext=True), layout_from_buffers(spans, 4, 16), spans, "e", 0, None, None,
+                     "x")
+    agent = _Agent()
+    t._nixl_regs.append((agent, "reg"))
+    t._start_thread(lambda: stuck.wait(30), "stuck-thread")
+    return t, agent
+
+
+def test_close_never_closes_sockets_or_agents_under_a_thread_that_did_not_stop(monkeypatch):
+    from kvpath.connector.engine_thread import EngineThread
+
+    monkeypatch.setattr(EngineThread, "STOP_TIMEOUT_S", 0.2)
+    stuck = threading.Event()
+    t, agent = _thread_that_blocks(stuck)
+    try:
+        assert t.close() is False
+        assert not t._wake_rx.closed and agent.deregistered == []
+    finally:
+        stuck.set()
+        t._thread.join(5)
+    assert t.close() is True  # once it stopped: sockets closed, memory deregistered
+    assert t._wake_rx.closed and agent.deregistered == ["reg"]

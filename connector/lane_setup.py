@@ -140,6 +140,7 @@ class LaneSetup:
         forget it; a later Register from it is answered unknown_peer (D says Hello again)."""
         for i in range(len(peer.lanes.lanes)):
             peer.lanes.tear_down(i)
+        self._unregister_lanes(peer)
         del self._peers[peer.hello.agent_name]
         self.stats.inc("peers_forgotten")
         logger.info("forgot D %s (%s)", peer.hello.agent_name, why)
@@ -188,3 +189,9 @@ class LaneSetup:
             rows = [LaneInfo(l.lane_id, l.src_port, l.dst_port, l.src_ip, l.dst_ip) for l in peer.lanes.lanes
                     if l.src_port]
             self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, self.worker_pair(h))
+
+    def _unregister_lanes(self: "PushSender", peer: Peer) -> None:
+        """The worker pair is gone (D forgotten, P stopping): its lanes are no candidates."""
+        h = peer.hello
+        if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
+            self.notifier.unregister_lanes(self.cfg.fabric_host, h.fabric_host, self.worker_pair(h))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgspec
@@ -71,6 +72,9 @@ class ReservationNotifier:
         self._post(_Call(wire.LANES_PATH, wire.LanesRequest(src_host=src_host, dst_host=dst_host, worker=worker,
                                                             lanes=rows)))
 
+    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "") -> None:
+        self._post(_Call(wire.UNREGISTER_PATH, wire.LanesRemoval(src_host=src_host, dst_host=dst_host, worker=worker)))
+
     def release(self, lease_id: str) -> None:
         self._post(_Call(wire.RELEASE_PATH, wire.ReleaseRequest(lease_id)))
 
@@ -93,17 +97,21 @@ class ReservationNotifier:
         except queue.Full:
             self.stats.inc("reservation_calls_failed")
 
-    def close(self) -> None:
-        """Stop the threads; never blocks on a full queue (the calls left are dropped:
-        the service's leases expire by themselves)."""
-        self._stop.set()
+    def close(self, flush_s: float = 2.0) -> None:
+        """Send what is queued for up to ``flush_s`` (releases, lane removals), then stop
+        the threads; never blocks on a full queue. Calls left then are dropped: the
+        service's leases expire by themselves."""
         for q in (self._q, self._rq):
             try:
-                q.put_nowait(None)  # wakes a thread waiting on an empty queue at once
+                q.put_nowait(None)  # after the backlog: the thread ends when it gets there
             except queue.Full:
                 pass
+        deadline = time.monotonic() + flush_s
         for t in self._threads:
-            t.join(timeout=3)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._stop.set()  # a backlog left (the service slow or down): stop after the current call
+        for t in self._threads:
+            t.join(timeout=self.timeout_s + 1.0)
 
     def _run(self, q: "queue.Queue[_Call | None]") -> None:
         import httpx

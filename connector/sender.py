@@ -99,6 +99,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         for peer in list(self._peers.values()):
             for i in range(len(peer.lanes.lanes)):
                 peer.lanes.tear_down(i)
+            self._unregister_lanes(peer)  # sent by the notifier's close, after this
         self._peers.clear()
         self.lane_agents = []
     # -- called from the engine thread ---------------------------------------

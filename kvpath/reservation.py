@@ -237,6 +237,20 @@ class ReservationService:
         self._cands.pop((src, dst), None)
         self.counters["lane_registrations"] += 1
 
+    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "") -> int:
+        """Forget one worker pair's lanes (its engine went away); returns how many there
+        were. Leases already granted on them keep their load until they end."""
+        key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
+        pairs = self._lanes.get(key, {})
+        gone = pairs.pop(worker, None)
+        if gone is None:
+            return 0
+        if not pairs:
+            del self._lanes[key]
+        self._cands.pop(key, None)
+        self.counters["lane_unregistrations"] += 1
+        return len(gone)
+
     def lanes(self, src_host: str, dst_host: str, worker: str = "") -> list[LaneInfo]:
         key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
         return list(self._lanes.get(key, {}).get(worker, []))

@@ -36,6 +36,7 @@ RESERVE_AT: Final = ("admission", "push")  # the proxy reserves at admission, or
 RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer
 RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent)
 LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (needs the admin token when the service has one)
+UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (admin token as LANES_PATH)
 STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters
 DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/decision_replay.py)
 HEALTH_PATH: Final = "/health"
@@ -108,6 +109,15 @@ class LanesRequest(msgspec.Struct, kw_only=True):
     dst_host: Host
     worker: Annotated[str, Meta(max_length=512)] = ""
     lanes: Annotated[list[LaneInfo], Meta(min_length=1, max_length=1024)]
+
+
+class LanesRemoval(msgspec.Struct, kw_only=True):
+    """A (P worker, D worker) pair whose lanes are gone (the D worker was forgotten, the
+    P worker stopped): they are no longer candidates, nor charged."""
+
+    src_host: Host
+    dst_host: Host
+    worker: Annotated[str, Meta(max_length=512)] = ""
 
 
 class LanesAnswer(msgspec.Struct):

@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 # The largest body any call needs: a lane registration of a few thousand lanes.
 MAX_BODY_BYTES = 1024 * 1024
 
-_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
-Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest)
+_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest, wire.LanesRemoval)
+Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest, wire.LanesRemoval)
 # strict=False: numbers written as strings ("5") are read as numbers, as the service always did
 _DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in _BODIES}
 
@@ -171,6 +171,22 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
         except ReservationError as e:
             raise HTTPException(422, str(e)) from None
         return _json(wire.LanesAnswer(True, len(body.lanes)))
+
+    @app.post(wire.UNREGISTER_PATH)
+    async def unregister(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            if raw.strip():
+                parse_json(raw)
+            check_admin(request)
+            body = parse_body(raw, wire.LanesRemoval)
+        except BadBody as e:
+            return e.response
+        try:
+            n = svc.unregister_lanes(body.src_host, body.dst_host, body.worker)
+        except ReservationError as e:
+            raise HTTPException(422, str(e)) from None
+        return _json(wire.LanesAnswer(n > 0, n))
 
     # The reads name P/D agents and live transfer ids: behind the token when there is one.
     @app.get(wire.STATE_PATH)

@@ -263,3 +263,28 @@ def test_a_huge_bad_value_is_not_echoed_and_a_planted_location_is_not_believed(c
     r = client.post("/v1/reserve", json=body)
     assert r.status_code == 422 and len(r.content) < 2000
     assert "admin" not in json.dumps(r.json().get("fields", r.json()))
+
+
+def test_a_worker_pairs_lanes_are_unregistered_when_its_engine_goes():
+    from kvpath.testbed.readiness import free_port
+    from kvpath.testbed.stub_engine import ServerThread
+
+    svc = ReservationService(SPEC, "cc", lease_s=5)
+    with ServerThread(create_app(svc, admin_token=TOKEN), free_port()) as srv:
+        n = ReservationNotifier(srv.url, token=TOKEN)
+        n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)], worker="p/r0>d-a")
+        n.register_lanes("l0h1", "l1h1", [(0, 42000)], worker="p/r0>d-b")
+        n.unregister_lanes("l0h1", "l1h1", worker="p/r0>d-a")
+        n.close()  # sends its backlog in order first
+        assert n.stats.totals["reservation_calls_ok"] == 3
+        assert svc.lanes("l0h1", "l1h1", "p/r0>d-a") == [] and len(svc.lanes("l0h1", "l1h1", "p/r0>d-b")) == 1
+        # the token is needed, and an unknown pair is answered ok=false
+        body = {"src_host": "l0h1", "dst_host": "l1h1", "worker": "p/r0>d-b"}
+        assert httpx.post(srv.url + "/v1/lanes/unregister", json=body).status_code == 401
+        r = httpx.post(srv.url + "/v1/lanes/unregister", json={**body, "worker": "nobody"},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200 and r.json() == {"ok": False, "lanes": 0}
+        r = httpx.post(srv.url + "/v1/lanes/unregister", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.json() == {"ok": True, "lanes": 1}
+    # no lanes left for the host pair: a reservation falls back instead of charging a gone pair
+    assert svc.reserve("l0h1", "l1h1", 1000).fallback == "no_lanes"

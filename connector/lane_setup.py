@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Generator
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # D workers one P knows at once (each holds a NIXL remote agent per lane): beyond it, the
 # least recently seen idle one is forgotten, or the new one refused when all are busy.
 MAX_PEERS = 1024
+# Lane set-ups waiting behind the one in progress (each is at most lanes x candidates
+# probes of up to PROBE_TIMEOUT_S): beyond it a new D is told to try again later.
+MAX_QUEUED_SETUPS = 64
 
 
 @dataclass
@@ -38,6 +41,16 @@ class Peer:
     ident: bytes  # its control-channel identity
     lanes: LaneSet
     last_seen: float = 0.0  # monotonic time of its last Hello or Register
+
+
+@dataclass
+class LaneOpening:
+    """A D worker's lane set-up in progress (the writer steps one at a time)."""
+
+    hello: M.Hello
+    ident: bytes
+    lanes: LaneSet
+    steps: Generator[None, None, None]
 
 
 class LaneSetup:
@@ -103,21 +116,65 @@ class LaneSetup:
                                             f"this P serves at most {MAX_PEERS} D workers at once"))
                 return
         if peer is None:
-            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
-                            self.cfg.lanes, *self._path_rule(hello))
-            try:
-                lanes.open_all()
-            except Exception as e:  # a peer we cannot reach: refuse, keep serving the others
-                logger.warning("cannot open lanes to %s: %s", hello.agent_name, e)
-                for i in range(len(lanes.lanes)):
-                    lanes.tear_down(i)
-                self._send(ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
-                return
-            peer = self._peers[hello.agent_name] = Peer(hello, ident, lanes)
-            self._lanes_opened(peer)
+            self._queue_lane_setup(ident, hello)
+            return
         peer.ident = ident
         peer.last_seen = time.monotonic()
         self._welcome(peer)
+
+    def _queue_lane_setup(self: "PushSender", ident: bytes, hello: M.Hello) -> None:
+        """Open this D worker's lanes on the writer's loop, one probe at a time, after the
+        set-ups queued before it; its Welcome goes out when they are open. D re-sends its
+        Hello while it waits: a set-up already queued or running is not started again."""
+        name = hello.agent_name
+        op = self._opening
+        held = (op.ident if op is not None and op.hello.agent_name == name
+                else self._hellos[name][0] if name in self._hellos else None)
+        if held is not None:
+            if held != ident:
+                self.stats.inc("messages_unbound")
+                logger.warning("dropped a Hello for agent %s from another connection", name)
+            return
+        if len(self._hellos) >= MAX_QUEUED_SETUPS:
+            self.stats.inc("peers_over_limit")
+            self._send(ident, M.Welcome(self.instance, False, "peers",
+                                        f"{MAX_QUEUED_SETUPS} lane set-ups are queued at this P; try again"))
+            return
+        self._hellos[name] = (ident, hello)
+        self._step_lane_setup()
+
+    def _step_lane_setup(self: "PushSender") -> None:
+        """Advance the lane set-up in progress by one probe poll (or start the next)."""
+        if self._opening is None:
+            if not self._hellos:
+                return
+            _, (ident, hello) = self._hellos.popitem(last=False)
+            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
+                            self.cfg.lanes, *self._path_rule(hello))
+            self._opening = LaneOpening(hello, ident, lanes, lanes.open_steps())
+        op = self._opening
+        try:
+            next(op.steps)
+            return  # a probe is in flight
+        except StopIteration:
+            self._opening = None
+        except Exception as e:  # a peer we cannot reach: refuse it, the others were served meanwhile
+            self._opening = None
+            logger.warning("cannot open lanes to %s: %s", op.hello.agent_name, e)
+            op.lanes.abandon()
+            self._send(op.ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
+            return
+        peer = self._peers[op.hello.agent_name] = Peer(op.hello, op.ident, op.lanes, last_seen=time.monotonic())
+        self._lanes_opened(peer)
+        self._welcome(peer)
+
+    def _abandon_lane_setups(self: "PushSender") -> None:
+        """Shutdown: the set-up in progress leaves no remote agent; queued ones are dropped."""
+        if self._opening is not None:
+            self._opening.steps.close()
+            self._opening.lanes.abandon()
+            self._opening = None
+        self._hellos.clear()
 
     def _prune_peers(self: "PushSender", now: float, need_room: bool = False) -> None:
         """Forget D workers that hold nothing here and sent nothing for

@@ -14,17 +14,20 @@ its next use.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Generator, Hashable, TypeVar
 
 import numpy as np
 
 from kvpath.connector import messages as M
 from kvpath.connector.entropy import PathEntropyProvider, TcpSocketEntropy
-from kvpath.connector.nixl_io import wait_xfer
 from kvpath.five_tuple import FiveTuple
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PROBE_TIMEOUT_S = 5.0  # a lane whose 8-byte probe WRITE has not completed by then failed to open
 
 
 @dataclass
@@ -45,27 +48,48 @@ class Lane:
         return FiveTuple(self.src_ip, self.dst_ip, self.src_port, self.dst_port, "tcp")
 
 
-def pick_distinct(open_candidate: Callable[[int], Hashable], pool: int, want: int, distinct: int) -> list[int]:
-    """Choose ``want`` candidates out of ``pool``, opening them in order
-    (``open_candidate(i)`` returns its path), until ``distinct`` different paths are
-    covered; the remaining lanes are filled with the first duplicates. Returns the
-    chosen candidate indices, lane order."""
+def pick_distinct_steps(pool: int, want: int, distinct: int) -> Generator[int, Hashable, list[int]]:
+    """Choose ``want`` candidates out of ``pool``, opening them in order (this yields
+    the index of the next one to open and is sent its path), until ``distinct``
+    different paths are covered; the remaining lanes are filled with the first
+    duplicates. Returns the chosen candidate indices, lane order."""
     chosen: list[int] = []
     dupes: list[int] = []
     seen: set[Hashable] = set()
     i = 0
     while i < pool and len(chosen) < want and len(seen) < distinct:
-        key = open_candidate(i)
+        key = yield i
         (dupes if key in seen else chosen).append(i)
         seen.add(key)
         i += 1
     while len(chosen) < want and dupes:
         chosen.append(dupes.pop(0))
     while len(chosen) < want and i < pool:  # all paths covered: take the next ones as they come
-        open_candidate(i)
+        yield i
         chosen.append(i)
         i += 1
     return chosen
+
+
+def pick_distinct(open_candidate: Callable[[int], Hashable], pool: int, want: int, distinct: int) -> list[int]:
+    """:func:`pick_distinct_steps` with ``open_candidate(i)`` returning candidate i's path."""
+    steps = pick_distinct_steps(pool, want, distinct)
+    try:
+        i = next(steps)
+        while True:
+            i = steps.send(open_candidate(i))
+    except StopIteration as done:
+        return done.value
+
+
+def drive(steps: Generator[None, None, T]) -> T:
+    """Run a set-up generator to its end here, progressing its probes (blocking)."""
+    try:
+        while True:
+            next(steps)
+            time.sleep(0.0002)
+    except StopIteration as done:
+        return done.value
 
 
 class LaneSet:
@@ -88,20 +112,28 @@ class LaneSet:
         self.candidates_opened = 0
 
     def open_all(self) -> None:
+        """Open every lane here, blocking (each probe up to PROBE_TIMEOUT_S)."""
+        drive(self.open_steps())
+
+    def open_steps(self) -> Generator[None, None, None]:
+        """Open every lane, one probe at a time: yields while a probe is in flight (the
+        writer's loop steps it between its other work), raises when a lane cannot
+        open. What a failed set-up created is released before it raises."""
         if self.path_of is None:
             for i in range(self.n_lanes):
-                self.open(i)
+                self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
             return
         opened: dict[int, Lane] = {}
-
-        def try_agent(a: int) -> str:
-            opened[a] = self._connect(a, a)
-            return opened[a].path
-
+        picker = pick_distinct_steps(len(self.agents), self.n_lanes, min(self.n_lanes, self.n_paths))
         try:
-            chosen = pick_distinct(try_agent, len(self.agents), self.n_lanes, min(self.n_lanes, self.n_paths))
-        except Exception:
-            for a in opened:  # a failed set-up leaves no remote agent behind
+            a = next(picker)
+            while True:
+                opened[a] = yield from self._connect_steps(a, a)
+                a = picker.send(opened[a].path)
+        except StopIteration as done:
+            chosen = done.value
+        except BaseException:  # GeneratorExit too: a set-up abandoned leaves nothing behind
+            for a in opened:
                 self._remove_remote(a)
             raise
         self.candidates_opened = len(opened)
@@ -112,22 +144,28 @@ class LaneSet:
         for a in set(opened) - set(chosen):  # candidates not taken: nothing of D's stays on them
             self._remove_remote(a)
 
-    def _remove_remote(self, a: int) -> None:
+    def abandon(self) -> None:
+        """Remove D's remote agent from every pool agent (a set-up that will not finish)."""
+        for a in range(len(self.agents)):
+            self._remove_remote(a, quiet=True)
+
+    def _remove_remote(self, a: int, quiet: bool = False) -> None:
         try:
             self.agents[a].remove_remote_agent(self.hello.agent_name)
         except Exception:
-            logger.warning("removing %s from agent %d failed", self.hello.agent_name, a, exc_info=True)
+            if not quiet:
+                logger.warning("removing %s from agent %d failed", self.hello.agent_name, a, exc_info=True)
 
     def agent(self, i: int) -> Any:
         return self.agents[self.lanes[i].agent]
 
     def open(self, i: int) -> Lane:
-        """(Re)open lane ``i`` on its agent."""
-        lane = self._connect(self.lanes[i].agent, i)
+        """(Re)open lane ``i`` on its agent, blocking."""
+        lane = drive(self._connect_steps(self.lanes[i].agent, i))
         self.lanes[i] = lane
         return lane
 
-    def _connect(self, a: int, lane_id: int) -> Lane:
+    def _connect_steps(self, a: int, lane_id: int) -> Generator[None, None, Lane]:
         """Add D's agent to pool agent ``a`` and push a tiny WRITE so the connection
         exists now and its 5-tuple is known before the first real push is routed."""
         agent, h = self.agents[a], self.hello
@@ -145,8 +183,8 @@ class LaneSet:
             raise RuntimeError(f"the Hello's NIXL metadata names agent {name!r}, not {h.agent_name!r}")
         if h.probe_addr and h.probe_len:
             try:
-                self._probe(agent, lane_id)
-            except Exception:
+                yield from self._probe_steps(agent, lane_id)
+            except BaseException:
                 self._remove_remote(a)  # a lane that failed to open leaves no remote agent behind
                 raise
         conns = self.entropy.learn(before, h.listen_ports, self.own_port)
@@ -160,14 +198,21 @@ class LaneSet:
             lane.path = self.path_of(lane)
         return lane
 
-    def _probe(self, agent: Any, lane_id: int) -> None:
+    def _probe_steps(self, agent: Any, lane_id: int) -> Generator[None, None, None]:
         h = self.hello
         n = min(8, h.probe_len)
         loc = agent.get_xfer_descs(np.array([[self.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
         rem = agent.get_xfer_descs(np.array([[h.probe_addr, n, 0]], dtype=np.uint64), "DRAM")
         handle = agent.initialize_xfer("WRITE", loc, rem, h.agent_name)
         try:
-            state = wait_xfer(agent, handle, timeout_s=5.0)
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + PROBE_TIMEOUT_S
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    state = "TIMEOUT"
+                    break
+                yield
+                state = agent.check_xfer_state(handle)
         finally:
             agent.release_xfer_handle(handle)
         if state != "DONE":

@@ -27,7 +27,7 @@ from kvpath.connector.config import KVPathConfig
 from kvpath.connector.control_auth import CurveServer
 from kvpath.connector.control_channel import ControlChannel
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
-from kvpath.connector.lane_setup import LaneSetup, Peer
+from kvpath.connector.lane_setup import LaneOpening, LaneSetup, Peer
 from kvpath.connector.lanes import Lane
 from kvpath.connector.nixl_io import configure_ucx
 from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
@@ -72,6 +72,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self.instance = uuid.uuid4().hex[:12]  # D tells a restarted P by a new value
         self._next_heartbeat = 0.0
         self._asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
+        self._opening: LaneOpening | None = None  # the lane set-up in progress
+        self._hellos: OrderedDict[str, tuple[bytes, M.Hello]] = OrderedDict()  # set-ups queued behind it
         self._curve: CurveServer | None = None  # the control channel's CURVE context (keys given)
         self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 
@@ -96,6 +98,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         return stopped
 
     def _drop_agents(self) -> None:
+        self._abandon_lane_setups()
         for peer in list(self._peers.values()):
             for i in range(len(peer.lanes.lanes)):
                 peer.lanes.tear_down(i)
@@ -132,12 +135,14 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
 
     def _step(self) -> None:
         now = time.monotonic()
-        if self._inflight or self._asking or not self.state.idle():
+        setting_up = self._opening is not None or bool(self._hellos)
+        if self._inflight or self._asking or setting_up or not self.state.idle():
             self._active_until = now + LINGER_S
         # a WRITE past transfer_timeout_s (a stuck peer) is progressed every millisecond,
-        # not in a busy loop: it must not cost P a core for as long as UCX takes to fail it
+        # not in a busy loop: it must not cost P a core for as long as UCX takes to fail it;
+        # a lane set-up's probe is polled every millisecond, between the other work
         spinning = any(not f.slow for f in self._inflight.values())
-        timeout_ms = (0 if spinning else 1 if self._inflight else 5 if self._asking
+        timeout_ms = (0 if spinning else 1 if (self._inflight or setting_up) else 5 if self._asking
                       else int(self.cfg.idle_poll_s * 1000) if now < self._active_until else DORMANT_POLL_MS)
         events = self._poll(timeout_ms)
         if self._asking:
@@ -161,6 +166,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
                 time.sleep(0.0002)
         elif self._inflight:
             self._progress()
+        if self._opening is not None or self._hellos:
+            self._step_lane_setup()
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()

@@ -103,6 +103,7 @@ def writer(timeout_s: float = 600.0) -> PushSender:
     snd.state = WriterState(lease_s=30.0)
     snd.stats = Stats()
     snd._peers, snd._inflight, snd._asking = {}, {}, {}
+    snd.notifier = None
     return snd
 
 

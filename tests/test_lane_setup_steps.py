@@ -1,0 +1,127 @@
+"""Lane set-up runs on the writer's loop one probe poll at a time: a D whose probes
+never complete (a firewall dropping its packets) delays nobody else's acks, and
+leaves no remote agent behind when it fails."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvpath.connector import lanes as lanes_mod
+from kvpath.connector import messages as M
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.lane_setup import Peer
+from kvpath.connector.lanes import LaneSet
+from kvpath.connector.push_state import WriterState
+from kvpath.connector.sender import PushSender
+from kvpath.connector.telemetry import Stats
+from tests.test_fence_interleavings import FakeRouter
+from tests.test_peer_bounds import LAY, NoEntropy, hello
+
+
+class SlowAgent:
+    """A lane agent whose probes to ``stuck`` D agents never complete."""
+
+    def __init__(self, name, stuck=()):
+        self.name, self.stuck = name, set(stuck)
+        self.remote: set[str] = set()
+        self.polls = 0
+
+    def add_remote_agent(self, metadata):
+        self.remote.add(metadata.decode())
+        return metadata.decode()
+
+    def remove_remote_agent(self, name):
+        self.remote.discard(name)
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, loc, rem, remote, notif=b""):
+        return remote
+
+    def transfer(self, handle):
+        return "PROC" if handle in self.stuck else "DONE"
+
+    def check_xfer_state(self, handle):
+        self.polls += 1
+        return self.transfer(handle)
+
+    def release_xfer_handle(self, handle):
+        pass
+
+
+def writer(agents) -> PushSender:
+    snd = PushSender.__new__(PushSender)
+    snd.cfg = KVPathConfig(control_plaintext=True, lanes=2)
+    snd.state = WriterState(lease_s=30.0)
+    snd.stats = Stats()
+    snd.instance, snd.engine_id, snd.rank = "pA", "p", 0
+    snd.compat = M.Compat()
+    snd.layout = LAY
+    snd._router = FakeRouter()
+    snd._record = lambda rec: None
+    snd._peers, snd._inflight, snd._asking = {}, {}, {}
+    snd._opening, snd._hellos = None, __import__("collections").OrderedDict()
+    snd.lane_agents = agents
+    snd._probe = np.zeros(8, dtype=np.uint8)
+    snd.address = "127.0.0.1:5600"
+    snd.oracle, snd.notifier, snd.on_lanes = None, None, None
+    return snd
+
+
+@pytest.fixture(autouse=True)
+def no_entropy(monkeypatch):
+    monkeypatch.setattr(lanes_mod, "TcpSocketEntropy", NoEntropy)
+
+
+def welcomes(snd, ident):
+    return [m for i, m in snd._router.out if i == ident and isinstance(m, M.Welcome)]
+
+
+def test_a_stuck_probe_does_not_hold_the_writer_and_others_are_answered_meanwhile():
+    agents = [SlowAgent("a0", stuck={"d-stuck"}), SlowAgent("a1", stuck={"d-stuck"})]
+    snd = writer(agents)
+    # D "ok" already has lanes: its registration must be answered while d-stuck's set-up runs
+    ok = LaneSet(hello("d-ok"), agents, 0, 5600, 2, entropy=NoEntropy())
+    ok.open_all()
+    snd._peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
+    t0 = time.monotonic()
+    snd._on_hello(b"d-stuck", hello("d-stuck"))
+    assert time.monotonic() - t0 < 0.5  # returned with its probe in flight
+    assert snd._opening is not None and welcomes(snd, b"d-stuck") == []
+    snd._on_register(b"d-ok", M.Register("t1", "r1", "d-ok", [1]))
+    assert [m.status for i, m in snd._router.out if i == b"d-ok"] == ["accepted"]
+    snd._on_hello(b"d-stuck", hello("d-stuck"))  # D's re-sent Hello: not a second set-up
+    for _ in range(5):
+        snd._step_lane_setup()
+    assert agents[0].polls == 5 and len(snd._hellos) == 0
+
+
+def test_a_set_up_that_times_out_is_refused_leaves_no_remote_agent_and_the_next_one_runs(monkeypatch):
+    monkeypatch.setattr(lanes_mod, "PROBE_TIMEOUT_S", 0.05)
+    agents = [SlowAgent("a0", stuck={"d-stuck"}), SlowAgent("a1", stuck={"d-stuck"})]
+    snd = writer(agents)
+    snd._on_hello(b"d-stuck", hello("d-stuck"))
+    snd._on_hello(b"d-next", hello("d-next"))  # queued behind it
+    assert welcomes(snd, b"d-next") == []
+    deadline = time.monotonic() + 5
+    while snd._opening is not None and time.monotonic() < deadline:
+        snd._step_lane_setup()
+        time.sleep(0.005)
+    w = welcomes(snd, b"d-stuck")
+    assert len(w) == 1 and not w[0].ok and w[0].field == "lanes"
+    assert all("d-stuck" not in a.remote for a in agents)
+    snd._step_lane_setup()  # d-next's set-up: its probes complete at once
+    w = welcomes(snd, b"d-next")
+    assert len(w) == 1 and w[0].ok and "d-next" in snd._peers
+
+
+def test_shutdown_abandons_a_set_up_in_progress_without_leaving_remote_agents():
+    agents = [SlowAgent("a0", stuck={"d-stuck"}), SlowAgent("a1", stuck={"d-stuck"})]
+    snd = writer(agents)
+    snd._on_hello(b"d-stuck", hello("d-stuck"))
+    snd._on_hello(b"d-q", hello("d-q"))
+    snd._abandon_lane_setups()
+    assert snd._opening is None and not snd._hellos
+    assert all(a.remote == set() for a in agents)

@@ -130,8 +130,8 @@ class KVPathConfig:
                      "transfer_timeout_s", "peer_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")
-        if self.trace_max_bytes < 1 << 20 or not 0 <= self.trace_keep <= 100:
-            raise ConfigError("kv_connector_extra_config.trace_max_bytes must be >= 1 MiB and trace_keep in [0, 100], "
+        if self.trace_max_bytes < 1 << 20 or not 1 <= self.trace_keep <= 100:
+            raise ConfigError("kv_connector_extra_config.trace_max_bytes must be >= 1 MiB and trace_keep in [1, 100], "
                               f"got {self.trace_max_bytes} and {self.trace_keep}")
         if self.idle_poll_s > 1.0:
             raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")

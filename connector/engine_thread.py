@@ -158,13 +158,17 @@ class EngineThread:
                 return False
         for s in self._sockets:
             s.close(0)
+        # transfers and remote agents first, then the memory they point at
+        try:
+            self._drop_agents()
+        except Exception:
+            logger.warning("releasing the NIXL agents failed", exc_info=True)
         for agent, reg in self._nixl_regs:
             try:
                 agent.deregister_memory(reg)
             except Exception:
                 logger.debug("deregistering memory failed", exc_info=True)
         self._nixl_regs.clear()
-        self._drop_agents()
         self.trace.close()
         return True
 

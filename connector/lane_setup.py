@@ -51,6 +51,7 @@ class LaneOpening:
     ident: bytes
     lanes: LaneSet
     steps: Generator[None, None, None]
+    reopen: int | None = None  # a known peer's lane being reopened (else: a new peer's set-up)
 
 
 class LaneSetup:
@@ -107,9 +108,12 @@ class LaneSetup:
             self.stats.inc("messages_unbound")
             logger.warning("dropped a Hello for agent %s from another connection", hello.agent_name)
             return
-        if peer is None and len(self._peers) >= MAX_PEERS:
+        if peer is None and self._setup_pending(hello.agent_name):
+            self._queue_lane_setup(ident, hello)  # a re-sent Hello: checked and dropped there
+            return
+        if peer is None and len(self._peers) + len(self._hellos) + (self._opening is not None) >= MAX_PEERS:
             self._prune_peers(time.monotonic(), need_room=True)
-            if len(self._peers) >= MAX_PEERS:
+            if len(self._peers) + len(self._hellos) + (self._opening is not None) >= MAX_PEERS:
                 self.stats.inc("peers_over_limit")
                 logger.warning("refused D %s: %d D workers known, all of them busy", hello.agent_name, MAX_PEERS)
                 self._send(ident, M.Welcome(self.instance, False, "peers",
@@ -122,13 +126,17 @@ class LaneSetup:
         peer.last_seen = time.monotonic()
         self._welcome(peer)
 
+    def _setup_pending(self: "PushSender", name: str) -> bool:
+        op = self._opening
+        return name in self._hellos or (op is not None and op.reopen is None and op.hello.agent_name == name)
+
     def _queue_lane_setup(self: "PushSender", ident: bytes, hello: M.Hello) -> None:
         """Open this D worker's lanes on the writer's loop, one probe at a time, after the
         set-ups queued before it; its Welcome goes out when they are open. D re-sends its
         Hello while it waits: a set-up already queued or running is not started again."""
         name = hello.agent_name
         op = self._opening
-        held = (op.ident if op is not None and op.hello.agent_name == name
+        held = (op.ident if op is not None and op.reopen is None and op.hello.agent_name == name
                 else self._hellos[name][0] if name in self._hellos else None)
         if held is not None:
             if held != ident:
@@ -143,15 +151,38 @@ class LaneSetup:
         self._hellos[name] = (ident, hello)
         self._step_lane_setup()
 
+    def _queue_lane_reopen(self: "PushSender", peer: Peer, lane: int) -> None:
+        key = (peer.hello.agent_name, lane)
+        if key not in self._reopens and len(self._reopens) < MAX_QUEUED_SETUPS:
+            self._reopens[key] = None
+
+    def _next_lane_setup(self: "PushSender") -> LaneOpening | None:
+        """The next set-up to run: lane reopens of known peers first (a push waits on
+        them), then new peers' set-ups, in arrival order."""
+        while self._reopens:
+            (name, lane), _ = self._reopens.popitem(last=False)
+            peer = self._peers.get(name)
+            if peer is not None and peer.lanes.lanes[lane].broken:
+                return LaneOpening(peer.hello, peer.ident, peer.lanes, peer.lanes.reopen_steps(lane), reopen=lane)
+        if not self._hellos:
+            return None
+        _, (ident, hello) = self._hellos.popitem(last=False)
+        try:
+            rule = self._path_rule(hello)
+        except Exception as e:  # e.g. a fabric_host the fabric spec does not know
+            logger.warning("cannot open lanes to %s: %s", hello.agent_name, e)
+            self._send(ident, M.Welcome(self.instance, False, "fabric_host", f"lane set-up failed: {e}"))
+            return None
+        lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
+                        self.cfg.lanes, *rule)
+        return LaneOpening(hello, ident, lanes, lanes.open_steps())
+
     def _step_lane_setup(self: "PushSender") -> None:
         """Advance the lane set-up in progress by one probe poll (or start the next)."""
         if self._opening is None:
-            if not self._hellos:
+            self._opening = self._next_lane_setup()
+            if self._opening is None:
                 return
-            _, (ident, hello) = self._hellos.popitem(last=False)
-            lanes = LaneSet(hello, self.lane_agents, self._probe.ctypes.data, int(self.address.rpartition(":")[2]),
-                            self.cfg.lanes, *self._path_rule(hello))
-            self._opening = LaneOpening(hello, ident, lanes, lanes.open_steps())
         op = self._opening
         try:
             next(op.steps)
@@ -161,8 +192,16 @@ class LaneSetup:
         except Exception as e:  # a peer we cannot reach: refuse it, the others were served meanwhile
             self._opening = None
             logger.warning("cannot open lanes to %s: %s", op.hello.agent_name, e)
+            if op.reopen is not None:
+                return  # the lane stays broken; its next use queues it again
             op.lanes.abandon()
             self._send(op.ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
+            return
+        if op.reopen is not None:
+            peer = self._peers.get(op.hello.agent_name)
+            if peer is not None:  # D learns the new connection before any byte moves on it
+                self._welcome(peer)
+                self._register_lanes(peer)
             return
         peer = self._peers[op.hello.agent_name] = Peer(op.hello, op.ident, op.lanes, last_seen=time.monotonic())
         self._lanes_opened(peer)
@@ -171,10 +210,15 @@ class LaneSetup:
     def _abandon_lane_setups(self: "PushSender") -> None:
         """Shutdown: the set-up in progress leaves no remote agent; queued ones are dropped."""
         if self._opening is not None:
-            self._opening.steps.close()
-            self._opening.lanes.abandon()
+            try:
+                self._opening.steps.close()
+            except Exception:
+                logger.debug("closing a lane set-up failed", exc_info=True)
+            if self._opening.reopen is None:
+                self._opening.lanes.abandon()
             self._opening = None
         self._hellos.clear()
+        self._reopens.clear()
 
     def _prune_peers(self: "PushSender", now: float, need_room: bool = False) -> None:
         """Forget D workers that hold nothing here and sent nothing for

@@ -159,6 +159,10 @@ class LaneSet:
     def agent(self, i: int) -> Any:
         return self.agents[self.lanes[i].agent]
 
+    def reopen_steps(self, i: int) -> Generator[None, None, None]:
+        """Reopen broken lane ``i`` on the writer's loop (one probe poll per step)."""
+        self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
+
     def open(self, i: int) -> Lane:
         """(Re)open lane ``i`` on its agent, blocking."""
         lane = drive(self._connect_steps(self.lanes[i].agent, i))
@@ -206,9 +210,14 @@ class LaneSet:
         handle = agent.initialize_xfer("WRITE", loc, rem, h.agent_name)
         try:
             state = agent.transfer(handle)
-            deadline = time.monotonic() + PROBE_TIMEOUT_S
+            waited, last = 0.0, time.monotonic()
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                # only time spent polling counts: a writer held elsewhere (a long step)
+                # did not progress the probe, so that time is not the peer's fault
+                waited += min(now - last, 0.05)
+                last = now
+                if waited > PROBE_TIMEOUT_S:
                     state = "TIMEOUT"
                     break
                 yield

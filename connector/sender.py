@@ -74,6 +74,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self._asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
         self._opening: LaneOpening | None = None  # the lane set-up in progress
         self._hellos: OrderedDict[str, tuple[bytes, M.Hello]] = OrderedDict()  # set-ups queued behind it
+        self._reopens: OrderedDict[tuple[str, int], None] = OrderedDict()  # (D agent, lane) to reopen
         self._curve: CurveServer | None = None  # the control channel's CURVE context (keys given)
         self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 
@@ -98,6 +99,9 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         return stopped
 
     def _drop_agents(self) -> None:
+        for f in list(self._inflight.values()):  # shutdown: nobody will complete them
+            self._release_handle(f)
+        self._inflight.clear()
         self._abandon_lane_setups()
         for peer in list(self._peers.values()):
             for i in range(len(peer.lanes.lanes)):
@@ -135,7 +139,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
 
     def _step(self) -> None:
         now = time.monotonic()
-        setting_up = self._opening is not None or bool(self._hellos)
+        setting_up = self._opening is not None or bool(self._hellos) or bool(self._reopens)
         if self._inflight or self._asking or setting_up or not self.state.idle():
             self._active_until = now + LINGER_S
         # a WRITE past transfer_timeout_s (a stuck peer) is progressed every millisecond,
@@ -166,7 +170,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
                 time.sleep(0.0002)
         elif self._inflight:
             self._progress()
-        if self._opening is not None or self._hellos:
+        if self._opening is not None or self._hellos or self._reopens:
             self._step_lane_setup()
         now = time.monotonic()
         if now >= self._next_expire:

@@ -41,7 +41,10 @@ def compat_fields(vllm_config: "VllmConfig", cfg: KVPathConfig) -> dict[str, Any
     names = mc.served_model_name
     model = names[0] if isinstance(names, (list, tuple)) and names else str(names or mc.model)
     dtype = str(mc.dtype) if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
-    identity = cfg.model_identity or f"{mc.model}@{getattr(mc, 'revision', None) or 'default'}"
+    # the last part of the path or repo id: one model under two directories matches,
+    # two fine-tunes in sibling directories do not
+    name = str(mc.model).rstrip("/").rpartition("/")[2] or str(mc.model)
+    identity = cfg.model_identity or f"{name}@{getattr(mc, 'revision', None) or 'default'}"
     return {"model": model, "model_identity": identity, "quantization": str(getattr(mc, "quantization", None) or ""),
             "vllm_version": str(vllm.__version__), "dtype": dtype.removeprefix("torch."),
             "tp_size": vllm_config.parallel_config.tensor_parallel_size}

@@ -99,12 +99,19 @@ class WriteLoop:
         if len(src) < len(reg.block_ids):
             self._fail(m, f"P has {len(fp.block_ids)} blocks, D expects {reg.skip_blocks + len(reg.block_ids)}", rec)
             return
-        agent = peer.lanes.agent(lane)
         try:
             if peer.lanes.lanes[lane].broken:
-                peer.lanes.ensure(lane)
-                self._welcome(peer)  # D learns the new connection before any byte moves on it
-                self._register_lanes(peer)
+                live = [i for i, ln in enumerate(peer.lanes.lanes) if not ln.broken]
+                if live:
+                    # another lane carries this push now; the broken one reopens on the
+                    # writer's loop (a blocking reopen would hold every other push)
+                    self._queue_lane_reopen(peer, lane)
+                    lane = rec.lane = live[0]
+                else:  # no lane open to D at all: reopen here (up to PROBE_TIMEOUT_S)
+                    peer.lanes.ensure(lane)
+                    self._welcome(peer)  # D learns the new connection before any byte moves on it
+                    self._register_lanes(peer)
+            agent = peer.lanes.agent(lane)
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
             loc, rem, nbytes = build_descs(self.layout, peer.hello.layout, src, reg.block_ids)

@@ -21,6 +21,7 @@ Every record is validated on write and on read; a bad record raises
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import threading
@@ -320,7 +321,12 @@ class TraceWriter:
                     view = view[n:]
                 self.count += 1
                 if self._max_bytes is not None and self.path is not None:
-                    self._fh = rotate_if_full(self.path, self._fh, self._max_bytes, self._keep)
+                    try:
+                        self._fh = rotate_if_full(self.path, self._fh, self._max_bytes, self._keep)
+                    except OSError as e:  # the record is written; rotation stops, once, loudly
+                        self._max_bytes = None
+                        logging.getLogger(__name__).error("%s: cannot rotate (%s); appending from now on",
+                                                          self.path, e)
 
     def write_all(self, recs: Iterable[Record]) -> None:
         for r in recs:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpath.proxy.body_limit import BodyLimit
+from kvpath.proxy.reservation_app import MAX_BODY_BYTES as RESERVATION_MAX_BODY_BYTES
 from kvpath.proxy.bodies import INFERENCE, ChatBody, CompletionBody, InstanceBody
 from kvpath.proxy.core import Proxy
 from kvpath.proxy.errors import describe_validation_errors, error_response, is_invalid_json
@@ -37,7 +38,9 @@ class _InferenceFastPath:
 
     def __init__(self, app: FastAPI, proxy: Proxy):
         self.app, self.proxy = app, proxy
-        self._limited = BodyLimit(self._route, proxy.cfg.max_body_bytes)  # every route, admin and mounts too
+        # every route: the inference calls up to max_body_bytes, the mounted reservation
+        # service 1 MiB, the rest (admin, health, metrics) 64 KiB, all before any token check
+        self._limited = BodyLimit(self._route, proxy.cfg.max_body_bytes, _route_limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._limited(scope, receive, send)
@@ -52,6 +55,13 @@ class _InferenceFastPath:
             logger.exception("%s failed inside the proxy", scope["path"])
             response = error_response(500, "internal proxy error (see the proxy's log)")
         await response(scope, receive, send)
+
+
+def _route_limit(scope: Scope) -> int:
+    path = scope.get("path", "")
+    if path in INFERENCE:
+        return 1 << 62  # max_body_bytes decides
+    return RESERVATION_MAX_BODY_BYTES if path.startswith("/reservation/") else 64 * 1024
 
 
 def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:

@@ -9,23 +9,28 @@ client claims.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpath.proxy.errors import error_response
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    """``limit_for(scope)``: a smaller limit for some routes (default: ``max_bytes``)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, limit_for: Callable[[Scope], int] | None = None):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes, self.limit_for = app, max_bytes, limit_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = min(self.max_bytes, self.limit_for(scope)) if self.limit_for else self.max_bytes
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            return await self._refuse(scope, receive, send)
+        if declared is not None and declared > limit:
+            return await self._refuse(scope, receive, send, limit)
         # Read the whole body here (bounded), then hand it to the app in one message;
         # later receive() calls go to the server (the app watches them for a disconnect).
         chunks: list[bytes] = []
@@ -36,8 +41,8 @@ class BodyLimit:
                 return
             body = msg.get("body", b"")
             size += len(body)
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
+            if size > limit:
+                return await self._refuse(scope, receive, send, limit)
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
@@ -52,8 +57,8 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = error_response(413, f"request body larger than {self.max_bytes} bytes", headers={"Connection": "close"})
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        resp = error_response(413, f"request body larger than {limit} bytes", headers={"Connection": "close"})
         await resp(scope, receive, send)
 
 

@@ -75,3 +75,15 @@ def test_a_limit_below_1_kib_is_a_config_error():
 
     with pytest.raises(ValueError, match="max_body_bytes"):
         ProxyConfig(max_body_bytes=10).validate()
+
+
+def test_routes_other_than_inference_take_at_most_64_kib():
+    s = Setup()  # the default limit (32 MiB) for inference
+    try:
+        r = httpx.post(s.url + "/admin/instances", content=b" " * (100 * 1024), timeout=10,
+                       headers={"authorization": "Bearer s3cret", "content-type": "application/json"})
+        assert r.status_code == 413 and "65536" in r.json()["error"]["message"]
+        big_prompt = {**BODY, "prompt": "x" * (200 * 1024)}  # a long prompt is fine
+        assert httpx.post(s.url + "/v1/completions", json=big_prompt, timeout=10).status_code == 200
+    finally:
+        s.close()

@@ -3,6 +3,7 @@ never complete (a firewall dropping its packets) delays nobody else's acks, and
 leaves no remote agent behind when it fails."""
 
 import time
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def writer(agents) -> PushSender:
     snd._router = FakeRouter()
     snd._record = lambda rec: None
     snd._peers, snd._inflight, snd._asking = {}, {}, {}
-    snd._opening, snd._hellos = None, __import__("collections").OrderedDict()
+    snd._opening, snd._hellos, snd._reopens = None, OrderedDict(), OrderedDict()
     snd.lane_agents = agents
     snd._probe = np.zeros(8, dtype=np.uint8)
     snd.address = "127.0.0.1:5600"
@@ -125,3 +126,21 @@ def test_shutdown_abandons_a_set_up_in_progress_without_leaving_remote_agents():
     snd._abandon_lane_setups()
     assert snd._opening is None and not snd._hellos
     assert all(a.remote == set() for a in agents)
+
+
+def test_a_broken_lane_is_reopened_on_the_loop_while_the_push_takes_a_live_one():
+    agents = [SlowAgent("a0", stuck={"d1"}), SlowAgent("a1")]
+    snd = writer(agents)
+    ls = LaneSet(hello("d1"), agents, 0, 5600, 2, entropy=NoEntropy())
+    agents[0].stuck.clear()
+    ls.open_all()
+    agents[0].stuck.add("d1")  # lane 0's agent cannot reach D any more
+    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    ls.tear_down(0)
+    snd._queue_lane_reopen(snd._peers["d1"], 0)
+    snd._step_lane_setup()
+    assert snd._opening is not None and snd._opening.reopen == 0 and ls.lanes[0].broken
+    agents[0].stuck.clear()  # D reachable again: the probe completes
+    snd._step_lane_setup()
+    assert snd._opening is None and not ls.lanes[0].broken
+    assert [m.ok for i, m in snd._router.out if isinstance(m, M.Welcome)] == [True]  # D told of the new lane

@@ -69,10 +69,10 @@ def test_notifier_close_stops_its_threads_without_working_off_the_backlog():
             n.release(f"lease-{i}")
         n.release("one too many")  # dropped and counted, never blocks
         assert n.stats.totals["reservation_calls_failed"] >= 1
-        t0 = time.monotonic()
         n.close()
+        for t in n._threads:  # each ends after the call it was in (0.3 s), not after 10,000 of them
+            t.join(10)
         assert not any(t.is_alive() for t in n._threads), "a thread is still working off 10,000 calls"
-        assert time.monotonic() - t0 < 10  # a hang guard, not a timing claim
     finally:
         stop.set()
         srv.close()

@@ -64,9 +64,15 @@ LISTEN_LOCK = threading.Lock()
 
 def listening_ports() -> set[int]:
     """TCP ports this process listens on."""
+    return {port for _, port in listening_sockets()}
+
+
+def listening_sockets() -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket this process listens on."""
     import psutil
 
-    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr}
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+            if c.status == "LISTEN" and c.laddr}
 
 
 def lane_connection(

@@ -13,7 +13,12 @@ its next use.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
+import os
+import select
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable, TypeVar
@@ -119,6 +124,7 @@ class LaneSet:
         """Open every lane, one probe at a time: yields while a probe is in flight (the
         writer's loop steps it between its other work), raises when a lane cannot
         open. What a failed set-up created is released before it raises."""
+        yield from self._reachable_steps()
         if self.path_of is None:
             for i in range(self.n_lanes):
                 self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
@@ -161,6 +167,7 @@ class LaneSet:
 
     def reopen_steps(self, i: int) -> Generator[None, None, None]:
         """Reopen broken lane ``i`` on the writer's loop (one probe poll per step)."""
+        yield from self._reachable_steps()
         self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
 
     def open(self, i: int) -> Lane:
@@ -202,6 +209,36 @@ class LaneSet:
             lane.path = self.path_of(lane)
         return lane
 
+    def _reachable_steps(self) -> Generator[None, None, None]:
+        """Check, without blocking, that D's UCX listeners answer a TCP connect (an
+        accept or a refusal both do): NIXL's add_remote_agent connects synchronously and
+        would hold the writer for as long as the kernel retries a SYN that a firewall
+        drops. Raises when one stays silent for PROBE_TIMEOUT_S of polling."""
+        h = self.hello
+        targets = [(h.host if _is_wildcard(ip) else ip, port) for ip, port in h.listen_addrs]
+        if not targets and h.host and h.listen_ports:
+            targets = [(h.host, h.listen_ports[0])]
+        for ip, port in targets:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setblocking(False)
+                err = s.connect_ex((ip, port))
+                waited, last = 0.0, time.monotonic()
+                while err in (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+                    _, writable, _ = select.select([], [s], [], 0)
+                    if writable:
+                        err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                        break
+                    now = time.monotonic()
+                    waited += min(now - last, 0.05)
+                    last = now
+                    if waited > PROBE_TIMEOUT_S:
+                        raise RuntimeError(f"D's UCX listener {ip}:{port} does not answer "
+                                           f"(a firewall dropping packets?)")
+                    yield
+                if err not in (0, errno.ECONNREFUSED, errno.EISCONN):
+                    raise RuntimeError(f"D's UCX listener {ip}:{port}: {os.strerror(err)}")
+
     def _probe_steps(self, agent: Any, lane_id: int) -> Generator[None, None, None]:
         h = self.hello
         n = min(8, h.probe_len)
@@ -241,3 +278,10 @@ class LaneSet:
             self.agent(i).remove_remote_agent(self.hello.agent_name)
         except Exception:
             logger.warning("removing %s from lane %d failed", self.hello.agent_name, i, exc_info=True)
+
+
+def _is_wildcard(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_unspecified
+    except ValueError:
+        return False

@@ -88,6 +88,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     probe_len: int = 0
     # D's UCX listening ports: a lane's connection is the new one to one of these.
     listen_ports: list[int] = []
+    # (address, port) of those listeners: P checks they answer before NIXL connects to
+    # them (NIXL's connect blocks the caller while a firewall drops its packets)
+    listen_addrs: list[tuple[str, int]] = []
     host: str = ""
     fabric_host: str = ""  # D's host in the fabric spec, for lane registration
     version: int = PROTOCOL_VERSION

@@ -22,7 +22,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
 from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
-from kvpath.connector.entropy import LISTEN_LOCK, listening_ports
+from kvpath.connector.entropy import LISTEN_LOCK, listening_sockets
 from kvpath.connector.peer_links import MAX_LINKS, PeerLinks, _PeerLink
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent
 from kvpath.connector.recv_state import ReceiverState
@@ -68,9 +68,10 @@ class PushReceiver(PeerLinks, EngineThread):
         # UCX opens its listening socket when the agent is created: the new listening
         # ports are where P's lanes connect, so P can tell its lane's connection exactly.
         with LISTEN_LOCK:
-            before = listening_ports()
+            before = listening_sockets()
             self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
-            self.listen_ports = sorted(listening_ports() - before)
+            self.listen_addrs = sorted(listening_sockets() - before)
+            self.listen_ports = sorted({port for _, port in self.listen_addrs})
         self._register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
         self._register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
@@ -246,7 +247,7 @@ class PushReceiver(PeerLinks, EngineThread):
                     engine_id=self.engine_id, agent_name=self.agent.name, agent_metadata=self.metadata,
                     layout=self.layout, compat=self.compat, instance=self.instance,
                     heartbeat_s=self.cfg.heartbeat_s(), probe_addr=self._probe.ctypes.data, probe_len=PROBE_BYTES,
-                    listen_ports=self.listen_ports, host=self.cfg.side_channel_host,
+                    listen_ports=self.listen_ports, listen_addrs=self.listen_addrs, host=self.cfg.side_channel_host,
                     fabric_host=self.cfg.fabric_host or "",
                 ))
             return

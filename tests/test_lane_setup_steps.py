@@ -144,3 +144,49 @@ def test_a_broken_lane_is_reopened_on_the_loop_while_the_push_takes_a_live_one()
     snd._step_lane_setup()
     assert snd._opening is None and not ls.lanes[0].broken
     assert [m.ok for i, m in snd._router.out if isinstance(m, M.Welcome)] == [True]  # D told of the new lane
+
+
+def _hello_listening(port: int, ip: str = "127.0.0.1") -> M.Hello:
+    import msgspec
+
+    return msgspec.structs.replace(hello("d-x"), host="127.0.0.1", listen_ports=[port], listen_addrs=[(ip, port)])
+
+
+def test_reachability_check_passes_on_accept_or_refusal_and_fails_on_silence(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(lanes_mod, "PROBE_TIMEOUT_S", 0.3)
+    agents = [SlowAgent("a0")]
+
+    def check(h) -> str:
+        steps = LaneSet(h, agents, 0, 5600, 1, entropy=NoEntropy())._reachable_steps()
+        try:
+            while True:
+                next(steps)
+                time.sleep(0.005)
+        except StopIteration:
+            return "ok"
+        except RuntimeError as e:
+            return str(e)
+
+    with socket.socket() as srv:  # accepts (the kernel completes the handshake)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        assert check(_hello_listening(srv.getsockname()[1])) == "ok"
+        closed = srv.getsockname()[1]
+    assert check(_hello_listening(closed)) == "ok"  # refused: the host answered, NIXL will not hang
+    # silent: a listener whose accept queue is full drops further SYNs (as a firewall would)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        fillers = []
+        for _ in range(4):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            fillers.append(c)
+        time.sleep(0.1)
+        assert "does not answer" in check(_hello_listening(port, "0.0.0.0"))  # a wildcard listener: D's host
+        for c in fillers:
+            c.close()

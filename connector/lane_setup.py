@@ -227,6 +227,9 @@ class LaneSetup:
         busy = {pr.reg.agent_name for pr in self.state.held_registrations()}
         busy |= {f.match.registration.reg.agent_name for f in self._inflight.values()}
         busy |= {m.registration.reg.agent_name for m, _ in self._asking.values()}
+        busy |= {name for name, _ in self._reopens}  # a lane of theirs is reopening
+        if self._opening is not None:
+            busy.add(self._opening.hello.agent_name)
         idle = sorted((p.last_seen, name) for name, p in self._peers.items() if name not in busy)
         for last_seen, name in idle:
             if now - last_seen > self.cfg.peer_idle_timeout_s:

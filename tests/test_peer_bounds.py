@@ -3,6 +3,7 @@ remote agents, candidate lanes not taken release theirs, and D workers that hold
 nothing and were silent for peer_idle_timeout_s are forgotten (or make room)."""
 
 import time
+from collections import OrderedDict
 
 import pytest
 
@@ -103,6 +104,7 @@ def writer(timeout_s: float = 600.0) -> PushSender:
     snd.state = WriterState(lease_s=30.0)
     snd.stats = Stats()
     snd._peers, snd._inflight, snd._asking = {}, {}, {}
+    snd._opening, snd._hellos, snd._reopens = None, OrderedDict(), OrderedDict()
     snd.notifier = None
     return snd
 

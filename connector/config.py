@@ -208,7 +208,7 @@ class KVPathConfig:
         for a wildcard ``side_channel_host`` (0.0.0.0, ::), this host's primary address,
         since a D elsewhere cannot reach a wildcard; else ``side_channel_host``."""
         host = self.advertise_host or self.side_channel_host
-        if not self.advertise_host and _is_wildcard(host):
+        if not self.advertise_host and is_wildcard(host):
             host = _primary_address(ipv6=":" in host)
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
@@ -264,7 +264,8 @@ def parse_host_port(addr: str, field_name: str = "peer") -> tuple[str, int]:
     return host, port
 
 
-def _is_wildcard(host: str) -> bool:
+def is_wildcard(host: str) -> bool:
+    """An unspecified address (0.0.0.0, ::), brackets allowed."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:

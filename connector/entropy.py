@@ -57,14 +57,9 @@ def remote_endpoints() -> set[tuple[str, int, str, int]]:
     return out
 
 
-# Held around creating an agent and diffing listening_ports(), so the listening
+# Held around creating an agent and diffing listening_sockets(), so the listening
 # port a new agent opened is not confused with another's.
 LISTEN_LOCK = threading.Lock()
-
-
-def listening_ports() -> set[int]:
-    """TCP ports this process listens on."""
-    return {port for _, port in listening_sockets()}
 
 
 def listening_sockets() -> set[tuple[str, int]]:

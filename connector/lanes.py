@@ -14,7 +14,6 @@ its next use.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import select
@@ -26,6 +25,7 @@ from typing import Any, Callable, Generator, Hashable, TypeVar
 import numpy as np
 
 from kvpath.connector import messages as M
+from kvpath.connector.config import is_wildcard
 from kvpath.connector.entropy import PathEntropyProvider, TcpSocketEntropy
 from kvpath.five_tuple import FiveTuple
 
@@ -215,7 +215,7 @@ class LaneSet:
         would hold the writer for as long as the kernel retries a SYN that a firewall
         drops. Raises when one stays silent for PROBE_TIMEOUT_S of polling."""
         h = self.hello
-        targets = [(h.host if _is_wildcard(ip) else ip, port) for ip, port in h.listen_addrs]
+        targets = [(h.host if is_wildcard(ip) else ip, port) for ip, port in h.listen_addrs]
         if not targets and h.host and h.listen_ports:
             targets = [(h.host, h.listen_ports[0])]
         for ip, port in targets:
@@ -278,10 +278,3 @@ class LaneSet:
             self.agent(i).remove_remote_agent(self.hello.agent_name)
         except Exception:
             logger.warning("removing %s from lane %d failed", self.hello.agent_name, i, exc_info=True)
-
-
-def _is_wildcard(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip).is_unspecified
-    except ValueError:
-        return False

@@ -17,10 +17,12 @@ from kvpath.connector.config import ConfigError
 from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
 from kvpath.connector.nixl_io import PROBE_BYTES, make_agent
-from kvpath.reservation_wire import LaneInfo
+from kvpath.reservation_wire import LaneInfo, WorkerPair
 from kvpath.trace import LaneRecord, LanesRecord
 
 if TYPE_CHECKING:
+    from kvpath.connector.push_state import Match
+    from kvpath.trace import TransferRecord
     from kvpath.connector.sender import PushSender
 
 logger = logging.getLogger(__name__)
@@ -81,9 +83,11 @@ class LaneSetup:
             self._register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
 
-    def worker_pair(self: "PushSender", hello: M.Hello) -> str:
-        """The (P worker, D worker) pair's name in the reservation service."""
-        return f"{self.engine_id}/r{self.rank}>{hello.agent_name}"
+    def worker_pair(self: "PushSender", hello: M.Hello) -> WorkerPair:
+        """The (P worker, D worker) pair in the reservation service: engines and ranks
+        (what the proxy's reservations select on), D's agent as its incarnation."""
+        return WorkerPair(p_engine=self.engine_id, p_rank=self.rank, d_engine=hello.engine_id,
+                          d_rank=hello.compat.tp_rank, incarnation=hello.agent_name)
 
     def lanes(self: "PushSender") -> dict[str, list[Lane]]:
         """D agent name -> its lanes (a snapshot; for tests and tools)."""
@@ -151,10 +155,36 @@ class LaneSetup:
         self._hellos[name] = (ident, hello)
         self._step_lane_setup()
 
-    def _queue_lane_reopen(self: "PushSender", peer: Peer, lane: int) -> None:
+    def _queue_lane_reopen(self: "PushSender", peer: Peer, lane: int) -> bool:
+        """Queue a reopen of a broken lane; False when the queue is full."""
         key = (peer.hello.agent_name, lane)
-        if key not in self._reopens and len(self._reopens) < MAX_QUEUED_SETUPS:
-            self._reopens[key] = None
+        if key in self._reopens or self._reopening(key):
+            return True
+        if len(self._reopens) >= MAX_QUEUED_SETUPS:
+            return False
+        self._reopens[key] = None
+        return True
+
+    def _reopening(self: "PushSender", key: tuple[str, int]) -> bool:
+        op = self._opening
+        return op is not None and op.reopen == key[1] and op.hello.agent_name == key[0]
+
+    def _park(self: "PushSender", peer: Peer, lane: int, m: "Match", rec: "TransferRecord") -> None:
+        """A push to a D with no lane open waits for lane ``lane``'s reopen (queued on the
+        writer's loop, never run in place: the reopen can take a probe timeout)."""
+        key = (peer.hello.agent_name, lane)
+        if not self._queue_lane_reopen(peer, lane):
+            self._fail(m, f"no lane to D is open and {MAX_QUEUED_SETUPS} lane set-ups are queued", rec)
+            return
+        self._parked.setdefault(key, []).append(m)
+
+    def _unpark(self: "PushSender", key: tuple[str, int], why: str | None) -> None:
+        """The reopen of ``key`` ended: start its waiting pushes, or fail them with ``why``."""
+        for m in self._parked.pop(key, []):
+            if why is None:
+                self._start_write(m)
+            else:
+                self._fail(m, why)
 
     def _next_lane_setup(self: "PushSender") -> LaneOpening | None:
         """The next set-up to run: lane reopens of known peers first (a push waits on
@@ -164,6 +194,8 @@ class LaneSetup:
             peer = self._peers.get(name)
             if peer is not None and peer.lanes.lanes[lane].broken:
                 return LaneOpening(peer.hello, peer.ident, peer.lanes, peer.lanes.reopen_steps(lane), reopen=lane)
+            # open again meanwhile, or the peer was forgotten: its waiting pushes go on (or fail)
+            self._unpark((name, lane), None if peer is not None else "D was forgotten while its lane reopened")
         if not self._hellos:
             return None
         _, (ident, hello) = self._hellos.popitem(last=False)
@@ -192,8 +224,9 @@ class LaneSetup:
         except Exception as e:  # a peer we cannot reach: refuse it, the others were served meanwhile
             self._opening = None
             logger.warning("cannot open lanes to %s: %s", op.hello.agent_name, e)
-            if op.reopen is not None:
-                return  # the lane stays broken; its next use queues it again
+            if op.reopen is not None:  # the lane stays broken; its next use queues it again
+                self._unpark((op.hello.agent_name, op.reopen), f"reopening lane {op.reopen} to D failed: {e}")
+                return
             op.lanes.abandon()
             self._send(op.ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
             return
@@ -202,6 +235,7 @@ class LaneSetup:
             if peer is not None:  # D learns the new connection before any byte moves on it
                 self._welcome(peer)
                 self._register_lanes(peer)
+            self._unpark((op.hello.agent_name, op.reopen), None if peer is not None else "D was forgotten")
             return
         peer = self._peers[op.hello.agent_name] = Peer(op.hello, op.ident, op.lanes, last_seen=time.monotonic())
         self._lanes_opened(peer)
@@ -219,6 +253,8 @@ class LaneSetup:
             self._opening = None
         self._hellos.clear()
         self._reopens.clear()
+        for key in list(self._parked):
+            self._unpark(key, "P is shutting down")
 
     def _prune_peers(self: "PushSender", now: float, need_room: bool = False) -> None:
         """Forget D workers that hold nothing here and sent nothing for
@@ -228,6 +264,7 @@ class LaneSetup:
         busy |= {f.match.registration.reg.agent_name for f in self._inflight.values()}
         busy |= {m.registration.reg.agent_name for m, _ in self._asking.values()}
         busy |= {name for name, _ in self._reopens}  # a lane of theirs is reopening
+        busy |= {name for name, _ in self._parked}  # a push waits for it
         if self._opening is not None:
             busy.add(self._opening.hello.agent_name)
         idle = sorted((p.last_seen, name) for name, p in self._peers.items() if name not in busy)
@@ -292,10 +329,10 @@ class LaneSetup:
         if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
             rows = [LaneInfo(l.lane_id, l.src_port, l.dst_port, l.src_ip, l.dst_ip) for l in peer.lanes.lanes
                     if l.src_port]
-            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, self.worker_pair(h))
+            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, pair=self.worker_pair(h))
 
     def _unregister_lanes(self: "PushSender", peer: Peer) -> None:
         """The worker pair is gone (D forgotten, P stopping): its lanes are no candidates."""
         h = peer.hello
         if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
-            self.notifier.unregister_lanes(self.cfg.fabric_host, h.fabric_host, self.worker_pair(h))
+            self.notifier.unregister_lanes(self.cfg.fabric_host, h.fabric_host, pair=self.worker_pair(h))

@@ -170,12 +170,6 @@ class LaneSet:
         yield from self._reachable_steps()
         self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
 
-    def open(self, i: int) -> Lane:
-        """(Re)open lane ``i`` on its agent, blocking."""
-        lane = drive(self._connect_steps(self.lanes[i].agent, i))
-        self.lanes[i] = lane
-        return lane
-
     def _connect_steps(self, a: int, lane_id: int) -> Generator[None, None, Lane]:
         """Add D's agent to pool agent ``a`` and push a tiny WRITE so the connection
         exists now and its 5-tuple is known before the first real push is routed."""
@@ -263,10 +257,6 @@ class LaneSet:
             agent.release_xfer_handle(handle)
         if state != "DONE":
             raise RuntimeError(f"lane {lane_id} probe ended in state {state}")
-
-    def ensure(self, i: int) -> Lane:
-        lane = self.lanes[i]
-        return self.open(i) if lane.broken else lane
 
     def tear_down(self, i: int) -> None:
         """Drop lane ``i``'s remote agent (after a failed WRITE); reopened on next use."""

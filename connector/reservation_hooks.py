@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class _Call(NamedTuple):
     path: str  # a route of kvpath.reservation_wire
-    body: wire.ReserveRequest | wire.ReleaseRequest | wire.LanesRequest  # encoded on the notifier's thread
+    body: wire.ReserveRequest | wire.ReleaseRequest | wire.LanesRequest | wire.LanesRemoval  # encoded on the notifier's thread
     done: ReservedCallback | None = None  # reserve calls only
 
 
@@ -58,11 +58,11 @@ class ReservationNotifier:
 
     def register_lanes(
         self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo | tuple[int, int] | Mapping[str, Any]],
-        worker: str = "",
+        worker: str = "", pair: wire.WorkerPair | None = None,
     ) -> None:
         """``lanes``: LaneInfo 5-tuples, (lane id, source port) pairs, or dicts of
-        LaneInfo's fields. ``worker`` names the (P worker, D worker) pair, so pairs of
-        one host pair never overwrite each other."""
+        LaneInfo's fields. ``pair`` (or a free-form ``worker``) names the (P worker,
+        D worker) pair, so pairs of one host pair never overwrite each other."""
         try:
             rows = [_lane(x) for x in lanes]
         except (msgspec.ValidationError, TypeError, IndexError) as e:  # never raise into the writer
@@ -70,21 +70,22 @@ class ReservationNotifier:
             logger.warning("lanes not registered: %s", e)
             return
         self._post(_Call(wire.LANES_PATH, wire.LanesRequest(src_host=src_host, dst_host=dst_host, worker=worker,
-                                                            lanes=rows)))
+                                                            lanes=rows, pair=pair)))
 
-    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "") -> None:
-        self._post(_Call(wire.UNREGISTER_PATH, wire.LanesRemoval(src_host=src_host, dst_host=dst_host, worker=worker)))
+    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "", pair: wire.WorkerPair | None = None) -> None:
+        self._post(_Call(wire.UNREGISTER_PATH, wire.LanesRemoval(src_host=src_host, dst_host=dst_host, worker=worker,
+                                                                 pair=pair)))
 
     def release(self, lease_id: str) -> None:
         self._post(_Call(wire.RELEASE_PATH, wire.ReleaseRequest(lease_id)))
 
     def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                transfer_id: str = "", *, done: ReservedCallback) -> None:
+                transfer_id: str = "", scope: wire.FlowScope | None = None, *, done: ReservedCallback) -> None:
         """Ask for a lane now; ``done(transfer_id, lane, lease_id)`` is called from the
         notifier's thread with the answer, or with (None, None) when there is none
         (at once, from this thread, when the queue is full)."""
         req = wire.ReserveRequest(src_host=src_host, dst_host=dst_host, bytes=nbytes,
-                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id)
+                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id, scope=scope)
         try:
             self._rq.put_nowait(_Call(wire.RESERVE_PATH, req, done))
         except queue.Full:

@@ -75,6 +75,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self._opening: LaneOpening | None = None  # the lane set-up in progress
         self._hellos: OrderedDict[str, tuple[bytes, M.Hello]] = OrderedDict()  # set-ups queued behind it
         self._reopens: OrderedDict[tuple[str, int], None] = OrderedDict()  # (D agent, lane) to reopen
+        # pushes to a D with no lane open, waiting for a lane's reopen: (D agent, lane) -> them
+        self._parked: dict[tuple[str, int], list[Match]] = {}
         self._curve: CurveServer | None = None  # the control channel's CURVE context (keys given)
         self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 

@@ -49,11 +49,11 @@ class KVPathWorker:
         logger.info("kvpath: compatibility %s (digest %s)", compat, compat.digest())
         if self.role in ("kv_producer", "kv_both"):
             self.sender = PushSender(
-                self.cfg, layout, spans, f"{self.engine_id}-p", self.rank, self.stats, self.trace, compat=compat
+                self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
             ).start()
         if self.role in ("kv_consumer", "kv_both"):
             self.receiver = PushReceiver(
-                self.cfg, layout, spans, f"{self.engine_id}-d", self.rank, self.stats, self.trace, compat=compat
+                self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
             ).start()
 
     def process_metadata(self, meta: KVPathMetadata) -> None:

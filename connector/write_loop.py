@@ -17,6 +17,7 @@ from kvpath.connector.config import RESERVE_AT_PUSH
 from kvpath.connector.layout import build_descs
 from kvpath.connector.push_state import FinishedPrefill, Match
 from kvpath.reservation import default_lane
+from kvpath.reservation_wire import FlowScope
 from kvpath.trace import TransferRecord
 
 if TYPE_CHECKING:
@@ -55,8 +56,11 @@ class WriteLoop:
         fp.lane_asked = True
         nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
         self._asking[fp.transfer_id] = (m, time.monotonic())
+        # this worker pair's flow only (with TP>1 every rank asks for its own)
+        pair = self.worker_pair(peer.hello)
+        scope = FlowScope(p_engine=pair.p_engine, d_engine=pair.d_engine, p_rank=pair.p_rank, d_rank=pair.d_rank)
         self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, transfer_id=fp.transfer_id,
-                              done=lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
+                              scope=scope, done=lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
         return True
 
     def _on_reserved(self: "PushSender", tid: str, lane: int | None, lease_id: str | None) -> None:
@@ -107,10 +111,9 @@ class WriteLoop:
                     # writer's loop (a blocking reopen would hold every other push)
                     self._queue_lane_reopen(peer, lane)
                     lane = rec.lane = live[0]
-                else:  # no lane open to D at all: reopen here (up to PROBE_TIMEOUT_S)
-                    peer.lanes.ensure(lane)
-                    self._welcome(peer)  # D learns the new connection before any byte moves on it
-                    self._register_lanes(peer)
+                else:  # no lane open to D at all: the push waits for the reopen, on the loop
+                    self._park(peer, lane, m, rec)
+                    return
             agent = peer.lanes.agent(lane)
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()

@@ -14,10 +14,11 @@ Modes:
 
 Lanes are registered per (P worker, D worker) pair of a host pair: TP ranks, and
 several engines on one host, each have their own lanes (their own 5-tuples and
-paths) and never overwrite each other. Lane *i* of a transfer is used by every
-worker pair of the host pair at once (each TP rank pushes its shard on its own lane
-*i*), so a reservation of lane *i* loads the paths of lane *i* of every registered
-pair, the bytes split evenly among them.
+paths) and never overwrite each other. A transfer is one flow per worker pair that
+carries it (each TP rank pushes its shard on its own lane *i*): a reservation's
+``scope`` names those pairs (the two engines, or one rank pair), and lane *i* loads
+the paths of lane *i* of those pairs only, the bytes split evenly among them. An
+unscoped reservation is carried by every registered pair of the host pair.
 
 Leases end a reservation when its release never comes. Loads are integer flow
 counts and byte sums per directed link, so they return exactly to zero.
@@ -32,13 +33,18 @@ import time
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
-from kvpath.reservation_wire import METRICS, MODES, LaneInfo, ReserveAnswer
+from kvpath.reservation_wire import METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
 
-__all__ = ["MODES", "METRICS", "LaneInfo", "Reservation", "ReservationError", "ReservationService", "default_lane"]
+__all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "ReservationError", "ReservationService",
+           "WorkerPair", "default_lane"]
+
+MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
+MAX_SCOPES_CACHED = 1024  # per host pair: the candidate cache is dropped when it holds more
+_UNSCOPED = FlowScope()
 
 Link = tuple[str, str]
 
@@ -59,6 +65,19 @@ class ReservationError(ValueError):
     """Bad reservation input; the message names the field."""
 
 
+class _Registered(NamedTuple):
+    pair: WorkerPair | None  # None: registered by a free-form name
+    lanes: list[LaneInfo]
+
+
+class _Candidate(NamedTuple):
+    """One lane id: its lane on the first carrying pair, and its path on every one."""
+
+    lane: LaneInfo
+    paths: tuple[Path, ...]
+    workers: tuple[str, ...]
+
+
 @dataclass
 class Reservation:
     lease_id: str
@@ -72,8 +91,10 @@ class Reservation:
     expires_at: float
     mode: str
     fallback: str = ""  # why no decision was made ("no_lanes"), else ""
-    # every worker pair's path of the chosen lane (``path`` is the first)
+    # the chosen lane's path for every worker pair that carries the transfer (``path``
+    # is the first), and those pairs' names
     paths: tuple[Path, ...] = ()
+    workers: tuple[str, ...] = ()
 
     def answer(self, now: float) -> ReserveAnswer:
         """The wire's answer; ``now`` on the service's clock (the lease's expiry is on it too)."""
@@ -81,7 +102,7 @@ class Reservation:
             lease_id=self.lease_id, transfer_id=self.transfer_id, src_host=self.src_host,
             dst_host=self.dst_host, bytes=self.bytes, lane=self.lane, src_port=self.src_port,
             path=list(self.path.nodes) if self.path else None, spine=self.path.spine if self.path else None,
-            spines=[p.spine for p in self.paths],
+            spines=[p.spine for p in self.paths], workers=list(self.workers),
             expires_in_s=round(self.expires_at - now, 3) if self.expires_at else None,
             mode=self.mode, fallback=self.fallback,
         )
@@ -212,11 +233,12 @@ class ReservationService:
         self.active: dict[str, Reservation] = {}
         self._expiry: list[tuple[float, str]] = []
         self._ids = itertools.count(1)
-        # (src, dst) -> worker pair -> its lanes, as P connectors register them
-        self._lanes: dict[tuple[str, str], dict[str, list[LaneInfo]]] = {}
+        # (src, dst) -> worker pair's name -> its lanes, as P connectors register them
+        self._lanes: dict[tuple[str, str], dict[str, _Registered]] = {}
+        self._n_pairs = 0
         self._unheard = _Unheard()  # dc: changes younger than the broadcast delay
-        # per (src, dst): lane id -> its paths over the worker pairs (lanes are long-lived)
-        self._cands: dict[tuple[str, str], list[tuple[LaneInfo, tuple[Path, ...]]]] = {}
+        # per (src, dst) and scope: the candidates (lanes are long-lived, so cached)
+        self._cands: dict[tuple[str, str], dict[FlowScope, list[_Candidate]]] = {}
         self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
@@ -227,37 +249,64 @@ class ReservationService:
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
-    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "") -> None:
-        """(Re)register the lanes of one (P worker, D worker) pair, e.g. after a lane reopened."""
+    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "",
+                       pair: WorkerPair | None = None) -> None:
+        """(Re)register the lanes of one (P worker, D worker) pair, e.g. after a lane
+        reopened or its D restarted (a new incarnation replaces the old one's lanes)."""
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         self._check_lanes(lanes)
-        if not isinstance(worker, str) or len(worker) > 512:
-            raise ReservationError("worker must be a string of at most 512 characters")
-        self._lanes.setdefault((src, dst), {})[worker] = sorted(lanes, key=lambda x: x.lane)
+        key = self._pair_key(worker, pair)
+        pairs = self._lanes.get((src, dst), {})
+        if key not in pairs and self._n_pairs >= MAX_WORKER_PAIRS:
+            self.counters["lane_registrations_refused"] += 1
+            raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "
+                                   f"unregister the pairs of engines that went away")
+        if key not in pairs:
+            self._n_pairs += 1
+        self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane))
         self._cands.pop((src, dst), None)
         self.counters["lane_registrations"] += 1
 
-    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "") -> int:
+    def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "", pair: WorkerPair | None = None) -> int:
         """Forget one worker pair's lanes (its engine went away); returns how many there
-        were. Leases already granted on them keep their load until they end."""
+        were. With a ``pair`` that names an incarnation, only that incarnation's lanes
+        go (a newer one's stay). Leases already granted keep their load until they end."""
         key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
+        name = self._pair_key(worker, pair)
         pairs = self._lanes.get(key, {})
-        gone = pairs.pop(worker, None)
-        if gone is None:
+        got = pairs.get(name)
+        if got is None:
             return 0
+        if pair is not None and pair.incarnation and got.pair is not None and got.pair.incarnation != pair.incarnation:
+            self.counters["lane_unregistrations_stale"] += 1
+            return 0
+        del pairs[name]
+        self._n_pairs -= 1
         if not pairs:
             del self._lanes[key]
         self._cands.pop(key, None)
         self.counters["lane_unregistrations"] += 1
-        return len(gone)
+        return len(got.lanes)
 
-    def lanes(self, src_host: str, dst_host: str, worker: str = "") -> list[LaneInfo]:
+    def lanes(self, src_host: str, dst_host: str, worker: str = "", pair: WorkerPair | None = None) -> list[LaneInfo]:
         key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
-        return list(self._lanes.get(key, {}).get(worker, []))
+        got = self._lanes.get(key, {}).get(self._pair_key(worker, pair))
+        return list(got.lanes) if got else []
+
+    @staticmethod
+    def _pair_key(worker: str, pair: WorkerPair | None) -> str:
+        if not isinstance(worker, str) or len(worker) > 512:
+            raise ReservationError("worker must be a string of at most 512 characters")
+        if pair is None:
+            return worker
+        if worker and worker != pair.key():
+            raise ReservationError(f"worker {worker!r} and pair {pair.key()!r} name different worker pairs")
+        return pair.key()
 
     # ---- decisions -------------------------------------------------------
     def reserve(
-        self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None, transfer_id: str = ""
+        self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None, transfer_id: str = "",
+        scope: FlowScope | None = None,
     ) -> Reservation:
         now = self.clock()
         self.expire(now)
@@ -266,47 +315,40 @@ class ReservationService:
             raise ReservationError(f"bytes must be a non-negative integer, got {nbytes!r}")
         if lanes:
             self._check_lanes(lanes)
+        if scope is not None and not isinstance(scope, FlowScope):
+            raise ReservationError(f"scope must be a FlowScope, got {type(scope).__name__}")
+        scope = scope or _UNSCOPED
         # a sequence number for logs, and a random part so that a stranger cannot end
         # other clients' reservations by guessing their ids (release is unauthenticated)
         lease_id = f"r{next(self._ids)}-{secrets.token_hex(6)}"
         tid = transfer_id or lease_id
-        if not (lanes or any(self._lanes.get((src, dst), {}).values())):
-            self.counters["fallback_no_lanes"] += 1
-            return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
-        cands = self._candidates(src, dst, lanes)
-        if not cands:  # worker pairs with no lane id in common
+        cands = self._candidates(src, dst, lanes, scope)
+        if not cands:  # no pair registered in scope, or pairs with no lane id in common
             self.counters["fallback_no_lanes"] += 1
             return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
         if self.mode == "ecmp":
             # exactly the lane the connector takes by itself (crc32 of the transfer id)
-            want = default_lane(tid, max(c.lane for c, _ in cands) + 1)
-            lane, paths = next(((c, ps) for c, ps in cands if c.lane == want), cands[0])
+            want = default_lane(tid, max(c.lane.lane for c in cands) + 1)
+            chosen = next((c for c in cands if c.lane.lane == want), cands[0])
         else:
-            view = self.loads if self.mode == "cc" else self._view(src, now)
-            # Global-First-Fit: the least-loaded path; ties go to the lowest lane id
-            best = None
-            for lane_c, paths_c in cands:
-                worst, total, worst_b = view.cost(_core_links(paths_c))
-                key = (worst, total, lane_c.lane) if self.metric == "flows" else (worst_b, worst, lane_c.lane)
-                if best is None or key < best[0]:
-                    best = (key, lane_c, paths_c)
-            assert best is not None
-            _, lane, paths = best
+            chosen = self._least_loaded(cands, self.loads if self.mode == "cc" else self._view(src, now))
+        lane, paths = chosen.lane, chosen.paths
         r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, paths[0], now + self.lease_s,
-                        self.mode, paths=paths)
+                        self.mode, paths=paths, workers=chosen.workers)
         self._apply(r, +1, now)
         self.active[lease_id] = r
         heapq.heappush(self._expiry, (r.expires_at, lease_id))
         self.counters["reservations"] += 1
         decision = {"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
                     "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
-                    "spines": tuple(p.spine for p in paths), "at": time.time(), "mode": self.mode,
+                    "spines": tuple(p.spine for p in paths), "workers": chosen.workers,
+                    "at": time.time(), "mode": self.mode,
                     "seq": next(self._seq),
                     # what it chose among (the first worker pair's lanes): enough to replay it.
                     # Tuples, not lists: the log keeps up to 100,000 records and the garbage
                     # collector stops tracking tuples of scalars, but rescans lists on every pass.
-                    "candidates": tuple((c.lane, c.src_port, c.dst_port, ps[0].spine) for c, ps in cands)
-                    if all(len(ps) == 1 for _, ps in cands) else None}
+                    "candidates": tuple((c.lane.lane, c.lane.src_port, c.lane.dst_port, c.paths[0].spine)
+                                        for c in cands) if all(len(c.paths) == 1 for c in cands) else None}
         self.decisions.append(decision)
         self._open_decisions[lease_id] = decision
         return r
@@ -348,8 +390,10 @@ class ReservationService:
             "reserved_flows": self.loads.total_flows(),
             "links": {f"{a}->{b}": {"flows": f, "bytes": self.loads.bytes.get((a, b), 0)}
                       for (a, b), f in sorted(self.loads.flows.items())},
-            "lanes_known": {f"{s}->{d}": {w: [[l.lane, l.src_port, l.dst_port] for l in ls] for w, ls in ws.items()}
+            "lanes_known": {f"{s}->{d}": {w: [[l.lane, l.src_port, l.dst_port] for l in reg.lanes]
+                                          for w, reg in ws.items()}
                             for (s, d), ws in self._lanes.items()},
+            "worker_pairs": self._n_pairs,
             "counters": dict(self.counters),
         }
 
@@ -368,22 +412,43 @@ class ReservationService:
             self._canon[host] = c
         return c
 
-    def _candidates(
-        self, src: str, dst: str, lanes: Sequence[LaneInfo] | None
-    ) -> list[tuple[LaneInfo, tuple[Path, ...]]]:
-        """Per lane id: the lane (of the first worker pair) and its path for every pair.
-        Only lane ids that every worker pair has are candidates."""
+    def _least_loaded(self, cands: Sequence[_Candidate], view: "LinkLoads | _DelayedView") -> _Candidate:
+        """Global-First-Fit: the least-loaded candidate; ties go to the lowest lane id.
+        (Candidates may come from several scopes: a joint choice of P, D and lane is
+        this rule over the candidates of every (P, D) pair it may take.)"""
+        best: tuple[tuple[int, int, int], _Candidate] | None = None
+        for c in cands:
+            worst, total, worst_b = view.cost(_core_links(c.paths))
+            key = (worst, total, c.lane.lane) if self.metric == "flows" else (worst_b, worst, c.lane.lane)
+            if best is None or key < best[0]:
+                best = (key, c)
+        assert best is not None
+        return best[1]
+
+    def _candidates(self, src: str, dst: str, lanes: Sequence[LaneInfo] | None, scope: FlowScope) -> list[_Candidate]:
+        """Per lane id: its lane (on the first carrying pair) and its path on every worker
+        pair in ``scope``. Only lane ids that every such pair has are candidates."""
         if lanes:  # given with the request: one worker pair, not cached
-            return [(c, (self.oracle.path(src, dst, c.src_port, c.dst_port),)) for c in sorted(lanes, key=lambda x: x.lane)]
-        got = self._cands.get((src, dst))
+            return [_Candidate(c, (self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto),), ())
+                    for c in sorted(lanes, key=lambda x: x.lane)]
+        registered = self._lanes.get((src, dst))
+        if not registered:
+            return []
+        cache = self._cands.setdefault((src, dst), {})
+        got = cache.get(scope)
         if got is None:
-            workers = [ls for _, ls in sorted(self._lanes[(src, dst)].items())]
-            common = set.intersection(*({c.lane for c in ls} for ls in workers))
+            pairs = sorted((name, reg.lanes) for name, reg in registered.items() if scope.matches(reg.pair))
             got = []
-            for lane_id in sorted(common):
-                per = [next(c for c in ls if c.lane == lane_id) for ls in workers]
-                got.append((per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto) for c in per)))
-            self._cands[(src, dst)] = got
+            if pairs:
+                common = set.intersection(*({c.lane for c in ls} for _, ls in pairs))
+                names = tuple(name for name, _ in pairs)
+                for lane_id in sorted(common):
+                    per = [next(c for c in ls if c.lane == lane_id) for _, ls in pairs]
+                    got.append(_Candidate(per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto)
+                                                        for c in per), names))
+            if len(cache) >= MAX_SCOPES_CACHED:  # scopes come from clients: keep the cache bounded
+                cache.clear()
+            cache[scope] = got
         return got
 
     @staticmethod

@@ -60,16 +60,66 @@ class LaneInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     proto: Literal["tcp", "udp"] = "tcp"  # exact: a pattern's $ would also match "tcp\n"
 
 
+EngineId = Annotated[str, Meta(min_length=1, max_length=128)]
+Rank = Annotated[int, Meta(ge=0, le=1023)]
+
+
+class WorkerPair(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The two ends of one KV flow: rank ``p_rank`` of P engine ``p_engine`` pushes to
+    rank ``d_rank`` of D engine ``d_engine`` (engine ids: kv_transfer_config.engine_id).
+    A transfer between two engines with TP=N is N such flows, one per rank pair.
+    ``incarnation`` names the D worker's process (its NIXL agent): a registration
+    replaces another incarnation's lanes, and a removal that names an incarnation
+    removes only that one's, so a late removal never drops a restarted D's lanes."""
+
+    p_engine: EngineId
+    d_engine: EngineId
+    p_rank: Rank = 0
+    d_rank: Rank = 0
+    incarnation: Annotated[str, Meta(max_length=256)] = ""
+
+    def key(self) -> str:
+        """The pair's name in the registry (without the incarnation)."""
+        return f"{self.p_engine}/r{self.p_rank}>{self.d_engine}/r{self.d_rank}"
+
+
+class FlowScope(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Which registered worker pairs carry a transfer: the pairs whose fields equal the
+    given ones (an empty engine or a null rank matches any). The proxy names the two
+    engines (every TP rank pair of theirs); P's connector names its own rank pair."""
+
+    p_engine: Annotated[str, Meta(max_length=128)] = ""
+    d_engine: Annotated[str, Meta(max_length=128)] = ""
+    p_rank: Rank | None = None
+    d_rank: Rank | None = None
+
+    def is_empty(self) -> bool:
+        return not self.p_engine and not self.d_engine and self.p_rank is None and self.d_rank is None
+
+    def matches(self, pair: WorkerPair | None) -> bool:
+        if self.is_empty():
+            return True
+        if pair is None:  # registered by a free-form name: only an unscoped request counts it
+            return False
+        return ((not self.p_engine or self.p_engine == pair.p_engine)
+                and (not self.d_engine or self.d_engine == pair.d_engine)
+                and (self.p_rank is None or self.p_rank == pair.p_rank)
+                and (self.d_rank is None or self.d_rank == pair.d_rank))
+
+
 class ReserveRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Ask for a lane for one transfer of ``bytes`` from ``src_host`` to ``dst_host``
     (fabric host names or IPs). ``lanes``: the candidates, when the caller has them
-    (else the lanes P's connector registered); ``transfer_id``: names the decision."""
+    (else the lanes P's connector registered); ``transfer_id``: names the decision;
+    ``scope``: which registered worker pairs carry it (else every pair of the host
+    pair, other engines' included)."""
 
     src_host: Host
     dst_host: Host
     bytes: Annotated[int, Meta(ge=0)]
     lanes: Annotated[list[LaneInfo], Meta(max_length=1024)] | None = None
     transfer_id: Annotated[str, Meta(max_length=256)] = ""
+    scope: FlowScope | None = None
 
 
 class ReserveAnswer(msgspec.Struct, kw_only=True):
@@ -86,10 +136,11 @@ class ReserveAnswer(msgspec.Struct, kw_only=True):
     src_port: int | None = None
     path: list[str] | None = None  # node names, P host to D host
     spine: str | None = None  # the path's spine (null under one leaf)
-    spines: list[str | None] = []  # the chosen lane's spine for every registered worker pair
+    spines: list[str | None] = []  # the chosen lane's spine for every worker pair that carries the transfer
     expires_in_s: float | None = None
     mode: str = ""
     fallback: str = ""
+    workers: list[str] = []  # the worker pairs that carry it, in the order of ``spines``
 
 
 class ReleaseRequest(msgspec.Struct):
@@ -101,23 +152,29 @@ class ReleaseAnswer(msgspec.Struct):
     released: bool  # False when it had already ended
 
 
-class LanesRequest(msgspec.Struct, kw_only=True):
-    """The lanes of one (P worker, D worker) pair of a host pair; ``worker`` names the
-    pair, so pairs never overwrite each other."""
+class LanesRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The lanes of one (P worker, D worker) pair of a host pair, so pairs never
+    overwrite each other. ``pair`` names it by engines and ranks (what a scoped
+    reservation selects on); ``worker`` is a free-form name for callers that have no
+    engine ids (an unscoped reservation charges such pairs). One of the two, or both
+    naming the same pair."""
 
     src_host: Host
     dst_host: Host
     worker: Annotated[str, Meta(max_length=512)] = ""
     lanes: Annotated[list[LaneInfo], Meta(min_length=1, max_length=1024)]
+    pair: WorkerPair | None = None
 
 
-class LanesRemoval(msgspec.Struct, kw_only=True):
+class LanesRemoval(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A (P worker, D worker) pair whose lanes are gone (the D worker was forgotten, the
-    P worker stopped): they are no longer candidates, nor charged."""
+    P worker stopped): they are no longer candidates, nor charged. With ``pair`` and an
+    incarnation, only that incarnation's lanes are removed."""
 
     src_host: Host
     dst_host: Host
     worker: Annotated[str, Meta(max_length=512)] = ""
+    pair: WorkerPair | None = None
 
 
 class LanesAnswer(msgspec.Struct):
@@ -153,7 +210,7 @@ class SyncReserver(Protocol):
     """The in-process service: decides at once (``kvpath.reservation.ReservationService``)."""
 
     def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                transfer_id: str = "") -> "Reservation": ...
+                transfer_id: str = "", scope: FlowScope | None = None) -> "Reservation": ...
 
     def release(self, lease_id: str) -> bool: ...
 
@@ -164,7 +221,7 @@ class AsyncReserver(Protocol):
     raises for the service's faults: a grant without a lane says why."""
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                      transfer_id: str = "") -> LaneGrant: ...
+                      transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant: ...
 
     async def release(self, lease_id: str) -> None: ...
 
@@ -182,10 +239,11 @@ class QueuedReserver(Protocol):
     (or at once, with no lane, when the queue is full)."""
 
     def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                transfer_id: str = "", *, done: ReservedCallback) -> None: ...
+                transfer_id: str = "", scope: FlowScope | None = None, *, done: ReservedCallback) -> None: ...
 
     def release(self, lease_id: str) -> None: ...
 
-    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "") -> None: ...
+    def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "",
+                       pair: WorkerPair | None = None) -> None: ...
 
     def close(self) -> None: ...

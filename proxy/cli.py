@@ -146,7 +146,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=PROXY_MODES, default="push",
                    help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
     p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]")
-    p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H]")
+    p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H,engine_id=ID]",
+                   help="engine_id: its kv_transfer_config.engine_id; reservations then charge only the "
+                        "worker pairs of the two engines (not every engine on the two hosts)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
                                          "--reservation inproc, POST /reservation/v1/lanes and GET /reservation/v1/state and "

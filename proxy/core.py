@@ -36,7 +36,7 @@ from kvpath.proxy.metrics import ProxyMetrics
 from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
 from kvpath.proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
-from kvpath.reservation_wire import AsyncReserver, LaneGrant
+from kvpath.reservation_wire import AsyncReserver, FlowScope, LaneGrant
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,10 @@ class Proxy:
             return LaneGrant(fallback="no_fabric_host")
         nbytes = legs.estimate_prompt_tokens(body) * self.cfg.kv_bytes_per_token
         t = time.perf_counter()
-        grant = await self.reserver.reserve(p.fabric_host, d.fabric_host, nbytes, transfer_id=tid)
+        # the flows of this engine pair only (every TP rank pair of theirs), when the
+        # pool names the engines; else every registered pair of the two hosts
+        scope = FlowScope(p_engine=p.engine_id, d_engine=d.engine_id) if p.engine_id or d.engine_id else None
+        grant = await self.reserver.reserve(p.fabric_host, d.fabric_host, nbytes, transfer_id=tid, scope=scope)
         self.metrics.reservation.observe(time.perf_counter() - t)
         if grant.fallback:
             self.metrics.fallbacks.labels(grant.fallback.split(":")[0]).inc()

@@ -19,7 +19,9 @@ class Instance:
     role: str  # "prefill" | "decode"
     fabric_host: str = ""  # host in the fabric spec (reservations)
     kv_addr: str = ""  # P only: connector side channel (push) or NIXL side channel (inproc-push), host:port
-    engine_id: str = ""  # P only, inproc-push: the engine's kv_transfer_config.engine_id
+    # the engine's kv_transfer_config.engine_id: which registered worker pairs carry a
+    # reservation (push), the NIXL peer to read from (P, inproc-push)
+    engine_id: str = ""
     inflight: int = 0
     served: int = 0
     errors: int = 0

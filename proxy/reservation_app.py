@@ -138,7 +138,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
             return e.response
         t0 = time.perf_counter()
         try:
-            r = svc.reserve(body.src_host, body.dst_host, body.bytes, body.lanes, body.transfer_id)
+            r = svc.reserve(body.src_host, body.dst_host, body.bytes, body.lanes, body.transfer_id, body.scope)
         except ReservationError as e:
             m_dec.labels(svc.mode, "rejected").inc()
             raise HTTPException(422, str(e)) from None
@@ -167,7 +167,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
         except BadBody as e:
             return e.response
         try:
-            svc.register_lanes(body.src_host, body.dst_host, body.lanes, body.worker)
+            svc.register_lanes(body.src_host, body.dst_host, body.lanes, body.worker, body.pair)
         except ReservationError as e:
             raise HTTPException(422, str(e)) from None
         return _json(wire.LanesAnswer(True, len(body.lanes)))
@@ -183,7 +183,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
         except BadBody as e:
             return e.response
         try:
-            n = svc.unregister_lanes(body.src_host, body.dst_host, body.worker)
+            n = svc.unregister_lanes(body.src_host, body.dst_host, body.worker, body.pair)
         except ReservationError as e:
             raise HTTPException(422, str(e)) from None
         return _json(wire.LanesAnswer(n > 0, n))

@@ -15,7 +15,7 @@ import msgspec
 
 from kvpath import reservation_wire as wire
 from kvpath.reservation import ReservationError
-from kvpath.reservation_wire import LaneGrant, LaneInfo
+from kvpath.reservation_wire import FlowScope, LaneGrant, LaneInfo
 
 _JSON = {"content-type": "application/json"}
 
@@ -27,9 +27,9 @@ class InProcessReserver:
         self.svc = svc
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                      transfer_id: str = "") -> LaneGrant:
+                      transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant:
         try:
-            r = self.svc.reserve(src_host, dst_host, nbytes, lanes, transfer_id)
+            r = self.svc.reserve(src_host, dst_host, nbytes, lanes, transfer_id, scope)
         except ReservationError as e:
             return LaneGrant(fallback=f"rejected: {e}")
         if r.fallback:
@@ -51,9 +51,9 @@ class HttpReserver:
         self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=64))
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                      transfer_id: str = "") -> LaneGrant:
+                      transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant:
         req = wire.ReserveRequest(src_host=src_host, dst_host=dst_host, bytes=nbytes,
-                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id)
+                                  lanes=list(lanes) if lanes else None, transfer_id=transfer_id, scope=scope)
         try:
             r = await self.client.post(self.url + wire.RESERVE_PATH, content=wire.encode(req), headers=_JSON)
         except httpx.TimeoutException:

@@ -63,7 +63,7 @@ def writer(agents) -> PushSender:
     snd._router = FakeRouter()
     snd._record = lambda rec: None
     snd._peers, snd._inflight, snd._asking = {}, {}, {}
-    snd._opening, snd._hellos, snd._reopens = None, OrderedDict(), OrderedDict()
+    snd._opening, snd._hellos, snd._reopens, snd._parked = None, OrderedDict(), OrderedDict(), {}
     snd.lane_agents = agents
     snd._probe = np.zeros(8, dtype=np.uint8)
     snd.address = "127.0.0.1:5600"
@@ -190,3 +190,81 @@ def test_reachability_check_passes_on_accept_or_refusal_and_fails_on_silence(mon
         assert "does not answer" in check(_hello_listening(port, "0.0.0.0"))  # a wildcard listener: D's host
         for c in fillers:
             c.close()
+
+
+def _all_lanes_broken(snd, agents, name="d1"):
+    ls = LaneSet(hello(name), agents, 0, 5600, 2, entropy=NoEntropy())
+    ls.open_all()
+    snd._peers[name] = Peer(hello(name), name.encode(), ls)
+    for a in agents:
+        a.stuck.add(name)  # D unreachable for now
+    ls.tear_down(0)
+    ls.tear_down(1)
+    return ls
+
+
+def _push(snd, tid, name="d1"):
+    import threading
+
+    from kvpath.connector.push_state import FinishedPrefill
+
+    snd._finished, snd._finished_lock, snd._released = set(), threading.Lock(), OrderedDict()
+    snd._on_finished(FinishedPrefill("req-" + tid, tid, [1, 2]))
+    snd._on_register(name.encode(), M.Register(tid, "dr-" + tid, name, [3, 4]))
+
+
+def test_a_push_with_no_lane_open_waits_for_the_reopen_on_the_loop_and_then_goes():
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    ls = _all_lanes_broken(snd, agents)
+    t0 = time.monotonic()
+    _push(snd, "t1")
+    assert time.monotonic() - t0 < 0.5  # parked, not reopened in place (its probe never completes)
+    (key,) = snd._parked
+    assert key[0] == "d1" and list(snd._reopens) == [key]
+    assert [m.status for i, m in snd._router.out if i == b"d1" and isinstance(m, M.Ack)] == ["accepted"]
+    # meanwhile the writer answers another D
+    ok = LaneSet(hello("d-ok"), [SlowAgent("b0"), SlowAgent("b1")], 0, 5600, 2, entropy=NoEntropy())
+    ok.open_all()
+    snd._peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
+    snd._on_register(b"d-ok", M.Register("t2", "r2", "d-ok", [1]))
+    assert [m.status for i, m in snd._router.out if i == b"d-ok"] == ["accepted"]
+    for _ in range(3):
+        snd._step_lane_setup()
+    assert snd._parked and snd._opening is not None  # still waiting: the probe does not complete
+    for a in agents:
+        a.stuck.clear()
+    snd._step_lane_setup()
+    assert not snd._parked and not ls.lanes[key[1]].broken
+    out = [m for i, m in snd._router.out if i == b"d1"]
+    # D learned the reopened lane (Welcome) before the WRITE was posted on it
+    kinds = [type(m).__name__ + (f":{m.status}" if isinstance(m, M.Ack) else "") for m in out]
+    assert kinds[1:] == ["Welcome", "Ack:posted"], kinds
+    assert snd.state.status_of("t1") == "ok" and "req-t1" in snd.take_finished()  # pushed, blocks freed
+
+
+def test_a_push_waiting_for_a_reopen_that_fails_is_failed_and_its_blocks_freed(monkeypatch):
+    monkeypatch.setattr(lanes_mod, "PROBE_TIMEOUT_S", 0.05)
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    _all_lanes_broken(snd, agents)
+    _push(snd, "t1")
+    assert snd._parked
+    deadline = time.monotonic() + 5
+    while (snd._parked or snd._opening is not None) and time.monotonic() < deadline:
+        snd._step_lane_setup()
+        time.sleep(0.005)
+    assert not snd._parked
+    acks = [m for i, m in snd._router.out if i == b"d1" and isinstance(m, M.Ack)]
+    assert [a.status for a in acks][-1] == "failed" and "reopening lane" in acks[-1].detail
+    assert snd.take_finished() == {"req-t1"}  # P's blocks are freed
+    assert snd.state.status_of("t1") == "failed"
+
+
+def test_shutdown_fails_the_pushes_waiting_for_a_reopen():
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    _all_lanes_broken(snd, agents)
+    _push(snd, "t1")
+    snd._abandon_lane_setups()
+    assert not snd._parked and snd.take_finished() == {"req-t1"}

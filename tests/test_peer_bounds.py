@@ -104,7 +104,7 @@ def writer(timeout_s: float = 600.0) -> PushSender:
     snd.state = WriterState(lease_s=30.0)
     snd.stats = Stats()
     snd._peers, snd._inflight, snd._asking = {}, {}, {}
-    snd._opening, snd._hellos, snd._reopens = None, OrderedDict(), OrderedDict()
+    snd._opening, snd._hellos, snd._reopens, snd._parked = None, OrderedDict(), OrderedDict(), {}
     snd.notifier = None
     return snd
 
@@ -134,6 +134,45 @@ def test_a_full_table_makes_room_with_the_least_recently_seen_idle_peer(monkeypa
     add_peer(snd, "newer", now - 10)
     snd._prune_peers(now, need_room=True)
     assert set(snd._peers) == {"newer"}
+
+
+class RecordingNotifier:
+    def __init__(self):
+        self.calls = []
+
+    def register_lanes(self, src, dst, lanes, worker="", pair=None):
+        self.calls.append(("register", src, dst, lanes, pair))
+
+    def unregister_lanes(self, src, dst, worker="", pair=None):
+        self.calls.append(("unregister", src, dst, None, pair))
+
+
+def test_a_forgotten_d_unregisters_its_own_incarnation_only_a_restarted_d_keeps_its_lanes():
+    from kvpath.fabric import FabricSpec
+    from kvpath.reservation import LaneInfo, ReservationService
+
+    snd = writer(timeout_s=60.0)
+    snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0, fabric_host="l0h0")
+    snd.engine_id, snd.rank, snd.notifier = "p-l0h0", 0, RecordingNotifier()
+    now = time.monotonic()
+    old = Peer(M.Hello(engine_id="d-l1h0", agent_name="d-old", agent_metadata=b"x", layout=LAY, compat=M.Compat(),
+                       instance="i", heartbeat_s=1.0, fabric_host="l1h0"), b"d-old", FakeLanes(), last_seen=now - 120)
+    snd._peers["d-old"] = old
+    snd._prune_peers(now)  # silent for 120 s: forgotten, after its D restarted as "d-new"
+    (kind, src, dst, _, pair), = snd.notifier.calls
+    assert (kind, src, dst) == ("unregister", "l0h0", "l1h0")
+    assert pair.key() == "p-l0h0/r0>d-l1h0/r0" and pair.incarnation == "d-old"
+    # on the service, the new incarnation registered meanwhile keeps its lanes
+    svc = ReservationService(FabricSpec(leaves=2, spines=4, hosts_per_leaf=2), "cc")
+    svc.register_lanes("l0h0", "l1h0", [LaneInfo(0, 40000)], pair=msgspec_replace(pair, incarnation="d-new"))
+    assert svc.unregister_lanes(src, dst, pair=pair) == 0
+    assert svc.lanes("l0h0", "l1h0", pair=pair) == [LaneInfo(0, 40000)]
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
 
 
 # -- D: control links --------------------------------------------------------------

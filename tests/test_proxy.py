@@ -17,6 +17,7 @@ from kvpath.proxy.instances import Instance
 from kvpath.proxy.reservation_app import create_app as create_reservation_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
 from kvpath.reservation import LaneInfo, ReservationService
+from kvpath.reservation_wire import WorkerPair
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
@@ -43,7 +44,7 @@ class Setup:
         self.p = [self._serve(create_stub_app(f"P{i}", b)) for i, b in enumerate(self.pb)]
         self.d = [self._serve(create_stub_app(f"D{i}", b)) for i, b in enumerate(self.db)]
         self.svc = ReservationService(SPEC, "cc", lease_s=30)
-        self.svc.register_lanes("l0h0", "l1h0", lanes())
+        self.svc.register_lanes("l0h0", "l1h0", lanes(), pair=WorkerPair(p_engine="eng0", d_engine="deng0"))
         reserver = None
         if reservation == "http":
             self.res = self._serve(create_reservation_app(self.svc))
@@ -53,7 +54,7 @@ class Setup:
         self.proxy = Proxy(
             ProxyConfig(mode=mode, policy=policy, admin_token=token, **{"first_byte_timeout_s": 3.0, **cfg}),
             [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{KV_SIDE_CHANNEL_PORT + i}", f"eng{i}") for i, s in enumerate(self.p)],
-            [Instance(s.url, "decode", "l1h0") for s in self.d],
+            [Instance(s.url, "decode", "l1h0", engine_id=f"deng{i}") for i, s in enumerate(self.d)],
             reserver,
         )
         res_app = create_reservation_app(self.svc, admin_token=token) if reservation == "inproc" else None
@@ -346,6 +347,22 @@ def test_client_leaving_mid_stream_cancels_the_decode_stream(setup):
     assert 'kvpath_proxy_errors_total{kind="client_disconnect"} 1.0' in m
     assert all(i["inflight"] == 0 for i in httpx.get(setup.url + "/status").json()["decode"])
     assert setup.svc.state()["active"] == 0
+
+
+@pytest.mark.parametrize("setup", [{"reservation": "inproc"}], indirect=True)
+def test_a_reservation_is_charged_to_the_routed_engines_pairs_not_to_other_engines_on_the_hosts(setup):
+    # another engine pair shares the two hosts: its lanes are neither candidates nor charged
+    other = WorkerPair(p_engine="other-p", d_engine="other-d")
+    setup.svc.register_lanes("l0h0", "l1h0", [LaneInfo(0, 45000)], pair=other)
+    charged = []
+    apply = setup.svc._apply
+    setup.svc._apply = lambda r, sign, now: (charged.append((sign, r.workers, len(r.paths), r.bytes)), apply(r, sign, now))
+    r = httpx.post(setup.url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200
+    d = setup.svc.decisions[-1]
+    assert d["workers"] == ("eng0/r0>deng0/r0",) and d["lane"] is not None
+    # one flow, charged and then released with all the transfer's bytes
+    assert charged == [(1, ("eng0/r0>deng0/r0",), 1, d["bytes"]), (-1, ("eng0/r0>deng0/r0",), 1, d["bytes"])]
 
 
 def test_reservation_service_down_falls_back_and_counts(setup):

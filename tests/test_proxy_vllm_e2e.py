@@ -35,10 +35,12 @@ def engines(mode, model, logs):
     if mode == "push":
         res = f"http://127.0.0.1:{RES_PORT}"
         pk = connector_config("kv_producer", 5910, keys_dir=logs / "keys", ucx_net_devices="lo",
-                              reservation_url=res, fabric_host="l0h0",
+                              reservation_url=res, fabric_host="l0h0", engine_id="p-engine",
                               trace_path=str(logs / "p_trace.jsonl"))
-        dk = connector_config("kv_consumer", 5920, keys_dir=logs / "keys", ucx_net_devices="lo", fabric_host="l1h0")
-        return pk, dk, {}, {}, ",kv_addr=127.0.0.1:5910,fabric_host=l0h0", ",fabric_host=l1h0"
+        dk = connector_config("kv_consumer", 5920, keys_dir=logs / "keys", ucx_net_devices="lo", fabric_host="l1h0",
+                              engine_id="d-engine")
+        return (pk, dk, {}, {}, ",kv_addr=127.0.0.1:5910,fabric_host=l0h0,engine_id=p-engine",
+                ",fabric_host=l1h0,engine_id=d-engine")
     name = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     # short in-tree timeouts, so a lost push cannot hold a request for minutes
     knobs = {"push_registration_timeout": 20} if mode == "inproc-push" else {}
@@ -174,6 +176,11 @@ def _bench_through_proxy(mode, model, tmp_path):
                 time.sleep(0.2)
             assert st["counters"].get("reservations", 0) >= 40  # lanes were registered by P's connector
             assert st["active"] == 0 and st["reserved_flows"] == 0
+            # P registered its worker pair by engines and ranks, and the proxy's reservations
+            # (scoped to the two engines) were carried by that pair only
+            assert list(st["lanes_known"]["l0h0->l1h0"]) == ["p-engine/r0>d-engine/r0"]
+            decisions = httpx.get(f"http://127.0.0.1:{RES_PORT}/v1/decisions").json()["decisions"]
+            assert decisions and all(d["workers"] == ["p-engine/r0>d-engine/r0"] for d in decisions)
             pushes = read_transfers(tmp_path / "p_trace.jsonl")
             assert len(pushes) >= 51 and all(r.status == "ok" for r in pushes)
             assert sum(1 for r in pushes if r.lease_id) >= 40  # the reserved lane was used

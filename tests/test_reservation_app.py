@@ -172,7 +172,7 @@ def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service
 
 # the reserve answer's fields, in the order the service has always written them
 ANSWER_FIELDS = ["lease_id", "transfer_id", "src_host", "dst_host", "bytes", "lane", "src_port", "path", "spine",
-                 "spines", "expires_in_s", "mode", "fallback"]
+                 "spines", "expires_in_s", "mode", "fallback", "workers"]
 
 
 def test_the_wire_answers_keep_their_json_shape(client):
@@ -213,8 +213,7 @@ def test_the_clients_send_the_wire_bodies_the_service_always_read():
     assert seen == [("/v1/reserve", json.dumps(old, separators=(",", ":")).encode()),
                     ("/v1/release", b'{"lease_id":"r1-ab"}')]
     lanes = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(0, 41000)])
-    assert wire.encode(lanes) == (b'{"src_host":"l0h0","dst_host":"l1h0","worker":"",'
-                                  b'"lanes":[{"lane":0,"src_port":41000}]}')
+    assert wire.encode(lanes) == b'{"src_host":"l0h0","dst_host":"l1h0","lanes":[{"lane":0,"src_port":41000}]}'
 
 
 def test_each_caller_has_its_protocol():

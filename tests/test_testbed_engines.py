@@ -41,7 +41,7 @@ def test_proxy_flags_with_a_push_connector_name_p_s_kv_address(tmp_path):
     p_ip, d_ip = site.fabric.spec.host_ip("l0h0"), site.fabric.mgmt_ip("l1h0")
     assert site.proxy_instance_args() == [
         "--prefill", f"http://{site.fabric.mgmt_ip('l0h0')}:8000,kv_addr={p_ip}:5600,fabric_host=l0h0,engine_id=p-l0h0",
-        "--decode", f"http://{d_ip}:8000,fabric_host=l1h0"]
+        "--decode", f"http://{d_ip}:8000,fabric_host=l1h0,engine_id=d-l1h0"]
     argv = proxy_argv(site, engines_for(site))
     assert argv[argv.index("--mode") + 1] == "push" and argv[argv.index("--reservation-mode") + 1] == "cc"
     # the emulated llama-3-8b's KV bytes per token, scaled down by S = 500

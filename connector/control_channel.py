@@ -159,7 +159,8 @@ class ControlChannel:
             return
         status, fp, _ = self.state.cancel(tid)
         if status == "in_flight":
-            return  # D hears the completion notification or a failure
+            self._cancel_parked(tid)  # one waiting for a lane has posted nothing: it ends now
+            return  # else D hears the completion notification or a failure
         if status == "unregistered":  # this sender has nothing to cancel: nothing is touched
             self._ack(ident, tid, "cancelled", "not registered", False)
             return

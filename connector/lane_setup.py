@@ -7,6 +7,7 @@ and :meth:`LaneSetup.worker_pair`, which only read.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -21,8 +22,6 @@ from kvpath.reservation_wire import LaneInfo, WorkerPair
 from kvpath.trace import LaneRecord, LanesRecord
 
 if TYPE_CHECKING:
-    from kvpath.connector.push_state import Match
-    from kvpath.trace import TransferRecord
     from kvpath.connector.sender import PushSender
 
 logger = logging.getLogger(__name__)
@@ -33,6 +32,9 @@ MAX_PEERS = 1024
 # Lane set-ups waiting behind the one in progress (each is at most lanes x candidates
 # probes of up to PROBE_TIMEOUT_S): beyond it a new D is told to try again later.
 MAX_QUEUED_SETUPS = 64
+# P registers each D worker's lanes again this often: the reservation service forgets
+# pairs not registered for its lanes_ttl_s (900 s by default), e.g. of a P that was killed
+LANE_REFRESH_S = 60.0
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Peer:
     ident: bytes  # its control-channel identity
     lanes: LaneSet
     last_seen: float = 0.0  # monotonic time of its last Hello or Register
+    registered_at: float = 0.0  # monotonic time its lanes were last registered with the reservation service
 
 
 @dataclass
@@ -86,8 +89,12 @@ class LaneSetup:
     def worker_pair(self: "PushSender", hello: M.Hello) -> WorkerPair:
         """The (P worker, D worker) pair in the reservation service: engines and ranks
         (what the proxy's reservations select on), D's agent as its incarnation."""
+        # both processes: a restarted P or D is another incarnation of the pair
+        incarnation = f"{self.instance}>{hello.agent_name}"
+        if len(incarnation) > 256:
+            incarnation = hashlib.sha256(incarnation.encode()).hexdigest()
         return WorkerPair(p_engine=self.engine_id, p_rank=self.rank, d_engine=hello.engine_id,
-                          d_rank=hello.compat.tp_rank, incarnation=hello.agent_name)
+                          d_rank=hello.compat.tp_rank, incarnation=incarnation)
 
     def lanes(self: "PushSender") -> dict[str, list[Lane]]:
         """D agent name -> its lanes (a snapshot; for tests and tools)."""
@@ -169,23 +176,6 @@ class LaneSetup:
         op = self._opening
         return op is not None and op.reopen == key[1] and op.hello.agent_name == key[0]
 
-    def _park(self: "PushSender", peer: Peer, lane: int, m: "Match", rec: "TransferRecord") -> None:
-        """A push to a D with no lane open waits for lane ``lane``'s reopen (queued on the
-        writer's loop, never run in place: the reopen can take a probe timeout)."""
-        key = (peer.hello.agent_name, lane)
-        if not self._queue_lane_reopen(peer, lane):
-            self._fail(m, f"no lane to D is open and {MAX_QUEUED_SETUPS} lane set-ups are queued", rec)
-            return
-        self._parked.setdefault(key, []).append(m)
-
-    def _unpark(self: "PushSender", key: tuple[str, int], why: str | None) -> None:
-        """The reopen of ``key`` ended: start its waiting pushes, or fail them with ``why``."""
-        for m in self._parked.pop(key, []):
-            if why is None:
-                self._start_write(m)
-            else:
-                self._fail(m, why)
-
     def _next_lane_setup(self: "PushSender") -> LaneOpening | None:
         """The next set-up to run: lane reopens of known peers first (a push waits on
         them), then new peers' set-ups, in arrival order."""
@@ -195,7 +185,7 @@ class LaneSetup:
             if peer is not None and peer.lanes.lanes[lane].broken:
                 return LaneOpening(peer.hello, peer.ident, peer.lanes, peer.lanes.reopen_steps(lane), reopen=lane)
             # open again meanwhile, or the peer was forgotten: its waiting pushes go on (or fail)
-            self._unpark((name, lane), None if peer is not None else "D was forgotten while its lane reopened")
+            self._reopen_ended(name, None if peer is not None else "D was forgotten while its lane reopened")
         if not self._hellos:
             return None
         _, (ident, hello) = self._hellos.popitem(last=False)
@@ -225,7 +215,7 @@ class LaneSetup:
             self._opening = None
             logger.warning("cannot open lanes to %s: %s", op.hello.agent_name, e)
             if op.reopen is not None:  # the lane stays broken; its next use queues it again
-                self._unpark((op.hello.agent_name, op.reopen), f"reopening lane {op.reopen} to D failed: {e}")
+                self._reopen_ended(op.hello.agent_name, f"reopening lane {op.reopen} to D failed: {e}")
                 return
             op.lanes.abandon()
             self._send(op.ident, M.Welcome(self.instance, False, "lanes", f"lane set-up failed: {e}"))
@@ -235,7 +225,7 @@ class LaneSetup:
             if peer is not None:  # D learns the new connection before any byte moves on it
                 self._welcome(peer)
                 self._register_lanes(peer)
-            self._unpark((op.hello.agent_name, op.reopen), None if peer is not None else "D was forgotten")
+            self._reopen_ended(op.hello.agent_name, None if peer is not None else "D was forgotten")
             return
         peer = self._peers[op.hello.agent_name] = Peer(op.hello, op.ident, op.lanes, last_seen=time.monotonic())
         self._lanes_opened(peer)
@@ -253,8 +243,8 @@ class LaneSetup:
             self._opening = None
         self._hellos.clear()
         self._reopens.clear()
-        for key in list(self._parked):
-            self._unpark(key, "P is shutting down")
+        for name in list(self._parked):
+            self._unpark(name, "P is shutting down")
 
     def _prune_peers(self: "PushSender", now: float, need_room: bool = False) -> None:
         """Forget D workers that hold nothing here and sent nothing for
@@ -264,7 +254,7 @@ class LaneSetup:
         busy |= {f.match.registration.reg.agent_name for f in self._inflight.values()}
         busy |= {m.registration.reg.agent_name for m, _ in self._asking.values()}
         busy |= {name for name, _ in self._reopens}  # a lane of theirs is reopening
-        busy |= {name for name, _ in self._parked}  # a push waits for it
+        busy |= set(self._parked)  # a push waits for one of its lanes
         if self._opening is not None:
             busy.add(self._opening.hello.agent_name)
         idle = sorted((p.last_seen, name) for name, p in self._peers.items() if name not in busy)
@@ -327,9 +317,37 @@ class LaneSetup:
         """Tell the reservation service this worker pair's lanes (full 5-tuples)."""
         h = peer.hello
         if self.notifier is not None and self.cfg.fabric_host and h.fabric_host:
+            pair = self.worker_pair(h)
+            bad = WorkerPair.engine_id_problem(pair.p_engine) or WorkerPair.engine_id_problem(pair.d_engine)
+            if bad:  # the service would refuse it: say so once per D, not at debug level
+                if peer.registered_at == 0.0:
+                    logger.warning("lanes to %s are not registered with the reservation service: %s",
+                                   h.agent_name, bad)
+                    self.stats.inc("lane_registrations_skipped")
+                peer.registered_at = time.monotonic()
+                return
+            twin = None if peer.registered_at else next(
+                (p for p in self._peers.values() if p is not peer and p.hello.engine_id == h.engine_id
+                 and p.hello.compat.tp_rank == h.compat.tp_rank and p.hello.fabric_host == h.fabric_host), None)
+            if twin is not None:
+                # two live D workers that name one pair: their registrations replace each other
+                logger.warning("D workers %s and %s share engine id %r and rank %d on %s: give each engine its "
+                               "own engine_id, or the reservation service sees one of them", h.agent_name,
+                               twin.hello.agent_name, h.engine_id, h.compat.tp_rank, h.fabric_host)
+                self.stats.inc("worker_pair_collisions")
             rows = [LaneInfo(l.lane_id, l.src_port, l.dst_port, l.src_ip, l.dst_ip) for l in peer.lanes.lanes
                     if l.src_port]
-            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, pair=self.worker_pair(h))
+            self.notifier.register_lanes(self.cfg.fabric_host, h.fabric_host, rows, pair=pair)
+            peer.registered_at = time.monotonic()
+
+    def _refresh_registrations(self: "PushSender", now: float) -> None:
+        """Register every D worker's lanes again every LANE_REFRESH_S (the service's
+        registrations expire: a killed P never unregisters)."""
+        if self.notifier is None:
+            return
+        for peer in self._peers.values():
+            if now - peer.registered_at >= LANE_REFRESH_S:
+                self._register_lanes(peer)
 
     def _unregister_lanes(self: "PushSender", peer: Peer) -> None:
         """The worker pair is gone (D forgotten, P stopping): its lanes are no candidates."""

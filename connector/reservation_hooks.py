@@ -69,10 +69,13 @@ class ReservationNotifier:
             self.stats.inc("reservation_calls_failed")
             logger.warning("lanes not registered: %s", e)
             return
+        # the pair's name as ``worker`` too: a service from before pairs keys it by that
+        worker = worker or (pair.key() if pair is not None else "")
         self._post(_Call(wire.LANES_PATH, wire.LanesRequest(src_host=src_host, dst_host=dst_host, worker=worker,
                                                             lanes=rows, pair=pair)))
 
     def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "", pair: wire.WorkerPair | None = None) -> None:
+        worker = worker or (pair.key() if pair is not None else "")
         self._post(_Call(wire.UNREGISTER_PATH, wire.LanesRemoval(src_host=src_host, dst_host=dst_host, worker=worker,
                                                                  pair=pair)))
 

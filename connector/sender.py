@@ -30,11 +30,12 @@ from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThre
 from kvpath.connector.lane_setup import LaneOpening, LaneSetup, Peer
 from kvpath.connector.lanes import Lane
 from kvpath.connector.nixl_io import configure_ucx
+from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
 from kvpath.connector.reservation_hooks import ReservationNotifier
 from kvpath.connector.telemetry import Stats
 from kvpath.connector.write_loop import InFlight, WriteLoop
-from kvpath.trace import TraceWriter
+from kvpath.trace import TraceWriter, TransferRecord
 
 if TYPE_CHECKING:
     from kvpath.oracle import KernelOracle, ModelOracle
@@ -44,7 +45,7 @@ __all__ = ["PushSender"]
 logger = logging.getLogger(__name__)
 
 
-class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
+class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThread):
     def __init__(
         self,
         cfg: KVPathConfig,
@@ -75,8 +76,8 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
         self._opening: LaneOpening | None = None  # the lane set-up in progress
         self._hellos: OrderedDict[str, tuple[bytes, M.Hello]] = OrderedDict()  # set-ups queued behind it
         self._reopens: OrderedDict[tuple[str, int], None] = OrderedDict()  # (D agent, lane) to reopen
-        # pushes to a D with no lane open, waiting for a lane's reopen: (D agent, lane) -> them
-        self._parked: dict[tuple[str, int], list[Match]] = {}
+        # pushes to a D with no lane open, waiting for a lane's reopen: D agent -> them
+        self._parked: dict[str, list[tuple[Match, TransferRecord]]] = {}
         self._curve: CurveServer | None = None  # the control channel's CURVE context (keys given)
         self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 
@@ -180,6 +181,7 @@ class PushSender(ControlChannel, LaneSetup, WriteLoop, EngineThread):
             self._next_expire = now + 0.05
         if now >= self._next_prune:
             self._prune_peers(now)
+            self._refresh_registrations(now)
             self._next_prune = now + 1.0
         if now >= self._next_heartbeat:
             self._heartbeat()

@@ -50,6 +50,8 @@ COUNTERS = (
     "lanes_reserve_fallback",
     "peers_forgotten",
     "peers_over_limit",
+    "lane_registrations_skipped",
+    "worker_pair_collisions",
 )
 
 

@@ -37,6 +37,7 @@ class InFlight:
     record: TransferRecord
     slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
     slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
+    lane_obj: Any = None  # the Lane it was posted on (a reopened lane is another object)
 
 
 class WriteLoop:
@@ -139,7 +140,8 @@ class WriteLoop:
         except Exception as e:
             state = "ERR"
             logger.warning("posting the WRITE of %s raised: %s", fp.transfer_id, e)
-        f = InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s)
+        f = InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s,
+                     lane_obj=peer.lanes.lanes[lane])
         if state == "ERR":
             self._failed_write(f, "NIXL refused the WRITE")
             return
@@ -183,7 +185,8 @@ class WriteLoop:
         self._inflight.pop(f.match.prefill.transfer_id, None)
         self._release_handle(f)
         peer = self._peers.get(f.match.registration.reg.agent_name)
-        if peer is not None:
+        # the lane it was posted on, not one reopened under the same index since
+        if peer is not None and (f.lane_obj is None or peer.lanes.lanes[f.lane] is f.lane_obj):
             peer.lanes.tear_down(f.lane)
             self.stats.inc("lanes_torn_down")
         self._fail(f.match, why, f.record, posted=True)
@@ -209,6 +212,8 @@ class WriteLoop:
         self._ack(m.registration.reply_to, tid, "failed", why, posted)
 
     def _expire(self: "PushSender") -> None:
+        if self._parked:
+            self._expire_parked(time.monotonic())
         ex = self.state.expire()
         # each one on its own: a failure on one (already popped from the state) must not
         # strand the blocks or the answers of the others

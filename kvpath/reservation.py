@@ -43,7 +43,7 @@ __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "Reservat
            "WorkerPair", "default_lane"]
 
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
-MAX_SCOPES_CACHED = 1024  # per host pair: the candidate cache is dropped when it holds more
+MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
 Link = tuple[str, str]
@@ -68,6 +68,7 @@ class ReservationError(ValueError):
 class _Registered(NamedTuple):
     pair: WorkerPair | None  # None: registered by a free-form name
     lanes: list[LaneInfo]
+    at: float  # when it was last (re)registered, on the service's clock
 
 
 class _Candidate(NamedTuple):
@@ -212,6 +213,7 @@ class ReservationService:
         dc_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         metric: str = "flows",
+        lanes_ttl_s: float = 900.0,
     ):
         if mode not in MODES:
             raise ReservationError(f"mode must be one of {MODES}, got {mode!r}")
@@ -223,6 +225,12 @@ class ReservationService:
         self.metric = metric
         if lease_s <= 0 or dc_delay_s < 0:
             raise ReservationError("lease_s must be > 0 and dc_delay_s >= 0")
+        if not lanes_ttl_s > 0:
+            raise ReservationError(f"lanes_ttl_s must be > 0, got {lanes_ttl_s!r}")
+        # a worker pair not registered again for this long is forgotten (its P died
+        # without unregistering); P's connector registers its pairs again every minute
+        self.lanes_ttl_s = lanes_ttl_s
+        self._next_lane_sweep = 0.0
         self.spec = spec
         self.mode = mode
         self.oracle = oracle or ModelOracle(spec)
@@ -237,8 +245,8 @@ class ReservationService:
         self._lanes: dict[tuple[str, str], dict[str, _Registered]] = {}
         self._n_pairs = 0
         self._unheard = _Unheard()  # dc: changes younger than the broadcast delay
-        # per (src, dst) and scope: the candidates (lanes are long-lived, so cached)
-        self._cands: dict[tuple[str, str], dict[FlowScope, list[_Candidate]]] = {}
+        # per (src, dst) and set of worker pairs in scope: the candidates (lanes are long-lived)
+        self._cands: dict[tuple[str, str], dict[tuple[str, ...], list[_Candidate]]] = {}
         self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
@@ -257,13 +265,19 @@ class ReservationService:
         self._check_lanes(lanes)
         key = self._pair_key(worker, pair)
         pairs = self._lanes.get((src, dst), {})
+        old = pairs.get(key)
+        if pair is None and old is not None and old.pair is not None:
+            raise ReservationError(f"worker {worker!r} is a pair registered by engines and ranks: register it "
+                                   f"again with its pair, not by name")
+        now = self.clock()
+        self._sweep_lanes(now)
         if key not in pairs and self._n_pairs >= MAX_WORKER_PAIRS:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "
                                    f"unregister the pairs of engines that went away")
         if key not in pairs:
             self._n_pairs += 1
-        self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane))
+        self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane), now)
         self._cands.pop((src, dst), None)
         self.counters["lane_registrations"] += 1
 
@@ -277,16 +291,34 @@ class ReservationService:
         got = pairs.get(name)
         if got is None:
             return 0
-        if pair is not None and pair.incarnation and got.pair is not None and got.pair.incarnation != pair.incarnation:
+        if got.pair is not None and (pair is None or pair.incarnation != got.pair.incarnation):
+            # a pair registered by engines is removed only by its own incarnation (a late
+            # removal from before a restart, or one by name, leaves the new lanes alone)
             self.counters["lane_unregistrations_stale"] += 1
             return 0
+        self._drop_pair(key, name)
+        self.counters["lane_unregistrations"] += 1
+        return len(got.lanes)
+
+    def _drop_pair(self, key: tuple[str, str], name: str) -> None:
+        pairs = self._lanes[key]
         del pairs[name]
         self._n_pairs -= 1
         if not pairs:
             del self._lanes[key]
         self._cands.pop(key, None)
-        self.counters["lane_unregistrations"] += 1
-        return len(got.lanes)
+
+    def _sweep_lanes(self, now: float) -> None:
+        """Forget the worker pairs not registered again within lanes_ttl_s (looked at
+        every tenth of it, so the cost does not grow with the calls)."""
+        if now < self._next_lane_sweep:
+            return
+        self._next_lane_sweep = now + self.lanes_ttl_s / 10
+        for key, pairs in list(self._lanes.items()):
+            for name, reg in list(pairs.items()):
+                if now - reg.at > self.lanes_ttl_s:
+                    self._drop_pair(key, name)
+                    self.counters["lane_registrations_expired"] += 1
 
     def lanes(self, src_host: str, dst_host: str, worker: str = "", pair: WorkerPair | None = None) -> list[LaneInfo]:
         key = (self._host(src_host, "src_host"), self._host(dst_host, "dst_host"))
@@ -371,6 +403,7 @@ class ReservationService:
 
     def expire(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
+        self._sweep_lanes(now)
         n = 0
         while self._expiry and self._expiry[0][0] <= now:
             _, lid = heapq.heappop(self._expiry)
@@ -434,21 +467,24 @@ class ReservationService:
         registered = self._lanes.get((src, dst))
         if not registered:
             return []
+        # cached by the pairs in scope, not by the scope: a caller's made-up scopes match
+        # no pair (nothing cached) or the same pairs as a real one
+        names = tuple(sorted(name for name, reg in registered.items() if scope.matches(reg.pair)))
+        if not names:
+            return []
         cache = self._cands.setdefault((src, dst), {})
-        got = cache.get(scope)
+        got = cache.get(names)
         if got is None:
-            pairs = sorted((name, reg.lanes) for name, reg in registered.items() if scope.matches(reg.pair))
+            pairs = [registered[name].lanes for name in names]
+            common = set.intersection(*({c.lane for c in ls} for ls in pairs))
             got = []
-            if pairs:
-                common = set.intersection(*({c.lane for c in ls} for _, ls in pairs))
-                names = tuple(name for name, _ in pairs)
-                for lane_id in sorted(common):
-                    per = [next(c for c in ls if c.lane == lane_id) for _, ls in pairs]
-                    got.append(_Candidate(per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto)
-                                                        for c in per), names))
-            if len(cache) >= MAX_SCOPES_CACHED:  # scopes come from clients: keep the cache bounded
+            for lane_id in sorted(common):
+                per = [next(c for c in ls if c.lane == lane_id) for ls in pairs]
+                got.append(_Candidate(per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto)
+                                                    for c in per), names))
+            if len(cache) >= MAX_SCOPES_CACHED:  # keep the cache bounded
                 cache.clear()
-            cache[scope] = got
+            cache[names] = got
         return got
 
     @staticmethod

@@ -19,6 +19,7 @@ processes.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Callable, Final, Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
@@ -60,7 +61,9 @@ class LaneInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     proto: Literal["tcp", "udp"] = "tcp"  # exact: a pattern's $ would also match "tcp\n"
 
 
-EngineId = Annotated[str, Meta(min_length=1, max_length=128)]
+# no "/" or ">": they separate the parts of a worker pair's name (WorkerPair.key)
+ENGINE_ID_PATTERN: Final = r"\A[^/>]{1,128}\Z"
+EngineId = Annotated[str, Meta(pattern=ENGINE_ID_PATTERN)]
 Rank = Annotated[int, Meta(ge=0, le=1023)]
 
 
@@ -77,6 +80,13 @@ class WorkerPair(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     p_rank: Rank = 0
     d_rank: Rank = 0
     incarnation: Annotated[str, Meta(max_length=256)] = ""
+
+    @staticmethod
+    def engine_id_problem(engine_id: str) -> str | None:
+        """Why the service would refuse ``engine_id`` in a pair, or None."""
+        if not re.match(ENGINE_ID_PATTERN, engine_id or ""):
+            return f"engine id {engine_id!r} must have 1 to 128 characters and no '/' or '>'"
+        return None
 
     def key(self) -> str:
         """The pair's name in the registry (without the incarnation)."""

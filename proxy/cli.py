@@ -60,10 +60,12 @@ def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") 
     p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
     p.add_argument("--cc-metric", choices=METRICS, default="flows",
                    help="cc/dc: least reserved flows on a path's busiest link, or least reserved bytes")
+    p.add_argument("--lanes-ttl-s", type=float, default=900.0,
+                   help="forget a worker pair's lanes not registered again for this long (P re-registers each minute)")
 
 
 def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,
-                  kernel_oracle: str = "", metric: str = "flows") -> ReservationService:
+                  kernel_oracle: str = "", metric: str = "flows", lanes_ttl_s: float = 900.0) -> ReservationService:
     spec = load_fabric(fabric)
     oracle = None
     if kernel_oracle:
@@ -71,7 +73,8 @@ def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: flo
 
         oracle = KernelOracle.for_prefix(spec, kernel_oracle)
     try:
-        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle, metric=metric)
+        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle, metric=metric,
+                                  lanes_ttl_s=lanes_ttl_s)
     except ReservationError as e:
         raise SystemExit(f"kvpath: error: {e}") from None
 
@@ -81,7 +84,8 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 
     from kvpath.proxy.reservation_app import create_app
 
-    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric)
+    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
+                        args.lanes_ttl_s)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
     uvicorn.run(create_app(svc, admin_token=args.admin_token), host=args.host, port=args.port, log_level="warning")
     return 0
@@ -111,7 +115,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         if args.reservation_url:
             reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
         elif args.reservation == "inproc":
-            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric)
+            svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
+                        args.lanes_ttl_s)
             reserver = InProcessReserver(svc)
             res_app = create_reservation_app(svc, admin_token=args.admin_token)
         if args.reserve_at == "push":
@@ -147,7 +152,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
     p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H,engine_id=ID]",
-                   help="engine_id: its kv_transfer_config.engine_id; reservations then charge only the "
+                   help="engine_id: its connector's engine id (kv_connector_extra_config.engine_id, else "
+                        "kv_transfer_config.engine_id); reservations then charge only the "
                         "worker pairs of the two engines (not every engine on the two hosts)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "

@@ -117,6 +117,7 @@ def sender(instance: str) -> PushSender:
     snd.stats = Stats()
     snd._router = FakeRouter()
     snd._record = lambda rec: None
+    snd._parked = {}
     return snd
 
 

@@ -203,14 +203,20 @@ def _all_lanes_broken(snd, agents, name="d1"):
     return ls
 
 
-def _push(snd, tid, name="d1"):
+def _push(snd, tid, name="d1", post_by_s=60.0):
     import threading
 
     from kvpath.connector.push_state import FinishedPrefill
 
-    snd._finished, snd._finished_lock, snd._released = set(), threading.Lock(), OrderedDict()
+    if not hasattr(snd, "_finished"):
+        snd._finished, snd._finished_lock, snd._released = set(), threading.Lock(), OrderedDict()
     snd._on_finished(FinishedPrefill("req-" + tid, tid, [1, 2]))
-    snd._on_register(name.encode(), M.Register(tid, "dr-" + tid, name, [3, 4]))
+    snd._on_register(name.encode(), M.Register(tid, "dr-" + tid, name, [3, 4], post_by_s=post_by_s,
+                                               sent_at=time.time()))
+
+
+def _acks(snd, tid):
+    return [m for i, m in snd._router.out if isinstance(m, M.Ack) and m.transfer_id == tid]
 
 
 def test_a_push_with_no_lane_open_waits_for_the_reopen_on_the_loop_and_then_goes():
@@ -220,8 +226,9 @@ def test_a_push_with_no_lane_open_waits_for_the_reopen_on_the_loop_and_then_goes
     t0 = time.monotonic()
     _push(snd, "t1")
     assert time.monotonic() - t0 < 0.5  # parked, not reopened in place (its probe never completes)
-    (key,) = snd._parked
-    assert key[0] == "d1" and list(snd._reopens) == [key]
+    assert list(snd._parked) == ["d1"]
+    (key,) = snd._reopens
+    assert key[0] == "d1"
     assert [m.status for i, m in snd._router.out if i == b"d1" and isinstance(m, M.Ack)] == ["accepted"]
     # meanwhile the writer answers another D
     ok = LaneSet(hello("d-ok"), [SlowAgent("b0"), SlowAgent("b1")], 0, 5600, 2, entropy=NoEntropy())
@@ -268,3 +275,78 @@ def test_shutdown_fails_the_pushes_waiting_for_a_reopen():
     _push(snd, "t1")
     snd._abandon_lane_setups()
     assert not snd._parked and snd.take_finished() == {"req-t1"}
+
+
+def _two_lanes_tids(n=2):
+    """Transfer ids whose hash lanes (of 2) are 0 and 1."""
+    from kvpath.reservation import default_lane
+
+    out = {}
+    i = 0
+    while len(out) < n:
+        out.setdefault(default_lane(f"t{i}", 2), f"t{i}")
+        i += 1
+    return out[0], out[1]
+
+
+def test_pushes_waiting_for_different_lanes_of_one_d_all_go_when_one_lane_reopens(monkeypatch):
+    monkeypatch.setattr(lanes_mod, "PROBE_TIMEOUT_S", 0.05)
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    ls = _all_lanes_broken(snd, agents)
+    t_a, t_b = _two_lanes_tids()
+    _push(snd, t_a)
+    _push(snd, t_b)
+    assert len(snd._parked["d1"]) == 2 and len(snd._reopens) == 2
+    for a in agents:
+        a.stuck.clear()
+    snd._step_lane_setup()  # lane 0 reopens: both pushes go on it
+    assert not snd._parked and not ls.lanes[0].broken
+    assert [a.status for a in _acks(snd, t_a)][-1] == "posted" and [a.status for a in _acks(snd, t_b)][-1] == "posted"
+    assert {snd.state.status_of(t_a), snd.state.status_of(t_b)} == {"ok"}
+
+
+def test_a_waiting_push_fails_when_ds_post_by_passes_and_a_cancel_ends_another_unposted():
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    _all_lanes_broken(snd, agents)
+    _push(snd, "late", post_by_s=0.05)
+    _push(snd, "gives-up")
+    assert len(snd._parked["d1"]) == 2
+    time.sleep(0.1)
+    snd._expire()
+    assert [a.status for a in _acks(snd, "late")][-1] == "failed" and snd.state.status_of("late") == "failed"
+    assert [m.prefill.transfer_id for m, _ in snd._parked["d1"]] == ["gives-up"]
+    snd._on_cancel(b"d1", "gives-up")
+    last = _acks(snd, "gives-up")[-1]
+    assert (last.status, last.posted) == ("cancelled", False) and not snd._parked
+    assert snd.take_finished() == {"req-late", "req-gives-up"}  # both pushes' blocks freed
+
+
+def test_a_failed_write_does_not_tear_down_the_lane_reopened_under_its_index():
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    ls = LaneSet(hello("d1"), agents, 0, 5600, 2, entropy=NoEntropy())
+    ls.open_all()
+    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    for a in agents:
+        a.stuck.add("d1")  # WRITEs to d1 stay in flight
+    _push(snd, "t1")
+    (f,) = snd._inflight.values()
+    assert f.lane_obj is ls.lanes[f.lane]
+    # the lane broke (another push failed on it) and was reopened under the same index
+    ls.tear_down(f.lane)
+    for a in agents:
+        a.stuck.clear()
+    list(ls.reopen_steps(f.lane))
+    reopened = ls.lanes[f.lane]
+    snd._failed_write(f, "the old connection failed")  # UCX fails t1's WRITE on the old connection
+    assert ls.lanes[f.lane] is reopened and not reopened.broken
+    assert snd.state.status_of("t1") == "failed"
+    # a WRITE that fails on the lane it was posted on tears that lane down
+    for a in agents:
+        a.stuck.add("d1")
+    _push(snd, "t2")
+    (g,) = snd._inflight.values()
+    snd._failed_write(g, "transfer error")
+    assert ls.lanes[g.lane].broken

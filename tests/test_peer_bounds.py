@@ -153,7 +153,7 @@ def test_a_forgotten_d_unregisters_its_own_incarnation_only_a_restarted_d_keeps_
 
     snd = writer(timeout_s=60.0)
     snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0, fabric_host="l0h0")
-    snd.engine_id, snd.rank, snd.notifier = "p-l0h0", 0, RecordingNotifier()
+    snd.engine_id, snd.rank, snd.notifier, snd.instance = "p-l0h0", 0, RecordingNotifier(), "pA"
     now = time.monotonic()
     old = Peer(M.Hello(engine_id="d-l1h0", agent_name="d-old", agent_metadata=b"x", layout=LAY, compat=M.Compat(),
                        instance="i", heartbeat_s=1.0, fabric_host="l1h0"), b"d-old", FakeLanes(), last_seen=now - 120)
@@ -161,10 +161,10 @@ def test_a_forgotten_d_unregisters_its_own_incarnation_only_a_restarted_d_keeps_
     snd._prune_peers(now)  # silent for 120 s: forgotten, after its D restarted as "d-new"
     (kind, src, dst, _, pair), = snd.notifier.calls
     assert (kind, src, dst) == ("unregister", "l0h0", "l1h0")
-    assert pair.key() == "p-l0h0/r0>d-l1h0/r0" and pair.incarnation == "d-old"
+    assert pair.key() == "p-l0h0/r0>d-l1h0/r0" and pair.incarnation == "pA>d-old"  # P's process and D's
     # on the service, the new incarnation registered meanwhile keeps its lanes
     svc = ReservationService(FabricSpec(leaves=2, spines=4, hosts_per_leaf=2), "cc")
-    svc.register_lanes("l0h0", "l1h0", [LaneInfo(0, 40000)], pair=msgspec_replace(pair, incarnation="d-new"))
+    svc.register_lanes("l0h0", "l1h0", [LaneInfo(0, 40000)], pair=msgspec_replace(pair, incarnation="pA>d-new"))
     assert svc.unregister_lanes(src, dst, pair=pair) == 0
     assert svc.lanes("l0h0", "l1h0", pair=pair) == [LaneInfo(0, 40000)]
 
@@ -232,3 +232,32 @@ def test_past_the_link_limit_a_new_peer_gets_none_unless_an_idle_link_makes_room
     assert r._link("127.0.0.1:2", None) is None  # the only link is busy
     r.state.by_tid.clear()
     assert r._link("127.0.0.1:2", None) is not None and set(r._links) == {"127.0.0.1:2"}
+
+
+def test_p_registers_each_ds_lanes_again_every_minute_and_skips_engine_ids_the_service_refuses(monkeypatch):
+    snd = writer()
+    snd.cfg = KVPathConfig(control_plaintext=True, fabric_host="l0h0")
+    snd.engine_id, snd.rank, snd.notifier, snd.instance = "p-l0h0", 0, RecordingNotifier(), "pA"
+
+    class Lanes:
+        lanes = []
+
+    def d(name, engine):
+        return Peer(M.Hello(engine_id=engine, agent_name=name, agent_metadata=b"x", layout=LAY, compat=M.Compat(),
+                            instance="i", heartbeat_s=1.0, fabric_host="l1h0"), name.encode(), Lanes())
+
+    snd._peers = {"d1": d("d1", "d-l1h0"), "bad": d("bad", "d/evil"), "twin": d("twin", "d-l1h0")}
+    t = [1000.0]
+    monkeypatch.setattr(lane_setup.time, "monotonic", lambda: t[0])
+    snd._refresh_registrations(t[0])
+    registered = [c[4].incarnation for c in snd.notifier.calls if c[0] == "register"]
+    assert registered == ["pA>d1", "pA>twin"]  # "d/evil" would make the pair's name ambiguous: skipped
+    assert snd.stats.totals["lane_registrations_skipped"] == 1
+    assert snd.stats.totals["worker_pair_collisions"] == 2  # each of the two D workers is named
+    t[0] += 30
+    snd._refresh_registrations(t[0])
+    assert len(snd.notifier.calls) == 2  # not yet
+    t[0] += 31
+    snd._refresh_registrations(t[0])
+    assert len([c for c in snd.notifier.calls if c[0] == "register"]) == 4  # both again, a minute later
+    assert snd.stats.totals["lane_registrations_skipped"] == 1  # warned once

@@ -24,6 +24,7 @@ def test_a_failing_release_does_not_strand_the_other_expired_prefills_or_registr
     c = Clock()
     snd = PushSender.__new__(PushSender)
     snd.cfg = KVPathConfig(control_plaintext=True)
+    snd._parked = {}
     snd.state = WriterState(lease_s=1.0, clock=c)
     snd.stats = Stats()
     snd._record = lambda rec: None

@@ -8,7 +8,7 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_client import InProcessReserver
 from kvpath.reservation import ReservationError, ReservationService
-from kvpath.reservation_wire import FlowScope, LaneInfo, WorkerPair, ReserveRequest, encode
+from kvpath.reservation_wire import FlowScope, LaneInfo, LanesRequest, ReserveRequest, WorkerPair, encode
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
 SRC, DST = "l0h0", "l1h0"
@@ -138,8 +138,12 @@ def test_the_registry_and_the_scope_cache_are_bounded(monkeypatch):
     assert svc.counters["lane_registrations_refused"] == 1
     svc.unregister_lanes(SRC, DST, pair=pair(p="p1"))
     svc.register_lanes(SRC, DST, lanes_on([0]), pair=pair(p="p3"))  # room again
-    for i in range(20):  # hostile scopes cannot grow the candidate cache
-        svc.reserve(SRC, DST, 1, scope=FlowScope(p_engine=f"x{i}"))
+    for i in range(20):  # made-up scopes match no pair: nothing is cached for them
+        assert svc.reserve(SRC, DST, 1, scope=FlowScope(p_engine=f"x{i}")).fallback == "no_lanes"
+    assert svc._cands.get((SRC, DST), {}) == {}
+    for i in range(4):  # real ones are cached by the pairs they select, at most MAX_SCOPES_CACHED
+        svc.reserve(SRC, DST, 1, scope=FlowScope(p_engine=f"p{i}"))
+    svc.reserve(SRC, DST, 1, scope=FlowScope(p_engine="p0", d_engine="dA"))  # the same pairs as p0's
     assert len(svc._cands[(SRC, DST)]) <= 4
 
 
@@ -152,3 +156,41 @@ def test_the_proxys_reserver_passes_the_scope_through():
     # and the wire carries it (a scope of defaults is left out)
     body = encode(ReserveRequest(src_host=SRC, dst_host=DST, bytes=1, scope=FlowScope(p_engine="pB", p_rank=0)))
     assert body == b'{"src_host":"l0h0","dst_host":"l1h0","bytes":1,"scope":{"p_engine":"pB","p_rank":0}}'
+
+
+def test_pairs_not_registered_again_within_the_ttl_are_forgotten():
+    clock = [100.0]
+    svc = ReservationService(SPEC, "cc", clock=lambda: clock[0], lanes_ttl_s=60.0)
+    svc.register_lanes(SRC, DST, lanes_on([0]), pair=pair(p="dead"))  # its P was killed: never again
+    svc.register_lanes(SRC, DST, lanes_on([1]), pair=pair(p="live"))
+    clock[0] += 40
+    svc.register_lanes(SRC, DST, lanes_on([1]), pair=pair(p="live"))  # P's periodic re-registration
+    clock[0] += 30  # dead: 70 s old, live: 30 s
+    svc.expire()
+    assert svc.state()["worker_pairs"] == 1 and svc.lanes(SRC, DST, pair=pair(p="live"))
+    assert svc.counters["lane_registrations_expired"] == 1
+    with pytest.raises(ReservationError, match="lanes_ttl_s"):
+        ReservationService(SPEC, "cc", lanes_ttl_s=0)
+
+
+def test_a_pair_registered_by_engines_is_neither_overwritten_nor_removed_by_name():
+    svc = ReservationService(SPEC, "cc")
+    svc.register_lanes(SRC, DST, lanes_on([0]), pair=pair())
+    key = pair().key()
+    with pytest.raises(ReservationError, match="register it again with its pair"):
+        svc.register_lanes(SRC, DST, lanes_on([1]), worker=key)
+    assert svc.unregister_lanes(SRC, DST, worker=key) == 0  # by name: not its incarnation
+    assert svc.unregister_lanes(SRC, DST, pair=pair(inc="")) == 0
+    assert svc.lanes(SRC, DST, pair=pair()) == lanes_on([0])
+    assert svc.unregister_lanes(SRC, DST, pair=pair()) == 1
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "x>y", "e" * 129])
+def test_engine_ids_that_would_make_pair_names_ambiguous_are_refused_on_the_wire(bad):
+    import msgspec
+
+    body = {"src_host": SRC, "dst_host": DST, "lanes": [{"lane": 0, "src_port": 1}],
+            "pair": {"p_engine": bad, "d_engine": "d"}}
+    with pytest.raises(msgspec.ValidationError, match="p_engine"):
+        msgspec.json.decode(encode(body), type=LanesRequest)
+    assert WorkerPair.engine_id_problem(bad) is not None and WorkerPair.engine_id_problem("p-l0h0") is None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvpath.connector.config import KVPathConfig  # noqa: E402
 from kvpath.connector.control_auth import shared_keys  # noqa: E402
 from kvpath.connector.peer_process import BufferSpec, PeerProcess  # noqa: E402
+from kvpath.testbed.veth_peer import veth_peer  # noqa: E402
 
 SPEC = BufferSpec(regions=2, num_blocks=64, block_len=16 * 1024, block_size=16)
 TAG = os.getpid() % 10000
@@ -41,38 +41,20 @@ NETS = {"ok": (f"kvlsok{TAG}", "10.213.8"), "fw": (f"kvlsfw{TAG}", "10.213.9")}
 PORT = 6990
 
 
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+# the firewall: D "fw" accepts no new connection from its link (P's lanes); its own
+# control connection out to P, and its loopback, keep working
+FIREWALL = ("table inet kvfw {{\n chain input {{\n  type filter hook input priority 0; policy accept;\n"
+            "  ct state established,related accept\n  iifname \"{ns_if}\" tcp flags & (syn | ack) == syn drop\n"
+            " }}\n}}\n")
 
 
 @contextlib.contextmanager
 def namespaces():
-    made = []
-    try:
+    with contextlib.ExitStack() as stack:
         for name, (ns, net) in NETS.items():
-            vp, vd = f"{ns}p", f"{ns}d"
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-            sh("ip", "link", "add", vp, "type", "veth", "peer", "name", vd)
-            sh("ip", "link", "set", vd, "netns", ns)
-            sh("ip", "addr", "add", f"{net}.1/30", "dev", vp)
-            sh("ip", "link", "set", vp, "up")
-            sh("ip", "-n", ns, "addr", "add", f"{net}.2/30", "dev", vd)
-            sh("ip", "-n", ns, "link", "set", vd, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # the firewall: D "fw" accepts no new connection from the link (P's lanes); its
-        # own control connection out to P, and its loopback, keep working
-        ns_fw = NETS["fw"][0]
-        rules = ("table inet kvfw {\n chain input {\n  type filter hook input priority 0; policy accept;\n"
-                 f"  ct state established,related accept\n  iifname \"{ns_fw}d\" tcp flags & (syn | ack) == syn drop\n"
-                 " }\n}\n")
-        subprocess.run(["ip", "netns", "exec", ns_fw, "nft", "-f", "-"], input=rules, check=True, text=True,
-                       capture_output=True)
+            rules = FIREWALL.format(ns_if=f"{ns}d") if name == "fw" else None
+            stack.enter_context(veth_peer(ns, f"{ns}p", f"{ns}d", f"{net}.1", f"{net}.2", nft_rules=rules))
         yield
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "link", "del", f"{ns}p"], capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def configs(keys: dict) -> tuple[KVPathConfig, dict[str, KVPathConfig]]:

@@ -172,7 +172,7 @@ class NetnsFabric:
             self._mgmt()
         if self.counters:
             for spine in range(s.spines):
-                _nft(self.ns(s.spine_name(spine)), NFT_FLOW_COUNTERS)
+                nft(self.ns(s.spine_name(spine)), NFT_FLOW_COUNTERS)
         logger.info("fabric %s built: %d leaves x %d spines x %d hosts in %.1f s (links %.0f/%.0f Mbit/s)",
                     self.prefix, s.leaves, s.spines, s.hosts_per_leaf, time.monotonic() - t0,
                     self.shaping.host_mbit, self.shaping.spine_mbit)
@@ -304,7 +304,8 @@ table inet kvpath {
 """
 
 
-def _nft(ns: str, ruleset: str) -> None:
+def nft(ns: str, ruleset: str) -> None:
+    """Load an nftables ruleset inside namespace ``ns``."""
     r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=ruleset, text=True,
                        capture_output=True)
     if r.returncode != 0:

@@ -20,6 +20,7 @@ import pytest
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.peer_process import BufferSpec, PeerProcess
+from kvpath.testbed.veth_peer import veth_peer
 
 SPEC = BufferSpec(regions=2, num_blocks=48, block_len=64 * 1024, block_size=16)
 CANARY = 0xCD
@@ -35,26 +36,18 @@ def sh(*cmd: str) -> None:
 
 @pytest.fixture
 def slow_link():
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        pytest.skip("needs root and iproute2 (ip, tc) to build a network namespace")
-    try:
-        sh("ip", "netns", "add", NS)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create a network namespace here: {e.stderr.strip()}")
-    try:
-        sh("ip", "link", "add", VP, "type", "veth", "peer", "name", VD)
-        sh("ip", "link", "set", VD, "netns", NS)
-        sh("ip", "addr", "add", f"{P_IP}/30", "dev", VP)
-        sh("ip", "link", "set", VP, "up")
-        sh("ip", "-n", NS, "addr", "add", f"{D_IP}/30", "dev", VD)
-        sh("ip", "-n", NS, "link", "set", VD, "up")
-        sh("ip", "-n", NS, "link", "set", "lo", "up")
-        # P -> D is where the KV flows: shape P's end (a deep queue: 2 s of bytes in flight)
-        sh("tc", "qdisc", "add", "dev", VP, "root", "tbf", "rate", "4mbit", "burst", "64kb", "latency", "2s")
+    if os.geteuid() != 0 or not shutil.which("tc"):
+        pytest.skip("needs root and iproute2's tc to build and reshape a network namespace's link")
+    from pyroute2 import netns
+
+    try:  # namespaces at all (a container may refuse them)
+        netns.create(NS)
+        netns.remove(NS)
+    except OSError as e:
+        pytest.skip(f"cannot create a network namespace here: {e}")
+    # P -> D is where the KV flows: shape P's end (a deep queue: 2 s of bytes in flight)
+    with veth_peer(NS, VP, VD, P_IP, D_IP, rate_mbit=4, burst_bytes=64 * 1024, queue_s=2.0):
         yield
-    finally:
-        subprocess.run(["ip", "link", "del", VP], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
 
 
 def configs(port, keys):

@@ -350,3 +350,22 @@ def test_a_failed_write_does_not_tear_down_the_lane_reopened_under_its_index():
     (g,) = snd._inflight.values()
     snd._failed_write(g, "transfer error")
     assert ls.lanes[g.lane].broken
+
+
+def test_the_set_up_queues_are_bounded(monkeypatch):
+    from kvpath.connector import lane_setup
+
+    monkeypatch.setattr(lane_setup, "MAX_QUEUED_SETUPS", 1)
+    agents = [SlowAgent("a0", stuck={"d-a", "d-b", "d-c"}), SlowAgent("a1", stuck={"d-a", "d-b", "d-c"})]
+    snd = writer(agents)
+    snd._on_hello(b"d-a", hello("d-a"))  # running
+    snd._on_hello(b"d-b", hello("d-b"))  # queued: the one place
+    snd._on_hello(b"d-c", hello("d-c"))
+    (w,) = welcomes(snd, b"d-c")
+    assert not w.ok and w.field == "peers" and snd.stats.totals["peers_over_limit"] == 1
+    # a D with no lane open whose reopen cannot be queued: its push fails at once, blocks freed
+    ls = _all_lanes_broken(snd, [SlowAgent("b0"), SlowAgent("b1")], name="d1")
+    snd._reopens[("other", 0)] = None  # the reopen queue is full
+    _push(snd, "t1")
+    assert not snd._parked and [a.status for a in _acks(snd, "t1")][-1] == "failed"
+    assert snd.take_finished() == {"req-t1"} and ls.lanes[0].broken

@@ -64,6 +64,16 @@ def test_registered_lanes_by_ip_are_used(client):
          422, "proto"),
         ("/v1/reserve", {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1,
                          "lanes": [{"lane": 0, "src_port": 1, "proto": "TCP"}]}, 422, "proto"),
+        # at most 1,024 lanes in one request or registration
+        ("/v1/lanes", {"src_host": "l0h0", "dst_host": "l1h0",
+                       "lanes": [{"lane": i % 1024, "src_port": 1} for i in range(1025)]}, 422, "lanes"),
+        ("/v1/reserve", {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1,
+                         "lanes": [{"lane": i % 1024, "src_port": 1} for i in range(1025)]}, 422, "lanes"),
+        # a pair's engine ids: no separator of its name
+        ("/v1/lanes", {"src_host": "l0h0", "dst_host": "l1h0", "lanes": [{"lane": 0, "src_port": 1}],
+                       "pair": {"p_engine": "p/r0>x", "d_engine": "d"}}, 422, "pair.p_engine"),
+        ("/v1/reserve", {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 1, "scope": {"p_rank": -1}}, 422,
+         "scope.p_rank"),
     ],
 )
 def test_bad_input_is_4xx_naming_the_field(client, path, body, status, field):

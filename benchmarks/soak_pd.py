@@ -9,9 +9,14 @@ times during the run (alternating, evenly spaced). It prints and writes
   (no answer within the client's timeout): the last must be 0;
 - KV cache usage of P and D at the end, after the load stopped: must be 0;
 - RSS: the proxy's from after the warm-up to the end, and each engine's over each of its
-  lifetimes (after its own warm-up): growth in percent (the target is within 10%).
+  lifetimes (after its own warm-up): growth in percent (the target is within 10%), and
+  each life's RSS over time in a figure (`runs/soak_rss.png`).
 
     .venv/bin/python benchmarks/soak_pd.py [--minutes 30] [--restarts 5] [--burst 16]
+    .venv/bin/python benchmarks/soak_pd.py --engines plain --restarts 0 --minutes 10
+
+``--engines plain`` is the baseline: one vLLM engine without a KV connector gets the same
+bursts directly (no proxy, no P/D), so its RSS curve shows what vLLM itself grows by.
 
 The machine has 2 cores: P and D take one each, the proxy and this load generator
 share them, so latencies here say nothing about kvpath; only hangs, leaks and growth do.
@@ -72,14 +77,18 @@ def kv_usage(url: str) -> float | None:
 
 
 class Life:
-    """One engine process's life: RSS after its warm-up and at its last sample."""
+    """One engine process's life: RSS after its warm-up and at its last sample, and
+    every sample (seconds since the start, bytes) for the figure."""
 
     def __init__(self, name: str, started: float):
         self.name, self.started = name, started
         self.first: int | None = None
         self.last: int | None = None
+        self.samples: list[tuple[float, int]] = []
 
     def sample(self, rss: int, now: float) -> None:
+        if rss:
+            self.samples.append((now - self.started, rss))
         if rss and now - self.started >= WARMUP_S:
             self.first = self.first or rss
             self.last = rss
@@ -103,6 +112,22 @@ async def burst(c: httpx.AsyncClient, url: str, n: int, rng: random.Random, time
     return await asyncio.gather(*(one() for _ in range(n)))
 
 
+def plot_lives(lives: list[Life], path: Path) -> Path:
+    """Each engine life's RSS against the seconds since it started (the warm-up shaded)."""
+    from kvpath.plotting import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, life in enumerate(lives):
+        if life.samples:
+            ax.plot([t for t, _ in life.samples], [r / 2**20 for _, r in life.samples], label=f"{life.name} life {i}")
+    ax.axvspan(0, WARMUP_S, color="0.9", label="warm-up (not compared)")
+    ax.set_xlabel("seconds since the engine started")
+    ax.set_ylabel("RSS of the engine's processes (MiB)")
+    ax.legend(fontsize="small", ncol=2)
+    return save_figure(fig, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
@@ -110,18 +135,24 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=16, help="concurrent requests per burst")
     ap.add_argument("--gap-s", type=float, default=2.0, help="pause between bursts")
     ap.add_argument("--timeout-s", type=float, default=180.0, help="a request with no answer by then hung")
+    ap.add_argument("--engines", choices=("kvpath", "plain"), default="kvpath",
+                    help="kvpath: P and D with the connector through the proxy; plain: one vLLM engine without a "
+                         "KV connector, sent the same bursts directly (the RSS baseline)")
     ap.add_argument("--out", default="runs/soak.json")
     args = ap.parse_args()
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="kvpath-soak-"))
     model = str(build_tiny_model(work / "tiny"))
     knobs = dict(lanes=2, ucx_net_devices="lo", keys_dir=work / "keys")
-    engines = {
-        "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"),
-                        kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs)),
-        "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"),
-                        kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs)),
-    }
+    if args.engines == "plain":
+        engines = {"plain": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "plain.log"))}
+    else:
+        engines = {
+            "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"),
+                            kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs)),
+            "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"),
+                            kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs)),
+        }
     lives: list[Life] = []
     current: dict[str, Life] = {}
     for name, e in engines.items():
@@ -131,19 +162,24 @@ def main() -> int:
         current[name] = Life(name, time.monotonic())
         lives.append(current[name])
     px_log = open(work / "proxy.log", "w")
-    px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(PROXY_PORT),
-                           "--prefill", f"{engines['P'].url},kv_addr=127.0.0.1:{P_SIDE}",
-                           "--decode", engines["D"].url], stdout=px_log, stderr=subprocess.STDOUT)
-    proxy = f"http://127.0.0.1:{PROXY_PORT}"
+    px: subprocess.Popen | None = None
+    if args.engines == "kvpath":
+        px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port",
+                               str(PROXY_PORT), "--prefill", f"{engines['P'].url},kv_addr=127.0.0.1:{P_SIDE}",
+                               "--decode", engines["D"].url], stdout=px_log, stderr=subprocess.STDOUT)
+        proxy = f"http://127.0.0.1:{PROXY_PORT}"
+    else:
+        proxy = engines["plain"].url
     counts = {"ok": 0, "failed": 0, "hung": 0}
     proxy_rss: list[tuple[float, int]] = []
     duration = args.minutes * 60
-    n_restarts = 2 * args.restarts
-    plan = [(duration * (k + 1) / (n_restarts + 1), "P" if k % 2 == 0 else "D") for k in range(n_restarts)]
+    names = list(engines)
+    n_restarts = len(names) * args.restarts
+    plan = [(duration * (k + 1) / (n_restarts + 1), names[k % len(names)]) for k in range(n_restarts)]
     restarts_done: list[tuple[float, str, float]] = []
     usage_end: dict[str, float | None] = {}
     try:
-        wait_http(proxy + "/health", px)
+        wait_http(proxy + "/health", px)  # (px None: the plain engine, ready already)
         t0 = time.monotonic()
         rng = random.Random(0)
         with Progress(TextColumn("soak"), BarColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
@@ -169,7 +205,8 @@ def main() -> int:
                                     counts[k] += 1
                             pending = asyncio.create_task(burst(c, proxy, args.burst, rng, args.timeout_s))
                         t = time.monotonic()
-                        proxy_rss.append((t - t0, rss_tree(px.pid)))
+                        if px is not None:
+                            proxy_rss.append((t - t0, rss_tree(px.pid)))
                         for name, e in engines.items():
                             current[name].sample(rss_tree(e.proc.pid) if e.proc else 0, t)
                         prog.update(task, completed=min(now, duration),
@@ -184,8 +221,9 @@ def main() -> int:
         time.sleep(10)  # leases and fences settle
         usage_end = {name: kv_usage(e.url) for name, e in engines.items()}
     finally:
-        px.send_signal(signal.SIGTERM)
-        px.wait(30)
+        if px is not None:
+            px.send_signal(signal.SIGTERM)
+            px.wait(30)
         for e in engines.values():
             e.kill()
     warm = [r for t, r in proxy_rss if t >= WARMUP_S and r]
@@ -194,21 +232,23 @@ def main() -> int:
            "proxy_rss_growth_pct": proxy_growth, "proxy_rss_mb": [round(warm[0] / 2**20), round(warm[-1] / 2**20)]
            if warm else None,
            "engine_lives": [{"engine": life.name, "rss_growth_pct": life.growth(),
-                             "rss_mb": [round((life.first or 0) / 2**20), round((life.last or 0) / 2**20)]}
-                            for life in lives], "logs": str(work)}
+                             "rss_mb": [round((life.first or 0) / 2**20), round((life.last or 0) / 2**20)],
+                             "samples_mb": [(round(t), round(r / 2**20, 1)) for t, r in life.samples[::5]]}
+                            for life in lives], "engines": args.engines, "logs": str(work)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
+    figure = plot_lives(lives, Path(args.out).with_name(Path(args.out).stem + "_rss.png"))
     t = Table(title=f"soak: {args.minutes:g} min, bursts of {args.burst}, {len(restarts_done)} restarts")
     t.add_column("what")
     t.add_column("value")
     t.add_row("requests ok / failed with an answer / hung", f"{counts['ok']} / {counts['failed']} / {counts['hung']}")
-    t.add_row("KV cache usage at the end (P, D)", f"{usage_end.get('P')}, {usage_end.get('D')}")
+    t.add_row("KV cache usage at the end", ", ".join(f"{k} {v}" for k, v in usage_end.items()))
     t.add_row("proxy RSS after warm-up -> end", f"{res['proxy_rss_mb']} MiB, {proxy_growth and round(proxy_growth, 1)}%")
     for life in res["engine_lives"]:
         t.add_row(f"{life['engine']} life RSS", f"{life['rss_mb']} MiB, {life['rss_growth_pct'] and round(life['rss_growth_pct'], 1)}%")
     t.add_row("restarts (at s, engine, seconds down)", ", ".join(f"{a:.0f} {w} {d:.0f}" for a, w, d in restarts_done))
     console.print(t)
-    console.print(f"logs in {work}; numbers in {args.out}")
+    console.print(f"logs in {work}; numbers in {args.out}; RSS over time in {figure}")
     return 0 if counts["hung"] == 0 and all(v == 0 for v in usage_end.values()) else 1
 
 

@@ -67,6 +67,29 @@ def rss_tree(pid: int) -> int:
     return total
 
 
+def heap_tree(pid: int) -> int:
+    """Bytes resident in the [heap] (malloc's brk arena) of ``pid`` and its children:
+    where a process's own allocations grow, apart from mapped libraries and the KV cache."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/smaps") as f:
+                in_heap = False
+                for line in f:
+                    if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                        in_heap = line.rstrip().endswith("[heap]")
+                    elif in_heap and line.startswith("Rss:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
 def kv_usage(url: str) -> float | None:
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
@@ -84,11 +107,11 @@ class Life:
         self.name, self.started = name, started
         self.first: int | None = None
         self.last: int | None = None
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int, int]] = []  # (s since start, RSS, of which [heap])
 
-    def sample(self, rss: int, now: float) -> None:
+    def sample(self, rss: int, now: float, heap: int = 0) -> None:
         if rss:
-            self.samples.append((now - self.started, rss))
+            self.samples.append((now - self.started, rss, heap))
         if rss and now - self.started >= WARMUP_S:
             self.first = self.first or rss
             self.last = rss
@@ -120,10 +143,14 @@ def plot_lives(lives: list[Life], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, life in enumerate(lives):
         if life.samples:
-            ax.plot([t for t, _ in life.samples], [r / 2**20 for _, r in life.samples], label=f"{life.name} life {i}")
+            line, = ax.plot([t for t, _, _ in life.samples], [r / 2**20 for _, r, _ in life.samples],
+                            label=f"{life.name} life {i}")
+            ax.plot([t for t, _, _ in life.samples], [h / 2**20 for _, _, h in life.samples], ls="--",
+                    color=line.get_color(), label=f"{life.name} life {i}: [heap]")
     ax.axvspan(0, WARMUP_S, color="0.9", label="warm-up (not compared)")
     ax.set_xlabel("seconds since the engine started")
     ax.set_ylabel("RSS of the engine's processes (MiB)")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", ncol=2)
     return save_figure(fig, path)
 
@@ -138,19 +165,27 @@ def main() -> int:
     ap.add_argument("--engines", choices=("kvpath", "plain"), default="kvpath",
                     help="kvpath: P and D with the connector through the proxy; plain: one vLLM engine without a "
                          "KV connector, sent the same bursts directly (the RSS baseline)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for every engine (repeatable), e.g. to bound a library's cache")
     ap.add_argument("--out", default="runs/soak.json")
     args = ap.parse_args()
+    env = {}
+    for item in args.engine_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--engine-env {item!r}: expected KEY=VALUE")
+        env[key] = value
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="kvpath-soak-"))
     model = str(build_tiny_model(work / "tiny"))
     knobs = dict(lanes=2, ucx_net_devices="lo", keys_dir=work / "keys")
     if args.engines == "plain":
-        engines = {"plain": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "plain.log"))}
+        engines = {"plain": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "plain.log"), env=env)}
     else:
         engines = {
-            "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"),
+            "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"), env=env,
                             kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs)),
-            "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"),
+            "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"), env=env,
                             kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs)),
         }
     lives: list[Life] = []
@@ -208,7 +243,8 @@ def main() -> int:
                         if px is not None:
                             proxy_rss.append((t - t0, rss_tree(px.pid)))
                         for name, e in engines.items():
-                            current[name].sample(rss_tree(e.proc.pid) if e.proc else 0, t)
+                            if e.proc:
+                                current[name].sample(rss_tree(e.proc.pid), t, heap_tree(e.proc.pid))
                         prog.update(task, completed=min(now, duration),
                                     status=f"ok {counts['ok']} failed {counts['failed']} hung {counts['hung']} "
                                            f"restarts {len(restarts_done)}/{n_restarts}")
@@ -228,12 +264,14 @@ def main() -> int:
             e.kill()
     warm = [r for t, r in proxy_rss if t >= WARMUP_S and r]
     proxy_growth = 100.0 * (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else None
-    res = {"minutes": args.minutes, "requests": counts, "restarts": restarts_done, "kv_usage_end": usage_end,
+    res = {"minutes": args.minutes, "engine_env": env, "requests": counts, "restarts": restarts_done, "kv_usage_end": usage_end,
            "proxy_rss_growth_pct": proxy_growth, "proxy_rss_mb": [round(warm[0] / 2**20), round(warm[-1] / 2**20)]
            if warm else None,
            "engine_lives": [{"engine": life.name, "rss_growth_pct": life.growth(),
                              "rss_mb": [round((life.first or 0) / 2**20), round((life.last or 0) / 2**20)],
-                             "samples_mb": [(round(t), round(r / 2**20, 1)) for t, r in life.samples[::5]]}
+                             # (s since start, RSS MiB, of which malloc's [heap] MiB)
+                             "samples_mb": [(round(t), round(r / 2**20, 1), round(h / 2**20, 1))
+                                            for t, r, h in life.samples[::5]]}
                             for life in lives], "engines": args.engines, "logs": str(work)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

@@ -40,6 +40,9 @@ from kvpath.reservation_wire import AsyncReserver, FlowScope, LaneGrant
 
 logger = logging.getLogger(__name__)
 
+IDLE_KEEPALIVE_S = 4.0  # below uvicorn's (so vLLM's) default keep-alive timeout of 5 s
+POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection was found closed before writing
+
 
 class ClientGone(Exception):
     """The client closed its connection before the answer started."""
@@ -71,7 +74,10 @@ class Proxy:
         # no total: a stream may last as long as it keeps sending (GapWatch bounds its gaps)
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
-            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0),
+            # idle connections are dropped before the engines' own keep-alive timeout
+            # (uvicorn's 5 s): else a request races the engine closing the one it takes
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
+                                           keepalive_timeout=IDLE_KEEPALIVE_S),
             auto_decompress=False,
         )
         self.health.start(self.session)
@@ -325,13 +331,15 @@ class Proxy:
         be closed before the request was written (the engine closed an idle keep-alive
         connection): the engine has not seen that request, so sending it again is safe."""
         assert self.session is not None
-        try:
-            return await self.session.post(url, json=body, headers=headers, **kw)
-        except aiohttp.ClientOSError as e:
-            if "write request body" not in str(e):
-                raise
-            logger.info("a pooled connection to %s was closed before the request was written: sent again", url)
-            return await self.session.post(url, json=body, headers=headers, **kw)
+        for attempt in range(POST_ATTEMPTS):
+            try:
+                return await self.session.post(url, json=body, headers=headers, **kw)
+            except aiohttp.ClientOSError as e:
+                # several pooled connections may have been closed at once (a burst's)
+                if "write request body" not in str(e) or attempt == POST_ATTEMPTS - 1:
+                    raise
+                logger.info("a pooled connection to %s was closed before the request was written: sent again", url)
+        raise AssertionError("unreachable")
 
     def _leg_failed(self, inst: Instance, exc: BaseException) -> None:
         inst.errors += 1

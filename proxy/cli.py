@@ -13,6 +13,7 @@ from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id")
+CLIENT_KEEPALIVE_S = 65  # the proxy's keep-alive for its clients' idle connections
 
 
 def parse_instance(spec: str, role: str) -> Instance:
@@ -131,7 +132,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvpath proxy: error: {e}") from None
     logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d", args.mode, len(prefill), len(decode), args.host, args.port)
-    uvicorn.run(create_app(proxy, res_app), host=args.host, port=args.port, log_level="warning", backlog=4096)
+    # clients' pools keep idle connections about 5 s (httpx, aiohttp 15 s): a longer keep-alive
+    # here means the client, not the proxy, closes an idle one, so no request races its close
+    uvicorn.run(create_app(proxy, res_app), host=args.host, port=args.port, log_level="warning", backlog=4096,
+                timeout_keep_alive=CLIENT_KEEPALIVE_S)
     return 0
 
 

@@ -88,8 +88,8 @@ class LaneSetup:
 
     def worker_pair(self: "PushSender", hello: M.Hello) -> WorkerPair:
         """The (P worker, D worker) pair in the reservation service: engines and ranks
-        (what the proxy's reservations select on), D's agent as its incarnation."""
-        # both processes: a restarted P or D is another incarnation of the pair
+        (what the proxy's reservations select on); its incarnation names both processes
+        (P's instance, D's agent), so a restarted P or D is another incarnation."""
         incarnation = f"{self.instance}>{hello.agent_name}"
         if len(incarnation) > 256:
             incarnation = hashlib.sha256(incarnation.encode()).hexdigest()

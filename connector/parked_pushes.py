@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 class ParkedPushes:
     """A mixin of :class:`~kvpath.connector.sender.PushSender` (its state: ``_parked``,
     D agent name -> the pushes waiting for a lane to it, oldest first)."""

@@ -19,6 +19,7 @@ tokens - 1). The result is a kvpath trace, so every exporter and ``compare`` rea
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,8 +165,10 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     flows = [FlowSpec(p_hosts[p_of[i]], d_hosts[d_of[i]], max(1, round(kvb * reqs[i].prompt_tokens / cfg.scale_s)),
                       float(pre_end[i])) for i in range(n)]
     lanes = _Lanes(spec, cfg.lanes)
+    # the lanes are registered once and never expire: simulated time may run past any TTL
     svc = ReservationService(spec, "ecmp" if cfg.mode == "ecmp" else cfg.mode, oracle=lanes.oracle, lease_s=1e12,
-                             dc_delay_s=cfg.dc_delay_s, clock=lambda: clock[0], metric=cfg.cc_metric)
+                             dc_delay_s=cfg.dc_delay_s, clock=lambda: clock[0], metric=cfg.cc_metric,
+                             lanes_ttl_s=math.inf)
     for p in p_hosts:
         for d in d_hosts:
             svc.register_lanes(p, d, lanes.infos(p, d))

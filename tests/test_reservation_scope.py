@@ -171,6 +171,11 @@ def test_pairs_not_registered_again_within_the_ttl_are_forgotten():
     assert svc.counters["lane_registrations_expired"] == 1
     with pytest.raises(ReservationError, match="lanes_ttl_s"):
         ReservationService(SPEC, "cc", lanes_ttl_s=0)
+    # the simulator registers once and runs simulated hours: an infinite TTL keeps them
+    forever = ReservationService(SPEC, "cc", clock=lambda: clock[0], lanes_ttl_s=float("inf"))
+    forever.register_lanes(SRC, DST, lanes_on([0]), pair=pair())
+    clock[0] += 1e7
+    assert forever.reserve(SRC, DST, 1).fallback == "" and forever.state()["worker_pairs"] == 1
 
 
 def test_a_pair_registered_by_engines_is_neither_overwritten_nor_removed_by_name():

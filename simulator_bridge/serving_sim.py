@@ -165,6 +165,7 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     flows = [FlowSpec(p_hosts[p_of[i]], d_hosts[d_of[i]], max(1, round(kvb * reqs[i].prompt_tokens / cfg.scale_s)),
                       float(pre_end[i])) for i in range(n)]
     lanes = _Lanes(spec, cfg.lanes)
+    clock = [0.0]
     # the lanes are registered once and never expire: simulated time may run past any TTL
     svc = ReservationService(spec, "ecmp" if cfg.mode == "ecmp" else cfg.mode, oracle=lanes.oracle, lease_s=1e12,
                              dc_delay_s=cfg.dc_delay_s, clock=lambda: clock[0], metric=cfg.cc_metric,
@@ -172,7 +173,6 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     for p in p_hosts:
         for d in d_hosts:
             svc.register_lanes(p, d, lanes.infos(p, d))
-    clock = [0.0]
     leases: dict[int, str] = {}
     lane_of: dict[int, int] = {}
     spine_of: dict[int, int | None] = {}

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
+from kvpath.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.oracle import ModelOracle, PathOracle
 from kvpath.reservation_wire import METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
 
@@ -46,19 +47,11 @@ MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations 
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
-Link = tuple[str, str]
-
 
 def default_lane(transfer_id: str, n_lanes: int) -> int:
     """The lane a transfer takes when nobody chose one (stable across processes): the
     connector's rule, which ``ecmp`` mode reproduces."""
     return zlib.crc32(transfer_id.encode()) % n_lanes
-
-
-def _core_links(paths: tuple[Path, ...]) -> tuple[Link, ...]:
-    if len(paths) == 1:
-        return paths[0].core_links
-    return tuple(dict.fromkeys(link for p in paths for link in p.core_links))
 
 
 class ReservationError(ValueError):
@@ -109,97 +102,6 @@ class Reservation:
         )
 
 
-class LinkLoads:
-    """Reserved flows and bytes per directed link."""
-
-    def __init__(self) -> None:
-        self.flows: dict[Link, int] = defaultdict(int)
-        self.bytes: dict[Link, int] = defaultdict(int)
-
-    def add(self, links: tuple[Link, ...], nbytes: int, sign: int) -> None:
-        for ln in links:
-            self.flows[ln] += sign
-            self.bytes[ln] += sign * nbytes
-            if self.flows[ln] == 0 and self.bytes[ln] == 0:  # (sums of mixed dc events can be 0 flows, not 0 bytes)
-                del self.flows[ln]
-                del self.bytes[ln]
-
-    def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
-        """(flows on the busiest link, bytes summed over the links, bytes on the link
-        with the most)."""
-        flows, nbytes = self.flows, self.bytes
-        worst = total = worst_b = 0
-        for ln in links:
-            f = flows.get(ln, 0)
-            if f > worst:
-                worst = f
-            b = nbytes.get(ln, 0)
-            total += b
-            worst_b = max(worst_b, b)
-        return worst, total, worst_b
-
-    def total_flows(self) -> int:
-        return sum(self.flows.values())
-
-
-@dataclass
-class _Event:
-    time: float
-    origin: str
-    links: tuple[Link, ...]
-    nbytes: int
-    sign: int
-
-
-class _Unheard:
-    """``dc`` mode: the changes younger than the broadcast delay, summed per link
-    over all hosts and per origin host, kept up to date as events come and age out.
-
-    An agent's view is the truth minus the changes of *other* hosts it has not heard
-    of yet, so a decision costs a few dict lookups however many events are in flight."""
-
-    def __init__(self) -> None:
-        self.events: deque[_Event] = deque()
-        self.all = LinkLoads()
-        self.by_host: dict[str, LinkLoads] = defaultdict(LinkLoads)
-
-    def push(self, e: _Event) -> None:
-        self.events.append(e)
-        self.all.add(e.links, e.nbytes, e.sign)
-        self.by_host[e.origin].add(e.links, e.nbytes, e.sign)
-
-    def age_out(self, before: float) -> None:
-        ev = self.events
-        while ev and ev[0].time <= before:
-            e = ev.popleft()  # heard by everyone by now
-            self.all.add(e.links, e.nbytes, -e.sign)
-            mine = self.by_host[e.origin]
-            mine.add(e.links, e.nbytes, -e.sign)
-            if not mine.flows:  # flows and bytes are dropped together
-                del self.by_host[e.origin]
-
-
-class _DelayedView:
-    """What one P host's agent believes: true loads minus others' unheard changes."""
-
-    def __init__(self, truth: LinkLoads, unheard: _Unheard, host: str):
-        self.truth, self.all, self.mine = truth, unheard.all, unheard.by_host.get(host)
-
-    def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
-        tf, tb, af, ab = self.truth.flows, self.truth.bytes, self.all.flows, self.all.bytes
-        mf = self.mine.flows if self.mine else {}
-        mb = self.mine.bytes if self.mine else {}
-        worst = total = worst_b = 0
-        for ln in links:
-            f = tf.get(ln, 0) - af.get(ln, 0) + mf.get(ln, 0)
-            if f > worst:
-                worst = f
-            b = tb.get(ln, 0) - ab.get(ln, 0) + mb.get(ln, 0)
-            total += b
-            worst_b = max(worst_b, b)
-        return worst, total, worst_b
-
-
 class ReservationService:
     """The decisions, in process (the :class:`~kvpath.reservation_wire.SyncReserver`
     shape). Not thread-safe: the HTTP service calls it from one event loop."""
@@ -244,7 +146,7 @@ class ReservationService:
         # (src, dst) -> worker pair's name -> its lanes, as P connectors register them
         self._lanes: dict[tuple[str, str], dict[str, _Registered]] = {}
         self._n_pairs = 0
-        self._unheard = _Unheard()  # dc: changes younger than the broadcast delay
+        self._unheard = Unheard()  # dc: changes younger than the broadcast delay
         # per (src, dst) and set of worker pairs in scope: the candidates (lanes are long-lived)
         self._cands: dict[tuple[str, str], dict[tuple[str, ...], list[_Candidate]]] = {}
         self._canon: dict[str, str] = {}
@@ -445,13 +347,13 @@ class ReservationService:
             self._canon[host] = c
         return c
 
-    def _least_loaded(self, cands: Sequence[_Candidate], view: "LinkLoads | _DelayedView") -> _Candidate:
+    def _least_loaded(self, cands: Sequence[_Candidate], view: "LinkLoads | DelayedView") -> _Candidate:
         """Global-First-Fit: the least-loaded candidate; ties go to the lowest lane id.
         (Candidates may come from several scopes: a joint choice of P, D and lane is
         this rule over the candidates of every (P, D) pair it may take.)"""
         best: tuple[tuple[int, int, int], _Candidate] | None = None
         for c in cands:
-            worst, total, worst_b = view.cost(_core_links(c.paths))
+            worst, total, worst_b = view.cost(core_links(c.paths))
             key = (worst, total, c.lane.lane) if self.metric == "flows" else (worst_b, worst, c.lane.lane)
             if best is None or key < best[0]:
                 best = (key, c)
@@ -504,8 +406,8 @@ class ReservationService:
             nbytes = r.bytes // n + (r.bytes % n if i == 0 else 0)
             self.loads.add(path.links, nbytes, sign)
             if self.mode == "dc" and self.dc_delay_s > 0 and path.links:
-                self._unheard.push(_Event(now, r.src_host, path.links, nbytes, sign))
+                self._unheard.push(LoadEvent(now, r.src_host, path.links, nbytes, sign))
 
-    def _view(self, host: str, now: float) -> "_DelayedView | LinkLoads":
+    def _view(self, host: str, now: float) -> "DelayedView | LinkLoads":
         self._unheard.age_out(now - self.dc_delay_s)
-        return _DelayedView(self.loads, self._unheard, host) if self._unheard.events else self.loads
+        return DelayedView(self.loads, self._unheard, host) if self._unheard.events else self.loads

@@ -52,14 +52,18 @@ P_PORT, D_PORT, PROXY_PORT, P_SIDE, D_SIDE = 8610, 8620, 8600, 6110, 6120
 WARMUP_S = 60.0  # RSS is compared from this long after a start
 
 
-def rss_tree(pid: int) -> int:
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its children (none when it is gone)."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
+        return []
+
+
+def rss_tree(pid: int) -> int:
     total = 0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
@@ -70,13 +74,8 @@ def rss_tree(pid: int) -> int:
 def heap_tree(pid: int) -> int:
     """Bytes resident in the [heap] (malloc's brk arena) of ``pid`` and its children:
     where a process's own allocations grow, apart from mapped libraries and the KV cache."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
     total = 0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p.pid}/smaps") as f:
                 in_heap = False

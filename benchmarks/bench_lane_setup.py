@@ -28,12 +28,10 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvpath.connector.config import KVPathConfig  # noqa: E402
-from kvpath.connector.control_auth import shared_keys  # noqa: E402
-from kvpath.connector.peer_process import BufferSpec, PeerProcess  # noqa: E402
-from kvpath.testbed.veth_peer import veth_peer  # noqa: E402
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.control_auth import shared_keys
+from kvpath.connector.peer_process import BufferSpec, PeerProcess
+from kvpath.testbed.veth_peer import veth_peer
 
 SPEC = BufferSpec(regions=2, num_blocks=64, block_len=16 * 1024, block_size=16)
 TAG = os.getpid() % 10000

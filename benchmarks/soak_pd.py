@@ -42,11 +42,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvpath.testbed.readiness import wait_http  # noqa: E402
-from kvpath.testbed.vllm_server import VLLMServer, connector_config  # noqa: E402
-from kvpath.tiny_model import build_tiny_model  # noqa: E402
+from kvpath.testbed.readiness import wait_http
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.tiny_model import build_tiny_model
 
 P_PORT, D_PORT, PROXY_PORT, P_SIDE, D_SIDE = 8610, 8620, 8600, 6110, 6120
 WARMUP_S = 60.0  # RSS is compared from this long after a start

@@ -61,3 +61,33 @@ def test_the_walker_sees_imports_of_every_form(tmp_path):
     )
     assert part_imports(probe) == sorted(["kvpath.bridge", "kvpath.bridge.cli", "kvpath.connector",
                                           "kvpath.proxy.app", "kvpath.proxy.app.create_app", "kvpath.testbed.cli"])
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """Lines where ``source`` changes ``sys.path`` (a call on it, or an assignment to it)."""
+    def is_sys_path(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "path"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys")
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)) for t in targets):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_module_edits_sys_path():
+    """kvpath is imported as installed; a ``sys.path`` edit would make a module importable under two names."""
+    folders = ("kvpath", "connector", "proxy", "testbed", "simulator_bridge", "tests", "benchmarks", "scripts")
+    offenders = {str(p.relative_to(ROOT)): sys_path_edits(p.read_text())
+                 for d in folders for p in sorted((ROOT / d).rglob("*.py"))}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_sys_path_walker_sees_every_form():
+    src = ("import sys\nsys.path.insert(0, 'a')\nsys.path.append('b')\nsys.path = ['c']\n"
+           "sys.path[:0] = ['d']\nsys.path += ['e']\nprint(sys.path)\n")
+    assert sys_path_edits(src) == [2, 3, 4, 5, 6]

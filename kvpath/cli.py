@@ -15,6 +15,7 @@ from kvpath import __version__
 def build_parser() -> argparse.ArgumentParser:
     from kvpath.bridge.cli import add_parsers as add_bridge_parsers
     from kvpath.connector.cli import add_parsers as add_connector_group
+    from kvpath.demo.cli import add_parsers as add_demo_parsers
     from kvpath.proxy.cli import add_parsers as add_proxy_parsers
     from kvpath.testbed.cli import add_connector_parsers, add_parsers as add_testbed_parsers
     from kvpath.tiny_model import add_parsers as add_model_parsers
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command")
     # this order is the order ``kvpath --help`` lists them in
+    add_demo_parsers(sub)
     add_model_parsers(sub)
     add_connector_parsers(add_connector_group(sub))
     add_proxy_parsers(sub)

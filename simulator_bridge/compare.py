@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,7 +21,11 @@ from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
 from kvpath.trace_header import TraceSetup
 
-__all__ = ["BACKENDS", "Errors", "compare", "compare_fct", "header_net_params", "simulate", "trace_flows"]
+if TYPE_CHECKING:
+    from kvpath.bridge.request_replay import ComputeParams
+
+__all__ = ["BACKENDS", "Errors", "Replayed", "compare", "compare_fct", "header_net_params", "replay_trace", "simulate",
+           "trace_flows"]
 
 
 def header_net_params(setup: TraceSetup) -> NetParams:
@@ -90,29 +94,44 @@ def compare_fct(trace: Trace, backends: list[str], params: NetParams,
     return {b: e["fct"] for b, e in compare(trace, backends, params, ns3).items()}  # type: ignore[misc]
 
 
+@dataclass
+class Replayed:
+    """A trace replayed through one backend: measured and simulated values side by side.
+    ``ttft``/``tpot`` pairs are None for a trace without completed requests with a flow."""
+
+    backend: str
+    fct: tuple[np.ndarray, np.ndarray]  # (measured, simulated), per flow
+    ttft: tuple[np.ndarray, np.ndarray] | None  # per replayed request
+    tpot: tuple[np.ndarray, np.ndarray] | None  # requests with two or more output tokens
+
+    def errors(self) -> dict[str, Errors | None]:
+        return {k: None if v is None else Errors.of(*v)
+                for k, v in (("fct", self.fct), ("ttft", self.ttft), ("tpot", self.tpot))}
+
+
+def replay_trace(trace: Trace, backend: str, params: NetParams, ns3: Ns3Params | None = None,
+                 compute: ComputeParams | None = None) -> Replayed:
+    """The trace's flows through ``backend`` on its own fabric, and its requests through the
+    request replay (``request_replay.py``) with ``compute`` (default: the trace's own
+    iteration overhead)."""
+    from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
+
+    if not trace.flows:
+        raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
+    flows, measured = trace_flows(trace)
+    fct = simulate(backend, TraceSetup(trace).fabric, flows, params, ns3)
+    try:
+        inp = ReplayInput.of(trace)
+    except ValueError:
+        return Replayed(backend, (measured, fct), None, None)
+    ttft, tpot = replay(inp, fct, compute or ComputeParams(iteration_overhead_s=inp.base.overhead_s))
+    ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
+    return Replayed(backend, (measured, fct), (inp.ttft, ttft), (inp.tpot[ok], tpot[ok]) if ok.any() else None)
+
+
 def compare(trace: Trace, backends: list[str], params: NetParams,
             ns3: Ns3Params | None = None) -> dict[str, dict[str, Errors | None]]:
     """Per backend: FCT errors per flow, and TTFT and TPOT errors per request (None when
     the trace has no completed request with a flow: a flows-only trace) from the
     request replay (``request_replay.py``) with the default compute constants."""
-    from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
-
-    if not trace.flows:
-        raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
-    spec = TraceSetup(trace).fabric
-    flows, measured = trace_flows(trace)
-    try:
-        inp: ReplayInput | None = ReplayInput.of(trace)
-    except ValueError:
-        inp = None
-    out: dict[str, dict[str, Errors | None]] = {}
-    for b in backends:
-        fct = simulate(b, spec, flows, params, ns3)
-        row: dict[str, Errors | None] = {"fct": Errors.of(measured, fct), "ttft": None, "tpot": None}
-        if inp is not None:
-            ttft, tpot = replay(inp, fct, ComputeParams(iteration_overhead_s=inp.base.overhead_s))
-            row["ttft"] = Errors.of(inp.ttft, ttft)
-            ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
-            row["tpot"] = Errors.of(inp.tpot[ok], tpot[ok]) if ok.any() else None
-        out[b] = row
-    return out
+    return {b: replay_trace(trace, b, params, ns3).errors() for b in backends}

@@ -355,3 +355,22 @@ def down(prefix: str = PREFIX) -> int:
 
 def leftovers(prefix: str = PREFIX) -> list[str]:
     return [n for n in netns.listnetns() if n == prefix or n.startswith(prefix + "-")]
+
+
+def netns_problem() -> str | None:
+    """Why this machine cannot build a fabric (not root, no ``ip``/``nft``, namespaces refused),
+    in one line; None when it can. Creates and removes one namespace to find out."""
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (scripts/setup.sh installs nftables)"
+    name = f"{PREFIX}check-{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("kvpath.connector", "kvpath.proxy", "kvpath.testbed", "kvpath.bridge")
+PARTS = ("kvpath.connector", "kvpath.proxy", "kvpath.testbed", "kvpath.bridge", "kvpath.demo")
 ENTRY_POINT = ROOT / "kvpath" / "cli.py"
 
 

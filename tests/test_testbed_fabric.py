@@ -4,8 +4,6 @@ oracle against the spines' per-5-tuple counters, and cleanup after a killed run.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,27 +14,11 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import KernelOracle
+from kvpath.testbed.flowcheck import Flow, run_flows
+from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric, leftovers, netns_problem
 
-
-def _netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (scripts/setup.sh installs nftables)"
-    name = f"kvpcheck-{uuid.uuid4().hex[:6]}"
-    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a network namespace here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-_why = _netns_available()
+_why = netns_problem()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
-
-from kvpath.testbed.flowcheck import Flow, run_flows  # noqa: E402
-from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric, leftovers  # noqa: E402
 
 
 def _root_links() -> set[str]:

@@ -141,8 +141,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8900)
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    r.add_argument("--port", type=int, default=8900, help="TCP port to listen on (default %(default)s)")
     r.add_argument("--admin-token", help="POST /v1/lanes, GET /v1/state and GET /v1/decisions then need "
                                          "'Authorization: Bearer TOKEN' (/v1/reserve, /v1/release, /health and "
                                          "/metrics stay open)")
@@ -150,16 +150,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_reservation)
 
     p = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy (FastAPI)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")
     p.add_argument("--mode", choices=PROXY_MODES, default="push",
                    help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]",
+                   help="a P instance, repeat for each; kv_addr: its connector's side channel (push) or NIXL side "
+                        "channel (inproc-push), needed in both; fabric_host: its host in the fabric spec "
+                        "(reservations); engine_id: its kv_transfer_config.engine_id (needed in inproc-push)")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H,engine_id=ID]",
                    help="engine_id: its connector's engine id (kv_connector_extra_config.engine_id, else "
                         "kv_transfer_config.engine_id); reservations then charge only the "
                         "worker pairs of the two engines (not every engine on the two hosts)")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin",
+                   help="how P and D instances are chosen: in turn, or fewest requests in flight "
+                        "(default %(default)s)")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
                                          "--reservation inproc, POST /reservation/v1/lanes and GET /reservation/v1/state and "
                                          "/v1/decisions then need it too")

@@ -42,7 +42,7 @@ def _add_calibrate(br: argparse._SubParsersAction) -> None:
                    help="the first share of requests by arrival that the fit sees (the rest is held out)")
     k.add_argument("--burst-bytes", type=int, default=None,
                    help="the links' token-bucket burst (default: the trace header's; fitted when neither gives it)")
-    k.add_argument("--json", action="store_true")
+    k.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     add_ns3_args(k)
     k.set_defaults(func=cmd_calibrate)
 
@@ -50,17 +50,22 @@ def _add_calibrate(br: argparse._SubParsersAction) -> None:
 def _add_simulate(br: argparse._SubParsersAction) -> None:
     s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
     s.add_argument("--fabric", default="rack4", help="preset (small, rack4, rack8) or a JSON/YAML spec file")
-    s.add_argument("--pools", default="8P8D")
+    s.add_argument("--pools", default="8P8D", help="P and D engines, e.g. 4P4D (default %(default)s)")
     add_workload_args(s)
-    s.add_argument("--qps", type=float, default=6.0)
+    s.add_argument("--qps", type=float, default=6.0,
+                   help="request arrival rate, requests/s (a trace file is rescaled to it) (default %(default)s)")
     s.add_argument("--mode", default=",".join(MODES), help=f"comma-separated: {_MODES}")
     s.add_argument("--backend", default="trivial,flow", help=f"comma-separated: {_BACKENDS}")
     s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")
-    s.add_argument("--lanes", type=int, default=4)
-    s.add_argument("--reserve-at", default=ADMISSION, choices=RESERVE_AT)
-    s.add_argument("--dc-delay-s", type=float, default=0.0)
+    s.add_argument("--lanes", type=int, default=4,
+                   help="lanes per P-D pair; lane k crosses spine k mod spines (default %(default)s)")
+    s.add_argument("--reserve-at", default=ADMISSION, choices=RESERVE_AT,
+                   help="when a push's lane is reserved: at the request's arrival (admission) or when its "
+                        "prefill ends (push) (default %(default)s)")
+    s.add_argument("--dc-delay-s", type=float, default=0.0,
+                   help="dc mode: seconds before an agent sees other P hosts' reservations (default %(default)s)")
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     add_ns3_args(s)
     s.set_defaults(func=cmd_simulate)
 
@@ -103,10 +108,13 @@ def _add_sweep(br: argparse._SubParsersAction) -> None:
     s.add_argument("--backend", default="trivial,flow", help="comma list of network backends (flow, trivial, ...)")
     s.add_argument("--mode", default=",".join(MODES), help=f"comma list: {_MODES}")
     add_workload_args(s)
-    s.add_argument("--lanes", type=int, default=4)
+    s.add_argument("--lanes", type=int, default=4,
+                   help="lanes per P-D pair; lane k crosses spine k mod spines (default %(default)s)")
     s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")
     s.add_argument("--ns3-mtu", type=int, default=None, help="the ns3 backend's link MTU (default: the fabric's)")
-    s.add_argument("--reserve-at", default=ADMISSION, choices=RESERVE_AT)
+    s.add_argument("--reserve-at", default=ADMISSION, choices=RESERVE_AT,
+                   help="when a push's lane is reserved: at the request's arrival (admission) or when its "
+                        "prefill ends (push) (default %(default)s)")
     s.add_argument("--workers", type=int, default=None,
                    help="local processes (default: the CPU count; 1: inline); with --ray local, the instance's CPUs")
     s.add_argument("--ray", default=None, metavar="ADDRESS",

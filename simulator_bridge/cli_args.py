@@ -23,13 +23,20 @@ def fail(verb: str, msg: str) -> SystemExit:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload and the serving model: the published study's shape by default."""
     p.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
-    p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-prompt", type=int, default=1024)
-    p.add_argument("--max-prompt", type=int, default=4096)
-    p.add_argument("--pd-ratio", type=float, default=20.0)
-    p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--accelerator", default="h100")
+    p.add_argument("--requests", type=int, default=500,
+                   help="number of requests (a trace file is sampled to it) (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the workload's random seed (default %(default)s)")
+    p.add_argument("--min-prompt", type=int, default=1024,
+                   help="zipf, poisson: shortest prompt, tokens (default %(default)s)")
+    p.add_argument("--max-prompt", type=int, default=4096,
+                   help="zipf, poisson: longest prompt, tokens (default %(default)s)")
+    p.add_argument("--pd-ratio", type=float, default=20.0,
+                   help="zipf: output tokens = prompt tokens / this (default %(default)s)")
+    p.add_argument("--model", default="llama-3-8b",
+                   help="model preset for iteration times and KV bytes per token: llama-3-8b, llama-3-70b, "
+                        "qwen2.5-7b (default %(default)s)")
+    p.add_argument("--accelerator", default="h100",
+                   help="accelerator preset for iteration times: h100, a100, l40s (default %(default)s)")
 
 
 def add_ns3_args(p: argparse.ArgumentParser) -> None:

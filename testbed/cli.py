@@ -118,22 +118,32 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--connector", default="kvpath", choices=CONNECTORS,
                     help="with --engine vllm: kvpath (KVPathConnector, push) or nixl (vLLM's NixlConnector, pull)")
     rn.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
-    rn.add_argument("--qps", type=float, default=2.0)
-    rn.add_argument("--requests", type=int, default=40)
+    rn.add_argument("--qps", type=float, default=2.0,
+                    help="request arrival rate, requests/s (a trace file is rescaled to it) (default %(default)s)")
+    rn.add_argument("--requests", type=int, default=40,
+                    help="number of requests to send (a trace file is sampled to it) (default %(default)s)")
     rn.add_argument("--mode", default="cc",
                     help=f"{', '.join(MODES)} or a comma-separated list (run one after another)")
     rn.add_argument("--out", required=True, help="trace, summary and logs go here (one folder per mode)")
-    rn.add_argument("--seed", type=int, default=0)
+    rn.add_argument("--seed", type=int, default=0,
+                    help="seed of the workload and the prompts' token ids; every mode gets the same (default %(default)s)")
     rn.add_argument("--scale-b", type=float, default=500.0, help="link rates divided by B")
     rn.add_argument("--scale-s", type=float, default=None, help="KV bytes divided by S (default 500; 1 with vllm)")
-    rn.add_argument("--lanes", type=int, default=4)
-    rn.add_argument("--model", default="llama-3-8b")
-    rn.add_argument("--accelerator", default="h100")
+    rn.add_argument("--lanes", type=int, default=4,
+                    help="connector lanes per P-D pair, each its own source port and ECMP path (default %(default)s)")
+    rn.add_argument("--model", default="llama-3-8b",
+                    help="emulated engines: model preset for KV bytes per token and iteration times (llama-3-8b, "
+                    "llama-3-70b, qwen2.5-7b; default %(default)s); vllm engines use the tiny model")
+    rn.add_argument("--accelerator", default="h100",
+                    help="emulated engines: accelerator preset for iteration times (h100, a100, l40s; "
+                    "default %(default)s)")
     rn.add_argument("--min-prompt", type=int, default=None, help="default 1024 (emulated), 128 (vllm)")
     rn.add_argument("--max-prompt", type=int, default=None, help="default 4096 (emulated), 1024 (vllm)")
-    rn.add_argument("--pd-ratio", type=float, default=20.0)
+    rn.add_argument("--pd-ratio", type=float, default=20.0,
+                    help="zipf workload: output tokens = prompt tokens / this (default %(default)s)")
     rn.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
-    rn.add_argument("--dc-delay-s", type=float, default=0.0)
+    rn.add_argument("--dc-delay-s", type=float, default=0.0,
+                    help="dc mode: seconds before an agent sees other P hosts' reservations (default %(default)s)")
     rn.add_argument("--reserve-at", default="admission", choices=RESERVE_AT,
                     help="when a push's lane is reserved: when the proxy admits the request, or when P starts the push")
     rn.add_argument("--cc-metric", default="flows", choices=METRICS,
@@ -145,13 +155,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     dn.add_argument("--prefix", default="kvp", help="remove namespaces named <prefix> or <prefix>-*")
     dn.set_defaults(func=_cmd_down)
     pa = tb.add_parser("path", help="which spine a 5-tuple takes in a running fabric (the kernel oracle)")
-    pa.add_argument("--fabric", default="small")
-    pa.add_argument("--run-id", required=True)
-    pa.add_argument("src")
-    pa.add_argument("dst")
-    pa.add_argument("sport", type=int)
-    pa.add_argument("dport", type=int)
-    pa.add_argument("--proto", default="tcp")
+    pa.add_argument("--fabric", default="small",
+                    help="the running fabric's spec: preset (small, rack4, rack8) or a JSON/YAML spec file")
+    pa.add_argument("--run-id", required=True, help="the running fabric's run id: its namespaces are kvp-<run-id>-<node>")
+    pa.add_argument("src", help="source host, e.g. l0h0 (leaf 0, host 0)")
+    pa.add_argument("dst", help="destination host, e.g. l1h0")
+    pa.add_argument("sport", type=int, help="source port")
+    pa.add_argument("dport", type=int, help="destination port")
+    pa.add_argument("--proto", default="tcp", help="tcp or udp (default %(default)s)")
     pa.set_defaults(func=_cmd_path)
 
 
@@ -167,8 +178,11 @@ def add_connector_parsers(conn: argparse._SubParsersAction) -> None:
     vLLM servers, which the testbed starts."""
     d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
     d.add_argument("--workdir", default="runs/connector-demo", help="model, logs and trace go here")
-    d.add_argument("--requests", type=int, default=8)
-    d.add_argument("--max-tokens", type=int, default=16)
-    d.add_argument("--lanes", type=int, default=4)
-    d.add_argument("--base-port", type=int, default=8100)
+    d.add_argument("--requests", type=int, default=8, help="requests to send P-then-D (default %(default)s)")
+    d.add_argument("--max-tokens", type=int, default=16, help="most output tokens per request (default %(default)s)")
+    d.add_argument("--lanes", type=int, default=4,
+                   help="connector lanes (NIXL connections) from P to D (default %(default)s)")
+    d.add_argument("--base-port", type=int, default=8100,
+                   help="P serves on this port, D on +100, their connectors' side channels on +500 and +600 "
+                   "(default %(default)s)")
     d.set_defaults(func=_cmd_connector_demo)

@@ -143,7 +143,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     r.add_argument("--port", type=int, default=8900, help="TCP port to listen on (default %(default)s)")
-    r.add_argument("--admin-token", help="POST /v1/lanes, GET /v1/state and GET /v1/decisions then need "
+    r.add_argument("--admin-token", help="POST /v1/lanes and /v1/lanes/unregister, GET /v1/state and "
+                                         "GET /v1/decisions then need "
                                          "'Authorization: Bearer TOKEN' (/v1/reserve, /v1/release, /health and "
                                          "/metrics stay open)")
     add_reservation_args(r)
@@ -166,8 +167,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="how P and D instances are chosen: in turn, or fewest requests in flight "
                         "(default %(default)s)")
     p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
-                                         "--reservation inproc, POST /reservation/v1/lanes and GET /reservation/v1/state and "
-                                         "/v1/decisions then need it too")
+                                         "--reservation inproc, POST /reservation/v1/lanes and /reservation/v1/lanes/unregister, "
+                                         "GET /reservation/v1/state and /reservation/v1/decisions then need it too")
     p.add_argument("--first-byte-timeout-s", type=float, default=300.0,
                    help="a leg with no first byte by then (a non-streamed answer: no answer) ends the request with 504")
     p.add_argument("--upstream-timeout-s", type=float, dest="first_byte_timeout_s", action=DeprecatedAlias,

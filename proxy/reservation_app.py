@@ -2,19 +2,21 @@
 
 POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, path, lease
 POST /v1/release   {lease_id} -> {released}   (idempotent)
-POST /v1/lanes     {src_host, dst_host, worker?, lanes} (P connectors register the lanes they
-                   opened: per (P worker, D worker) pair, each lane's full 5-tuple)
+POST /v1/lanes     {src_host, dst_host, pair?, worker?, lanes} (P connectors register the lanes
+                   they opened: per (P worker, D worker) pair, each lane's full 5-tuple)
+POST /v1/lanes/unregister {src_host, dst_host, pair?, worker?} (forget one pair's lanes)
 GET  /v1/state, /v1/decisions?since=UNIX_S, /health, /metrics
 
 The routes and bodies are kvpath.reservation_wire's (one definition for the service
 and its clients).
 
-With an admin token, POST /v1/lanes needs ``Authorization: Bearer <token>``: a
-forged registration would steer every later flow of that host pair (or point it at
-lanes P does not have). /v1/reserve and /v1/release stay open: the proxy and P
-connectors call them per request, and what a stranger could do with them (add load
-records, end others') only skews the loads decisions see until leases or pushes end.
-Reads stay open.
+With an admin token, POST /v1/lanes and /v1/lanes/unregister need ``Authorization:
+Bearer <token>``: a forged registration would steer every later flow of that host pair
+(or point it at lanes P does not have). /v1/reserve and /v1/release stay open: the
+proxy and P connectors call them per request, and what a stranger could do with them
+(add load records, end others') only skews the loads decisions see until leases or
+pushes end. The reads GET /v1/state and /v1/decisions name P/D agents and live
+transfer ids, so they need the token too; /health and /metrics stay open.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 
 def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token: str | None = None) -> FastAPI:
-    """``admin_token``: required by the calls that change the lane registry (see above)."""
+    """``admin_token``: required by the calls that change the lane registry and by the
+    reads of state and decisions (see above)."""
     reg = CollectorRegistry()
     m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
     m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)

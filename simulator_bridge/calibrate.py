@@ -8,8 +8,8 @@ share links), but only the training part's errors steer the fit.
 - **Network** (per backend): ``overhead_s``, the fixed cost per flow; for ``flow``
   and ``trivial`` ``efficiency``, the share of a link's rate a payload gets (ns-3
   models headers itself); and ``burst_bytes``, the links' token-bucket burst, when
-  neither the caller nor the trace header gives it (for ``ns3`` only bursts above the
-  MTU: a bucket holds a packet). For each (efficiency, burst) on a grid, one network
+  neither the caller nor the trace header gives it (for ``ns3`` only 0, no bucket, and
+  bursts above the MTU: a bucket holds a packet). For each (efficiency, burst) on a grid, one network
   run; the overhead then is the median residual (:func:`offset_of`). The loss is
   |mean error| + |p99 error| of FCT on the training flows.
 - **Compute**: the iteration-time model's per-iteration overhead and a speed factor

@@ -43,7 +43,8 @@ def add_ns3_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ns3-mtu", type=int, default=None,
                    help="ns3 backend: link MTU (default: the fabric's; up to 65535 for coarse segments)")
     p.add_argument("--ns3-queue-bytes", type=int, default=None,
-                   help="ns3 backend: drop-tail queue per port (default: the trace header's queue_bytes, else 16 MiB)")
+                   help="ns3 backend: drop-tail queue per port (default: a trace's header's queue_bytes where a "
+                        "trace is read, else 16 MiB)")
     p.add_argument("--ns3-tcp", default="TcpCubic", help="ns3 backend: TCP variant (ns-3 type name)")
 
 

@@ -45,9 +45,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # a log file or a pipe gets a table that fits, not rich's 80 columns
     console = Console() if sys.stdout.isatty() else Console(width=140)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
+        out.mkdir(parents=True, exist_ok=True)
         why = "--simulate-only" if args.simulate_only else _fabric_problem()
         if why:
             console.print(f"[yellow]no fabric ({why}): running the simulation part alone[/yellow]")
@@ -68,6 +68,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"report: {index}" if index else "report: not written (see the log)")
         console.print(f"demo: {profile.name} profile in {time.monotonic() - t0:.0f} s; results in {out}/demo.json")
         return 0 if not failed else 1
+    except Exception as e:  # a failed step ends the demo with one line, not a traceback
+        logger.debug("the demo failed", exc_info=True)
+        console.print(f"[red]kvpath demo: error: {e}[/red] (kvpath -v demo ... logs the traceback)")
+        return 1
     except (KeyboardInterrupt, SystemExit) as e:
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 130
         console.print(f"[yellow]interrupted after {time.monotonic() - t0:.0f} s: the fabric and the engines "

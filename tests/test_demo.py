@@ -117,3 +117,11 @@ def test_rows_give_values_in_datacenter_time_and_errors_as_simulated_over_measur
     assert flow.values["fct"][0] == pytest.approx(2.25)
     assert flow.errors["fct"] == pytest.approx((0.5, 0.5))
     assert flow.errors["tpot"] is None and flow.values["tpot"] == (None, None)
+
+
+def test_a_failed_step_ends_with_one_error_line_not_a_traceback(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    r = subprocess.run([*DEMO, "--simulate-only", "--out", str(taken)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "kvpath demo: error:" in r.stdout and "Traceback" not in r.stdout + r.stderr

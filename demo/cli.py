@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=140)
     out = Path(args.out)
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds like Ctrl-C: every step cleans up
     try:
         out.mkdir(parents=True, exist_ok=True)
         why = "--simulate-only" if args.simulate_only else _fabric_problem()
@@ -77,6 +79,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"[yellow]interrupted after {time.monotonic() - t0:.0f} s: the fabric and the engines "
                       "are torn down[/yellow]")
         return code
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _fabric_problem() -> str | None:

@@ -58,7 +58,8 @@ def test_the_quick_demo_measures_every_variant_replays_it_and_writes_the_report(
 
 
 @needs_netns
-def test_sigint_mid_run_tears_down_the_fabric_and_every_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig):
     before = set(leftovers())
     out = tmp_path / "demo"
     proc = subprocess.Popen([*DEMO, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -78,12 +79,12 @@ def test_sigint_mid_run_tears_down_the_fabric_and_every_process(tmp_path):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 5  # the proxy and the engines (2 P + 2 D) at least
         assert set(leftovers()) - before  # the fabric is up
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rc = proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 130, "".join(lines)[-3000:]
+    assert rc == 128 + sig, "".join(lines)[-3000:]
     assert "interrupted" in "".join(lines)
     _, alive = psutil.wait_procs(children, timeout=10)
     assert alive == []

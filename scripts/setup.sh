@@ -25,6 +25,20 @@ if ! command -v nft >/dev/null 2>&1; then
   fi
 fi
 
+# The browser test of the bridge's HTML report (tests/test_report_browser.py) runs headless
+# Chromium through chromedriver (system packages, without their recommends: docs/install.md).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing chromium and chromium-driver (apt)"
+    CHROMIUM_PKGS=(chromium chromium-driver)
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${CHROMIUM_PKGS[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${CHROMIUM_PKGS[@]}" >/dev/null; } \
+      || log "could not install chromium: the report's browser test will skip (install chromium and chromium-driver by hand)"
+  else
+    log "chromium or chromedriver is missing and cannot be installed here: the report's browser test will skip (apt-get install chromium chromium-driver)"
+  fi
+fi
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
@@ -62,6 +76,8 @@ else
 fi
 log "installing plotting (matplotlib), the testbed's netlink library (pyroute2) and the bridge's ns-3 and pyarrow"
 "${PIP[@]}" -r requirements/plots.txt -r requirements/testbed.txt -r requirements/bridge.txt
+log "installing selenium (the report's browser test drives chromium with it)"
+"${PIP[@]}" -r requirements/test.txt
 log "installing Ray (the bridge's sweep runs on a Ray cluster when given its address)"
 "${PIP[@]}" -r requirements/ray.txt
 log "installing kvpath (editable)"

@@ -80,6 +80,29 @@ async def direct_request(client: httpx.AsyncClient, url: str, prompt: str, max_t
     return r.json()["choices"][0]["text"]
 
 
+async def pd_and_decode_only(
+    client: httpx.AsyncClient,
+    p_url: str,
+    d_url: str,
+    p_peer: str,
+    prompts: list[str],
+    max_tokens: int = 16,
+    mode: str = "sequential",
+    ref_url: str | None = None,
+    model: str = "tiny",
+) -> tuple[list[str], list[PDResult]]:
+    """Each prompt's decode-only output (a plain greedy request, by default on P) and its
+    P-then-D result, for checking that P/D changes nothing: the references all at once,
+    then the P/D requests all at once. The references go first: D must not see the
+    prompts before their pushes, or its prefix cache would serve them instead of the push."""
+    ref_url = ref_url or p_url
+    refs = await asyncio.gather(*(direct_request(client, ref_url, pr, max_tokens, model) for pr in prompts))
+    got = await asyncio.gather(
+        *(pd_request(client, p_url, d_url, p_peer, pr, max_tokens, mode=mode, model=model) for pr in prompts)
+    )
+    return list(refs), list(got)
+
+
 def make_prompts(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120) -> list[str]:
     words = ("spine leaf lane path prefill decode block token layer head push pull proxy fabric link queue "
              "rate byte hash seed port route red green blue one two three").split()

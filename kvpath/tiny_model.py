@@ -1,16 +1,25 @@
-"""Build a tiny random-weight Llama and a locally trained tokenizer (no downloads).
+"""Build a tiny Llama and a locally trained tokenizer (no downloads).
 
-vLLM's CPU attention needs head_dim in {32, 64, 80, ...}; the defaults give a
-model that loads in seconds and serves with one core. ``kvpath model tiny`` is here too.
+Random weights (``steps=0``, what the tests and the testbed use) or, with ``steps > 0``,
+weights trained for that many steps on the text the package ships
+(:mod:`kvpath.tiny_training`), so greedy output is readable words continuing the prompt.
+Trained models are built once per spec in a cache (``$KVPATH_CACHE/models``, default
+``~/.cache/kvpath/models``). vLLM's CPU attention needs head_dim in {32, 64, 80, ...};
+the defaults give a model that loads in seconds and serves with one core.
+``kvpath model tiny`` is here too.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
+import os
 import random
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +49,7 @@ class TinyModelSpec:
     max_positions: int = 4096
     seed: int = 0
     dtype: str = "float32"
+    steps: int = 0  # training steps on the shipped corpus; 0: random weights
 
     def validate(self) -> None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -51,6 +61,8 @@ class TinyModelSpec:
             raise ValueError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
         if self.vocab < 300:
             raise ValueError("--vocab must be >= 300 (byte-level alphabet plus merges)")
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
 
@@ -61,6 +73,8 @@ def _corpus(seed: int, n: int = 4000) -> list[str]:
 
 
 def build_tokenizer(out: Path, spec: TinyModelSpec):
+    """Byte-level BPE trained on the shipped corpus (trained models) or on random
+    networking words (random weights)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +86,13 @@ def build_tokenizer(out: Path, spec: TinyModelSpec):
         vocab_size=spec.vocab, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    if spec.steps:
+        from kvpath.tiny_training import corpus_text
+
+        texts = corpus_text().splitlines()
+    else:
+        texts = _corpus(spec.seed)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
@@ -81,18 +101,17 @@ def build_tokenizer(out: Path, spec: TinyModelSpec):
     return fast
 
 
-def build_tiny_model(out: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write model + tokenizer into ``out`` and return it. Idempotent per spec."""
+def write_tiny_model(out: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Build model + tokenizer into ``out`` (no cache) and return it. Deterministic: the
+    same spec gives the same files (on one machine and one torch build)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinyModelSpec()
     spec.validate()
     out = Path(out)
-    marker = out / "kvpath_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
-        return out
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).unlink(missing_ok=True)  # written last: a folder with it is complete
     tok = build_tokenizer(out, spec)
     torch.manual_seed(spec.seed)
     cfg = LlamaConfig(
@@ -111,13 +130,80 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec | None = None) -> Path
         torch_dtype=spec.dtype,
     )
     model = LlamaForCausalLM(cfg)
-    # Larger-than-default init makes greedy outputs vary with the prompt.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
+    if spec.steps:
+        from kvpath.tiny_training import train
+
+        losses = train(model, tok, spec.steps, spec.seed)
+        logger.info("tiny model trained for %d steps: loss %.2f -> %.2f", spec.steps, losses[0], losses[-1])
+    else:
+        # Larger-than-default init makes greedy outputs vary with the prompt.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
     model.to(getattr(torch, spec.dtype)).save_pretrained(str(out), safe_serialization=True)
-    marker.write_text(json.dumps(asdict(spec)))
+    (out / MARKER).write_text(json.dumps(asdict(spec)))
     logger.info("tiny model written to %s", out)
+    return out
+
+
+MARKER = "kvpath_tiny_model.json"  # the spec a folder was built with
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVPATH_CACHE", Path.home() / ".cache" / "kvpath")) / "models"
+
+
+def cached_tiny_model(spec: TinyModelSpec | None = None) -> Path:
+    """The model's folder in the cache, built on first use. Keyed by a hash of the spec,
+    the training settings and code version, the corpus and the library versions; built in
+    a temporary folder and renamed into place, under a lock, so concurrent callers wait
+    for one build and a crash never leaves a partial model."""
+    from kvpath.tiny_training import training_key
+
+    spec = spec or TinyModelSpec()
+    spec.validate()
+    root = cache_root()
+    final = root / f"tiny-{training_key(asdict(spec))[:16]}"
+    if (final / MARKER).exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / MARKER).exists():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+        try:
+            tmp.chmod(0o755)
+            write_tiny_model(tmp, spec)
+            shutil.rmtree(final, ignore_errors=True)  # a folder without a marker: not ours to keep
+            os.rename(tmp, final)
+            logger.info("tiny model cached in %s", final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def build_tiny_model(out: str | Path | None = None, spec: TinyModelSpec | None = None) -> Path:
+    """Model + tokenizer for ``spec``; returns its folder. Without ``out``: the cached
+    copy (:func:`cached_tiny_model`). With ``out``: written there, idempotent per spec;
+    a trained model is copied from the cache, so it is trained once per machine."""
+    spec = spec or TinyModelSpec()
+    spec.validate()
+    if out is None:
+        return cached_tiny_model(spec)
+    out = Path(out)
+    marker = out / MARKER
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return out
+    if not spec.steps:
+        return write_tiny_model(out, spec)
+    src = cached_tiny_model(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.name != MARKER:
+            shutil.copy2(f, out / f.name)
+    shutil.copy2(src / MARKER, marker)  # last: a folder with the marker is complete
     return out
 
 
@@ -125,7 +211,7 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     spec = TinyModelSpec(
         layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions, seed=args.seed,
-        dtype=args.dtype,
+        dtype=args.dtype, steps=args.steps,
     )
     try:
         spec.validate()
@@ -137,16 +223,26 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """``kvpath model tiny``."""
+    from kvpath.tiny_training import TRAINED_STEPS
+
+    d = TinyModelSpec()
     model = sub.add_parser("model", help="local models for tests and demos").add_subparsers(dest="model_cmd")
-    t = model.add_parser("tiny", help="write a tiny random-weight Llama and a locally trained tokenizer")
-    t.add_argument("--out", required=True, help="output directory")
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--head-dim", type=int, default=64, help="vLLM CPU attention needs 32, 64, 80, ... (not 16)")
-    t.add_argument("--intermediate", type=int, default=512)
-    t.add_argument("--vocab", type=int, default=1024)
-    t.add_argument("--max-positions", type=int, default=4096)
-    t.add_argument("--dtype", default="float32")
-    t.add_argument("--seed", type=int, default=0)
+    t = model.add_parser("tiny", help="write a tiny Llama (random or briefly trained weights) and a locally "
+                                      "trained tokenizer; prints its folder")
+    t.add_argument("--out", help="output directory (default: the model's folder in the cache, "
+                                 "$KVPATH_CACHE/models or ~/.cache/kvpath/models)")
+    t.add_argument("--steps", type=int, default=d.steps,
+                   help=f"training steps on the text kvpath ships; 0: random weights (the demo uses {TRAINED_STEPS}, "
+                        "about 20 s on one core); a trained model is built once per spec in the cache")
+    t.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    t.add_argument("--heads", type=int, default=d.heads, help="attention (query) heads; hidden size = heads x head-dim")
+    t.add_argument("--kv-heads", type=int, default=d.kv_heads, help="KV heads (divides --heads)")
+    t.add_argument("--head-dim", type=int, default=d.head_dim, help="vLLM CPU attention needs 32, 64, 80, ... (not 16)")
+    t.add_argument("--intermediate", type=int, default=d.intermediate, help="MLP intermediate size")
+    t.add_argument("--vocab", type=int, default=d.vocab,
+                   help="tokenizer vocabulary size (>= 300; the trained tokenizer may end up smaller)")
+    t.add_argument("--max-positions", type=int, default=d.max_positions, help="max_position_embeddings")
+    t.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (training is in float32)")
+    t.add_argument("--seed", type=int, default=d.seed,
+                   help="seeds the weights, the training batches and (random weights) the tokenizer's words")
     t.set_defaults(func=_cmd_model_tiny)

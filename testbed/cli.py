@@ -170,14 +170,21 @@ def _cmd_connector_demo(args: argparse.Namespace) -> int:
     from kvpath.testbed.connector_demo import run_demo
 
     return run_demo(workdir=args.workdir, n_requests=args.requests, max_tokens=args.max_tokens, lanes=args.lanes,
-                    base_port=args.base_port)
+                    base_port=args.base_port, steps=args.steps)
 
 
 def add_connector_parsers(conn: argparse._SubParsersAction) -> None:
     """``kvpath connector demo`` (in the connector's command group): the connector on real
     vLLM servers, which the testbed starts."""
     d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
-    d.add_argument("--workdir", default="runs/connector-demo", help="model, logs and trace go here")
+    from kvpath.tiny_training import TRAINED_STEPS
+
+    d.add_argument("--workdir", default="runs/connector-demo",
+                   help="logs, keys and trace go here (the model is cached under $KVPATH_CACHE/models, "
+                   "default ~/.cache/kvpath/models)")
+    d.add_argument("--steps", type=int, default=TRAINED_STEPS,
+                   help="the tiny model's training steps on the text kvpath ships, for readable output (once per "
+                   "machine, about 20 s on one core); 0: random weights (default %(default)s)")
     d.add_argument("--requests", type=int, default=8, help="requests to send P-then-D (default %(default)s)")
     d.add_argument("--max-tokens", type=int, default=16, help="most output tokens per request (default %(default)s)")
     d.add_argument("--lanes", type=int, default=4,

@@ -1,6 +1,9 @@
-"""``kvpath connector demo``: a tiny model, real P and D vLLM servers with KVPathConnector
+"""``kvpath connector demo``: a tiny model (by default briefly trained on the text kvpath
+ships, so its output is readable), real P and D vLLM servers with KVPathConnector
 (started by :mod:`kvpath.testbed.vllm_server`) and the P-then-D client of
-:mod:`kvpath.connector.pd_client`; it prints the completions and the connector's pushes."""
+:mod:`kvpath.connector.pd_client`. It prints, per request, the P/D completion, the
+decode-only one (a plain request on P) and whether they are equal, then the connector's
+pushes; it fails when a request fails, is not pushed, or differs from decode-only."""
 
 from __future__ import annotations
 
@@ -11,18 +14,21 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpath.connector.pd_client import make_prompts, pd_request
-from kvpath.tiny_model import build_tiny_model
+from kvpath.connector.pd_client import PDResult, pd_and_decode_only
+from kvpath.tiny_model import TinyModelSpec, build_tiny_model
+from kvpath.tiny_training import TRAINED_STEPS, corpus_prompts
 from kvpath.trace import ConnectorLog, LaneRecord, read_connector_log
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
 
 
-def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int = 4, base_port: int = 8100) -> int:
+def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int = 4, base_port: int = 8100,
+             steps: int = TRAINED_STEPS) -> int:
     console = Console()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     wd = Path(workdir).resolve()
@@ -30,8 +36,9 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
     trace = wd / "p_trace.jsonl"
     trace.unlink(missing_ok=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as prog:
-        t = prog.add_task("building the tiny model", total=None)
-        model = str(build_tiny_model(wd / "model"))
+        what = f"training the tiny model ({steps} steps, once per machine)" if steps else "building the tiny model"
+        t = prog.add_task(what, total=None)
+        model = str(build_tiny_model(None, TinyModelSpec(steps=steps)))  # the cached copy
         prog.update(t, description="starting P (core 0) and D (core 1) vllm servers")
         # the control channel's keys, made for this demo (a prefill and a decode pair)
         keys = wd / "keys"
@@ -46,18 +53,16 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
             d.start()
             p.wait_ready()
             d.wait_ready()
-            prog.update(t, description=f"sending {n_requests} requests P-then-D")
-            results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests, max_tokens))
+            prog.update(t, description=f"sending {n_requests} requests decode-only, then P-then-D")
+            refs, results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests, max_tokens))
         finally:
             prog.update(t, description="stopping servers")
             p.stop()
             d.stop()
-    table = Table(title="P-then-D completions (KVPathConnector)")
-    for col in ("#", "prompt", "completion", "e2e ms"):
-        table.add_column(col)
-    for i, r in enumerate(results):
-        table.add_row(str(i), r.prompt[:40] + "...", repr(r.text) if not r.error else f"[red]{r.error[:60]}", f"{r.ttft_s * 1e3:.0f}")
-    console.print(table)
+    console.print(f"model: {model} ({f'trained {steps} steps' if steps else 'random weights'}), greedy, "
+                  f"max_tokens {max_tokens}")
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        _print_request(console, i, r, ref)
     log = read_connector_log(trace) if trace.exists() else ConnectorLog([], [], [])
     pushes = log.transfers
     tt = Table(title=f"KV pushes (trace: {trace})")
@@ -72,8 +77,20 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
     for ev in log.lanes:
         console.print(f"lanes to {ev.peer}: " + ", ".join(_lane(ln) for ln in ev.lanes))
     failed = [r for r in results if r.error]
-    console.print(f"{len(results) - len(failed)}/{len(results)} requests ok, {len(pushes)} pushes; logs in {wd}")
-    return 1 if failed or len(pushes) != len(results) else 0
+    same = sum(not r.error and r.text == ref for r, ref in zip(results, refs))
+    console.print(f"{len(results) - len(failed)}/{len(results)} requests ok, {len(pushes)} pushes, "
+                  f"{same}/{len(results)} P/D == decode-only; logs in {wd}")
+    return 1 if failed or len(pushes) != len(results) or same != len(results) else 0
+
+
+def _print_request(console: Console, i: int, r: PDResult, ref: str) -> None:
+    equal = not r.error and r.text == ref
+    pd = escape(repr(r.text)) if not r.error else f"[red]error: {escape(r.error[:100])}[/red]"
+    tail = escape(repr(r.prompt[-60:]))
+    console.print(f"[bold]request {i}[/bold] ({r.ttft_s * 1e3:.0f} ms P-then-D): prompt ...{tail}", highlight=False)
+    console.print(f"  P/D:         {pd}", highlight=False)
+    console.print(f"  decode-only: {escape(repr(ref))}", highlight=False)
+    console.print(f"  P/D == decode-only: {'[green]yes[/green]' if equal else '[red]no[/red]'}", highlight=False)
 
 
 def _lane(ln: LaneRecord) -> str:
@@ -82,6 +99,6 @@ def _lane(ln: LaneRecord) -> str:
     return f"lane {ln.lane} {where}" + (f" via {ln.path}" if ln.path else "")
 
 
-async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int):
+async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int) -> tuple[list[str], list[PDResult]]:
     async with httpx.AsyncClient(timeout=120) as client:
-        return await asyncio.gather(*(pd_request(client, p_url, d_url, peer, pr, max_tokens) for pr in make_prompts(n)))
+        return await pd_and_decode_only(client, p_url, d_url, peer, corpus_prompts(n), max_tokens)

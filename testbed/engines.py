@@ -88,14 +88,15 @@ class RunSite:
     def proxy_instance_args(self) -> list[str]:
         """The proxy's ``--prefill``/``--decode`` flags for every engine. With a push
         connector the proxy also needs P's KV address and engine id (D registers there),
-        and D's engine id (reservations then charge the two engines' worker pairs only)."""
+        and with KVPathConnector D's engine id (reservations then charge the two engines'
+        worker pairs only)."""
         spec = self.fabric.spec
         argv: list[str] = []
         for role, h in self.roles:
             if role == "decode":
                 argv += ["--decode", f"{self.url(h)},fabric_host={h}"
                                      + (f",engine_id={engine_id(role, h)}" if self.cfg.pushes else "")]
-            elif self.cfg.pushes:
+            elif self.cfg.pushes or self.cfg.connector == "nixl-push":  # D's leg names P's side channel and id
                 argv += ["--prefill", f"{self.url(h)},kv_addr={spec.host_ip(h)}:{KV_PORT},fabric_host={h},"
                                       f"engine_id={engine_id(role, h)}"]
             else:

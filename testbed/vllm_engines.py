@@ -6,7 +6,9 @@ KV connectors:
 
 - ``kvpath``: KVPathConnector, P pushes over lanes reserved by the proxy's reservation
   service (kernel path oracle), both sides write the connector's transfer records;
-- ``nixl``: vLLM's in-tree NixlConnector, D pulls from P (the proxy runs ``--mode pull``).
+- ``nixl``: vLLM's in-tree NixlConnector, D pulls from P (the proxy runs ``--mode pull``);
+- ``nixl-push``: vLLM's in-tree NixlPushConnector, P writes into D's blocks (the proxy
+  runs ``--mode inproc-push``). Over UCX TCP it loses pushes here (docs/proxy.md).
 
 vLLM has no pre-connect and no per-request records of its own: the warm-up sends one
 request per P-D pair through the proxy, and the records come from the connector's
@@ -77,10 +79,16 @@ class VllmEngines:
                                   reservation_url=f"{proxy_url}/reservation", fabric_spec=str(site.spec_file),
                                   kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at,
                                   reservation_token=site.admin_token)
-        elif cfg.connector == "nixl":
-            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                  "engine_id": engine_id(pl.role, pl.host)}
-            # P's side channel listens on the fabric address D reads from
+        elif cfg.connector in ("nixl", "nixl-push"):
+            push = cfg.connector == "nixl-push"
+            kv = {"kv_connector": "NixlPushConnector" if push else "NixlConnector", "kv_role": "kv_both",
+                  "kv_buffer_device": "cpu", "engine_id": engine_id(pl.role, pl.host)}
+            if push:
+                # a lost push (docs/proxy.md) frees D's registration and P's blocks after 20 s, not minutes
+                kv["kv_connector_extra_config"] = {"push_registration_timeout": 20}
+                env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] = "20"
+            # the side channels listen on the fabric addresses: D reads from P's (pull); P's
+            # reverse handshake reaches D's (push)
             env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": pl.fabric_ip, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(KV_PORT)})
         else:
             raise ValueError(f"connector must be one of {CONNECTORS}, got {cfg.connector!r}")
@@ -107,6 +115,11 @@ class VllmEngines:
                     "temperature": 0}
             r = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=300)
             if r.status_code != 200:
+                if cfg.connector == "nixl-push" and i + 1 < 2 * pairs:
+                    # NixlPushConnector loses pushes over UCX TCP here, a pair's first one often (docs/proxy.md)
+                    console.log(f"warm-up request {i + 1} failed ({r.status_code}): NixlPushConnector lost its push? "
+                                "trying another")
+                    continue
                 raise RuntimeError(f"warm-up request through the proxy failed: {r.status_code} {r.text[:300]}")
             if not cfg.pushes:
                 if i + 1 >= pairs:

@@ -216,12 +216,21 @@ class BenchResult:
 
 
 def parse_bench_result(path: str | Path) -> BenchResult:
-    r = json.loads(Path(path).read_text())
-    errors = sorted({e.strip().splitlines()[-1][:300] for e in r.get("errors") or [] if e and e.strip()})
-    return BenchResult(completed=int(r["completed"]), failed=int(r.get("failed", 0)), duration_s=float(r["duration"]),
-                       ttft_mean_ms=r.get("mean_ttft_ms"), ttft_median_ms=r.get("median_ttft_ms"),
-                       ttft_p99_ms=r.get("p99_ttft_ms"), tpot_mean_ms=r.get("mean_tpot_ms"),
-                       req_s=r.get("request_throughput"), errors=errors)
+    """A ValueError naming the problem for a result that is not what the bench writes.
+    With no completed request the bench still writes 0 for every latency: those are None here,
+    so a failed round never enters a median as 0 ms."""
+    try:
+        r = json.loads(Path(path).read_text())
+        errors = sorted({str(e).strip().splitlines()[-1][:300] for e in r.get("errors") or [] if e and str(e).strip()})
+        completed = int(r["completed"])
+        lat = {k: (r.get(k) if completed else None) for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                                               "mean_tpot_ms", "request_throughput")}
+        return BenchResult(completed=completed, failed=int(r.get("failed") or 0), duration_s=float(r["duration"]),
+                           ttft_mean_ms=lat["mean_ttft_ms"], ttft_median_ms=lat["median_ttft_ms"],
+                           ttft_p99_ms=lat["p99_ttft_ms"], tpot_mean_ms=lat["mean_tpot_ms"],
+                           req_s=lat["request_throughput"], errors=errors)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{path}: not a vllm bench serve result ({type(e).__name__}: {e})") from None
 
 
 def bench_argv(base_url: str, model: str, tokenizer: str | Path, point: Point, prompts: int, seed: int,
@@ -697,7 +706,7 @@ def run_session(session: Session, workdir: Path, tokenizers: dict[str, Path], re
                                       request_timeout_s, client, console))
                 rows[-1].session_setup_s, rows[-1].cpu_idle_at_rest = setup_s, at_rest
                 progress.advance(task, point_estimate_s(setup.engine, session.mode, p, setup.prompts, client.kind))
-    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+    except Exception as e:  # httpx timeouts, a bad result file...: this session's points fail, the others go on
         evidence = lost_push_evidence(out) if session.mode == "nixl-push" else []
         console.log(f"[red]{session.name}: {e}[/red]" + "".join(f"\n  {x}" for x in evidence))
         done = {(r.input_len, r.output_len, r.rate) for r in rows}
@@ -912,6 +921,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     estimate = estimate_s(plan, args.bench_client)
     client = BenchClient(args.bench_client, workdir / "bench-client.log")
+    out = Path(args.out) if args.out else workdir / "serve_compare.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         client.start()  # before any engine: vLLM's import on a quiet machine
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("left ~"),
@@ -920,6 +931,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for session in plan:
                 rows += run_session(session, workdir, tokenizers, args.request_timeout_s, args.seed, client,
                                     log_console, progress, task)
+                _save_rows(out.with_name(out.stem + ".partial.json"), rows)  # an interrupted run keeps its rows
     finally:
         client.close()
     lines = aggregate(rows)
@@ -927,8 +939,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                f"{args.rounds} round(s); emulated engines in testbed time "
                                "(/ B/S for the datacenter's)"))
     console.print(f"took {(time.time() - started) / 60:.1f} min (estimated {estimate / 60:.0f})")
-    out = Path(args.out) if args.out else workdir / "serve_compare.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items()}, "setups": [asdict(s) for s in setups],
         "estimate_s": estimate, "took_s": time.time() - started,
@@ -938,6 +948,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }, indent=1, default=str))
     console.print(f"rows and table: {out}")
     return 1 if any(r.error for r in rows) else 0
+
+
+def _save_rows(path: Path, rows: list[RunRow]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([{**asdict(r), "valid": r.valid, "verdict": r.verdict()} for r in rows], indent=1,
+                              default=str))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

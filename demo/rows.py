@@ -27,12 +27,20 @@ class Row:
 
 
 def _pair(a: np.ndarray, scale: float) -> tuple[float | None, float | None]:
-    m, p = mean_p99(a)
+    m, p = mean_p99(a[np.isfinite(a)])
     return (None if m is None else m / scale, None if p is None else p / scale)
 
 
-def _err(meas: np.ndarray, sim: np.ndarray) -> tuple[float, float]:
-    return (float(sim.mean() / meas.mean() - 1), float(np.percentile(sim, 99) / np.percentile(meas, 99) - 1))
+def _err(meas: np.ndarray, sim: np.ndarray) -> tuple[float, float] | None:
+    """None where a measured mean or p99 is not a positive finite number (nothing to divide by)."""
+    ok = np.isfinite(meas) & np.isfinite(sim)
+    meas, sim = meas[ok], sim[ok]
+    if not meas.size:
+        return None
+    m, p = float(meas.mean()), float(np.percentile(meas, 99))
+    if not (m > 0 and p > 0):
+        return None
+    return (float(sim.mean()) / m - 1, float(np.percentile(sim, 99)) / p - 1)
 
 
 def replay_rows(variant: str, replays: Sequence[tuple[str, object]], scale: float, note: str) -> list[Row]:
@@ -47,7 +55,7 @@ def replay_rows(variant: str, replays: Sequence[tuple[str, object]], scale: floa
         for q in QUANTITIES:
             v = getattr(r, q)
             values[q] = (None, None) if v is None else _pair(v[1], scale)
-            errors[q] = None if v is None or not v[0].size else _err(v[0], v[1])
+            errors[q] = None if v is None else _err(v[0], v[1])
         rows.append(Row(variant, source, values, errors))
     return rows
 

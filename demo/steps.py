@@ -92,21 +92,22 @@ def replay(measured: list[Measured], backends: list[str], console: Console) -> R
             f"FCT mean error went "
             f"{cal.fct.before.mean:+.0%} -> {cal.fct.after.mean:+.0%}, TTFT {cal.ttft.before.mean:+.0%} -> "
             f"{cal.ttft.after.mean:+.0%}, TPOT {cal.tpot.before.mean:+.0%} -> {cal.tpot.after.mean:+.0%}")
-    except ValueError as e:
+    except Exception as e:  # a trace too small or odd to fit: the raw replays still count
         cal = None
         res.notes.append(f"no calibration: {e}")
     for m in measured:
         console.rule(f"bridge: replaying {m.variant.label} through {', '.join(backends)}")
         params = header_net_params(TraceSetup(m.trace))
         reps: list[tuple[str, object]] = []
-        for b in backends:
+        runs = [(b, b, params, None) for b in backends]
+        if cal is not None:
+            runs.insert(1, ("flow, cal.", "flow", cal.net, cal.compute))
+        for source, b, net, compute in runs:
             try:
-                reps.append((b, replay_trace(m.trace, b, params)))
-            except Exception as e:  # ns-3 missing or failed: the others still count
-                res.notes.append(f"{m.variant.label}: {b} replay failed: {e}")
-                logger.warning("%s: %s replay failed: %s", m.variant.label, b, e)
-            if b == "flow" and cal is not None:
-                reps.append(("flow, cal.", replay_trace(m.trace, "flow", cal.net, compute=cal.compute)))
+                reps.append((source, replay_trace(m.trace, b, net, compute=compute)))
+            except Exception as e:  # no flows, ns-3 missing or failed: the others still count
+                res.notes.append(f"{m.variant.label}: {source} replay failed: {e}")
+                logger.warning("%s: %s replay failed: %s", m.variant.label, source, e)
         res.notes.extend(f"{m.variant.label}: fidelity: {p}" for p in m.problems)
         if reps:
             res.rows.extend(replay_rows(m.variant.label, reps, m.scale, m.verdict))
@@ -150,4 +151,7 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
 def write_json(path: Path, rows: list[Row], notes: list[str], measured: bool) -> None:
     from kvpath.demo.rows import to_dicts
 
-    path.write_text(json.dumps({"measured": measured, "rows": to_dicts(rows), "notes": notes}, indent=1))
+    tmp = path.with_name(path.name + ".tmp")  # an interrupted write leaves no half a file
+    tmp.write_text(json.dumps({"measured": measured, "rows": to_dicts(rows), "notes": notes}, indent=1,
+                              allow_nan=False))
+    tmp.replace(path)

@@ -150,7 +150,7 @@ MARKER = "kvpath_tiny_model.json"  # the spec a folder was built with
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVPATH_CACHE", Path.home() / ".cache" / "kvpath")) / "models"
+    return Path(os.environ.get("KVPATH_CACHE") or Path.home() / ".cache" / "kvpath") / "models"
 
 
 def cached_tiny_model(spec: TinyModelSpec | None = None) -> Path:
@@ -171,6 +171,8 @@ def cached_tiny_model(spec: TinyModelSpec | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / MARKER).exists():
             return final
+        for stale in root.glob(f".{final.name}-*"):  # a killed build's; only the lock holder builds this key
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
         try:
             tmp.chmod(0o755)
@@ -194,8 +196,9 @@ def build_tiny_model(out: str | Path | None = None, spec: TinyModelSpec | None =
         return cached_tiny_model(spec)
     out = Path(out)
     marker = out / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    if _marked_spec(marker) == asdict(spec):
         return out
+    marker.unlink(missing_ok=True)  # from here until the copy ends, the folder is not complete
     if not spec.steps:
         return write_tiny_model(out, spec)
     src = cached_tiny_model(spec)
@@ -205,6 +208,15 @@ def build_tiny_model(out: str | Path | None = None, spec: TinyModelSpec | None =
             shutil.copy2(f, out / f.name)
     shutil.copy2(src / MARKER, marker)  # last: a folder with the marker is complete
     return out
+
+
+def _marked_spec(marker: Path) -> dict | None:
+    """The spec a folder's marker names; None when there is none or it cannot be read
+    (a truncated marker means rebuild, not an error)."""
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:

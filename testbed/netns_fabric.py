@@ -368,9 +368,11 @@ def netns_problem() -> str | None:
     for tool in ("ip", "nft"):
         if shutil.which(tool) is None:
             return f"needs {tool} (scripts/setup.sh installs nftables)"
-    name = f"{PREFIX}check-{uuid.uuid4().hex[:6]}"
-    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a network namespace here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
+    name = f"{PREFIX}-check-{uuid.uuid4().hex[:6]}"  # kvp-*: `kvpath testbed down` removes a leftover
+    try:
+        r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"cannot create a network namespace here: {r.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -17,12 +17,37 @@ import pytest
 
 from kvpath.demo.profiles import QUICK
 from kvpath.demo.rows import replay_rows
-from kvpath.testbed.netns_fabric import leftovers, netns_problem
+from kvpath.testbed.netns_fabric import down, leftovers, netns_problem
 
 _why = netns_problem()
 needs_netns = pytest.mark.skipif(_why is not None, reason=_why or "")
 DEMO = [sys.executable, "-m", "kvpath.cli", "demo", "--quick"]
 LABELS = [v.label for v in QUICK.variants]
+
+
+def _run(argv: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
+    """The demo to its end; past ``timeout`` (below pytest's own 600 s) it gets SIGTERM, so it
+    still tears its fabric down, and SIGKILL only if that does not end it."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.fixture
+def no_leftovers():
+    """Whatever the test's outcome, no namespace of a demo it started outlives it."""
+    before = set(leftovers())
+    yield before
+    for name in set(leftovers()) - before:
+        down(name)
 
 
 def _rows(out: Path) -> dict[tuple[str, str], dict]:
@@ -31,10 +56,10 @@ def _rows(out: Path) -> dict[tuple[str, str], dict]:
 
 
 @needs_netns
-def test_the_quick_demo_measures_every_variant_replays_it_and_writes_the_report(tmp_path):
-    before = set(leftovers())
+def test_the_quick_demo_measures_every_variant_replays_it_and_writes_the_report(tmp_path, no_leftovers):
+    before = no_leftovers
     out = tmp_path / "demo"
-    r = subprocess.run([*DEMO, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    r = _run([*DEMO, "--out", str(out)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _rows(out)
     for label in LABELS:
@@ -59,8 +84,8 @@ def test_the_quick_demo_measures_every_variant_replays_it_and_writes_the_report(
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig):
-    before = set(leftovers())
+def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig, no_leftovers):
+    before = no_leftovers
     out = tmp_path / "demo"
     proc = subprocess.Popen([*DEMO, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -73,6 +98,7 @@ def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig)
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
+    children: list[psutil.Process] = []
     try:
         assert ready.wait(240), "".join(lines)[-3000:]
         time.sleep(2)  # the workload is being driven now
@@ -82,8 +108,15 @@ def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig)
         proc.send_signal(sig)
         rc = proc.wait(120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the test failed before the signal: end it cleanly, then for sure
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for c in children:
+                if c.is_running():
+                    c.kill()
     assert rc == 128 + sig, "".join(lines)[-3000:]
     assert "interrupted" in "".join(lines)
     _, alive = psutil.wait_procs(children, timeout=10)
@@ -93,7 +126,7 @@ def test_a_signal_mid_run_tears_down_the_fabric_and_every_process(tmp_path, sig)
 
 def test_the_simulation_runs_alone_where_no_fabric_can_be_built(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([*DEMO, "--simulate-only", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = _run([*DEMO, "--simulate-only", "--out", str(out)], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "no fabric (--simulate-only): running the simulation part alone" in r.stdout
     doc = json.loads((out / "demo.json").read_text())

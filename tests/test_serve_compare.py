@@ -121,10 +121,20 @@ def test_a_bench_result_file_is_read_by_vllms_own_key_names(tmp_path):
     assert b.req_s == pytest.approx(0.844456642)
     # each distinct error once, by its last line
     assert b.errors == ["Gateway Timeout", "aiohttp.ClientResponseError: 504, message='Gateway Timeout'"]
-    # a run with nothing completed has no latency keys' values
-    f.write_text(json.dumps({"duration": 1.0, "completed": 0, "failed": 3, "request_throughput": 0.0}))
+    # with nothing completed vLLM still writes 0 for every latency: none of them may enter a median
+    f.write_text(json.dumps({**SAMPLE, "completed": 0, "failed": 6, "mean_ttft_ms": 0.0, "median_ttft_ms": 0.0,
+                             "p99_ttft_ms": 0.0, "mean_tpot_ms": 0.0, "request_throughput": 0.0}))
     b = sc.parse_bench_result(f)
-    assert (b.completed, b.failed, b.ttft_mean_ms, b.errors) == (0, 3, None, [])
+    assert (b.completed, b.failed) == (0, 6)
+    assert (b.ttft_mean_ms, b.ttft_median_ms, b.ttft_p99_ms, b.tpot_mean_ms, b.req_s) == (None,) * 5
+
+
+@pytest.mark.parametrize("bad", [{}, {"completed": None, "duration": 1.0}, {"completed": 1}, [1, 2], "x"])
+def test_a_result_file_that_is_not_a_bench_result_is_a_value_error(tmp_path, bad):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="not a vllm bench serve result"):
+        sc.parse_bench_result(f)
 
 
 def test_the_bench_command_line():

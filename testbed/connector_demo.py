@@ -54,7 +54,12 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
             p.wait_ready()
             d.wait_ready()
             prog.update(t, description=f"sending {n_requests} requests decode-only, then P-then-D")
-            refs, results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests, max_tokens))
+            try:
+                refs, results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests,
+                                                  max_tokens))
+            except httpx.HTTPError as e:  # an engine answered with an error or not at all: one line, not a traceback
+                console.print(f"[red]kvpath connector demo: error: {type(e).__name__}: {e}[/red] (logs in {wd})")
+                return 1
         finally:
             prog.update(t, description="stopping servers")
             p.stop()

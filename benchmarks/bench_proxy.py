@@ -168,7 +168,7 @@ def main() -> int:
     procs = []
     ports = {k: free_port() for k in ("p", "d", "proxy")}
     token = secrets.token_hex(8)
-    res_args = ["--reservation", "inproc", "--admin-token", token] if args.reservation == "inproc" else []
+    res_args = ["--reservation", "inproc", f"--admin-token={token}"] if args.reservation == "inproc" else []
     try:
         for name, port in (("P", ports["p"]), ("D", ports["d"])):
             code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)

@@ -50,7 +50,7 @@ class EmulatedEngines:
             "--reservation-url", f"{proxy_url}/reservation", "--trace", str(site.transfer_trace(host)),
             "--engine-id", engine_id(role, host), "--reserve-at", cfg.reserve_at,
             "--control-key", keys["control_key"], "--control-trusted-keys", keys["control_trusted_keys"],
-            "--reservation-token", site.admin_token,
+            f"--reservation-token={site.admin_token}",  # one argv word: a token may start with "-"
         ])
 
     def start(self, proxy_url: str) -> None:

@@ -225,7 +225,8 @@ def proxy_argv(site: RunSite, engines: Engines) -> list[str]:
         argv += ["--mode", "push", "--reservation", "inproc", "--reservation-mode", cfg.mode,
                  "--fabric", str(site.spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                  "--kv-bytes-per-token", str(engines.kv_bytes_per_token()), "--lease-s", "60",
-                 "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric, "--admin-token", site.admin_token]
+                 "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric,
+                 f"--admin-token={site.admin_token}"]  # one argv word: a token may start with "-"
     else:  # vLLM's in-tree connectors: D pulls (NixlConnector), or P writes (NixlPushConnector)
         argv += ["--mode", "inproc-push" if cfg.connector == "nixl-push" else "pull"]
     return argv + site.proxy_instance_args()

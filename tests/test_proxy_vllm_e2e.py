@@ -113,7 +113,7 @@ def _bench_through_proxy(mode, model, tmp_path):
         px_args = ["proxy", "--mode", mode, "--port", str(PROXY_PORT),
                    "--prefill", f"{p.url}{p_extra}", "--decode", f"{d.url}{d_extra}"]
         if mode == "push":
-            px_args += ["--reservation-url", f"http://127.0.0.1:{RES_PORT}", "--reservation-timeout-s", "0.5"]
+            px_args += ["--reservation-url", f"http://127.0.0.1:{RES_PORT}", "--reservation-timeout-s", "5"]
         else:
             # the in-tree connectors' progress threads busy-spin both cores, so the
             # proxy's own event loop can be late to see a connect (or a health answer)
@@ -183,7 +183,13 @@ def _bench_through_proxy(mode, model, tmp_path):
             assert decisions and all(d["workers"] == ["p-engine/r0>d-engine/r0"] for d in decisions)
             pushes = read_transfers(tmp_path / "p_trace.jsonl")
             assert len(pushes) >= 51 and all(r.status == "ok" for r in pushes)
-            assert sum(1 for r in pushes if r.lease_id) >= 40  # the reserved lane was used
+            # every push carried its lease unless the proxy fell back for it (a late answer on
+            # this busy machine, or no lanes yet for the warm-up): the count is exact, not a guess
+            fell_back = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
+                            if line.startswith("kvpath_proxy_reservation_fallbacks_total{"))
+            leased = sum(1 for r in pushes if r.lease_id)
+            assert leased == len(pushes) - int(fell_back), (leased, len(pushes), fell_back)
+            assert leased >= 25  # the reserved lane was used
     finally:
         for pr in procs:
             pr.terminate()

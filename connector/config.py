@@ -55,6 +55,13 @@ class KVPathConfig:
     side_channel_port: int = KV_SIDE_CHANNEL_PORT
     # How long the engine threads sleep when idle; bounds idle CPU use.
     idle_poll_s: float = 0.02
+    # A step that runs no model (the engine steps only so that the connector can report
+    # a push's end) waits up to this long in each worker for a result to report, waking
+    # at once when one comes. -1: 20 ms at TP > 1, 0 at TP 1. At TP > 1 every step is a
+    # shared-memory round trip whose readers spin on sched_yield; back to back, those
+    # spinning workers and EngineCore starved every other thread on these cores (the
+    # API server, our own writer) for a whole lease (docs/connector.md, "TP > 1").
+    idle_step_wait_ms: float = -1.0
     # Optional fixed engine id (default: random per process).
     engine_id: str | None = None
     # A posted WRITE still running after this is logged and counted (pushes_slow).
@@ -123,6 +130,11 @@ class KVPathConfig:
         cfg.validate()
         return cfg
 
+    def idle_step_wait_s(self, tp_size: int) -> float:
+        if self.idle_step_wait_ms == -1:
+            return 0.02 if tp_size > 1 else 0.0
+        return self.idle_step_wait_ms / 1000
+
     def validate(self) -> None:
         if self.lanes < 1 or self.lanes > 64:
             raise ConfigError(f"kv_connector_extra_config.lanes must be in [1, 64], got {self.lanes}")
@@ -135,6 +147,9 @@ class KVPathConfig:
                               f"got {self.trace_max_bytes} and {self.trace_keep}")
         if self.idle_poll_s > 1.0:
             raise ConfigError("kv_connector_extra_config.idle_poll_s must be <= 1.0")
+        if not (self.idle_step_wait_ms == -1 or 0 <= self.idle_step_wait_ms <= 1000):
+            raise ConfigError("kv_connector_extra_config.idle_step_wait_ms must be -1 (by TP size) or in [0, 1000], "
+                              f"got {self.idle_step_wait_ms}")
         # what D sends (heartbeat_s, post_by_s) must be within what P accepts on the wire
         if not 4 * M.MIN_HEARTBEAT_S <= self.registration_timeout_s <= 4 * M.MAX_HEARTBEAT_S:
             raise ConfigError(f"kv_connector_extra_config.registration_timeout_s must be in [{4 * M.MIN_HEARTBEAT_S:g}, "
@@ -232,7 +247,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number (seconds), got {value!r}")
+            raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):

@@ -21,7 +21,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
-from kvpath.trace import TraceWriter
+from kvpath.trace import TraceWriter, TransferRecord
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ class EngineThread:
         self._wake_tx.connect(addr)
         self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
         self._nixl_regs: list[tuple[Any, Any]] = []  # (agent, registration): deregistered on close
+        # set when a result for the engine is ready (a push ended, a receive released);
+        # the worker may share one event between its writer and receiver
+        self.results_ready = threading.Event()
 
     def _register(self, agent: Any, spans: list[tuple[int, int]], mem_type: str, device_id: int = 0) -> None:
         self._nixl_regs.append((agent, register(agent, spans, mem_type, device_id)))
@@ -81,6 +84,8 @@ class EngineThread:
         """Append a record to the connector's log. Never raises: a record that cannot be
         written (disk full, a value the schema refuses) must not skip the release, ack or
         cleanup that follows it on the engine thread."""
+        if isinstance(rec, TransferRecord):
+            rec.rank = self.rank
         try:
             self.trace.write(rec)
         except Exception:

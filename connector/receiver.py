@@ -149,6 +149,10 @@ class PushReceiver(PeerLinks, EngineThread):
         with self._lock:
             return self.state.take()
 
+    def has_results(self) -> bool:
+        with self._lock:
+            return bool(self.state.released)
+
     # -- receiver thread ----------------------------------------------------------
     def _run(self) -> None:
         self._poller = zmq.Poller()
@@ -201,6 +205,10 @@ class PushReceiver(PeerLinks, EngineThread):
             self._prune_links(now)
             self._next_prune = now + 1.0
         self._send_cancels()
+        with self._lock:
+            ready = bool(self.state.released)
+        if ready:
+            self.results_ready.set()
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():

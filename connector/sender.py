@@ -123,6 +123,10 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
     def abort(self, transfer_id: str) -> None:
         self._put("abort", transfer_id)
 
+    def has_results(self) -> bool:
+        with self._finished_lock:
+            return bool(self._finished)
+
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed (pushed, failed or expired)."""
         with self._finished_lock:

@@ -52,6 +52,7 @@ class KVPathMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)  # D request ids
     finished: list[SendReq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # P transfer ids
+    idle: bool = False  # the step runs no model: it exists only for the connector's work
 
 
 def _public_key(cfg: KVPathConfig) -> str | None:
@@ -116,6 +117,7 @@ class KVPathScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
         meta, self._meta = self._meta, KVPathMetadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from kvpath.connector.config import KVPathConfig
@@ -37,6 +38,8 @@ class KVPathWorker:
         self.trace = TraceWriter(cfg.trace_path, max_bytes=cfg.trace_max_bytes, keep=cfg.trace_keep)
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
+        self.idle_wait_s = cfg.idle_step_wait_s(int(self.compat_fields.get("tp_size", 1) or 1))
+        self._ready = threading.Event()  # shared by the writer and the receiver
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         layout, spans = layout_from_tensors(list(kv_caches.values()), self.num_blocks, self.block_size)
@@ -50,11 +53,15 @@ class KVPathWorker:
         if self.role in ("kv_producer", "kv_both"):
             self.sender = PushSender(
                 self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
-            ).start()
+            )
+            self.sender.results_ready = self._ready
+            self.sender.start()
         if self.role in ("kv_consumer", "kv_both"):
             self.receiver = PushReceiver(
                 self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
-            ).start()
+            )
+            self.receiver.results_ready = self._ready
+            self.receiver.start()
 
     def process_metadata(self, meta: KVPathMetadata) -> None:
         if self.receiver is not None:
@@ -71,6 +78,19 @@ class KVPathWorker:
                                             transfer_key=s.transfer_key)
             for tid in meta.aborted:
                 self.sender.abort(tid)
+        if meta.idle and self.idle_wait_s > 0:
+            self.wait_for_results(self.idle_wait_s)
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Block until the writer or receiver has a result to report, at most ``timeout_s``.
+
+        Called on a step that runs no model: the engine steps again at once after it,
+        and at TP > 1 such back-to-back steps spin every worker (docs/connector.md)."""
+        self._ready.clear()  # before looking: a result that comes after the look sets it again
+        parts = [p for p in (self.sender, self.receiver) if p is not None]
+        if any(p.has_results() for p in parts):
+            return True
+        return self._ready.wait(timeout_s)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(P requests whose blocks may be freed, D requests released, of which failed)."""

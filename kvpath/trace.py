@@ -112,6 +112,8 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     request_id: str  # P's request id
     peer_engine: str = ""
     peer_request_id: str = ""  # D's request id
+    rank: int = 0  # P's TP rank: at TP > 1 a request has one push per (P rank, D rank) pair
+    peer_rank: int = 0  # D's TP rank
     bytes: int = 0
     descriptors: int = 0
     blocks: int = 0

@@ -1,0 +1,120 @@
+"""A step that runs no model waits in the workers for a result instead of spinning
+(issue 21: at TP > 1 back-to-back empty steps starved every other thread)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.push_state import FinishedPrefill
+from kvpath.connector.vllm_scheduler import KVPathMetadata, KVPathScheduler, SendReq
+from kvpath.connector.vllm_worker import KVPathWorker
+from kvpath.connector.write_loop import WriteLoop
+
+
+def test_the_wait_is_on_at_tp_above_one_only_by_default():
+    cfg = KVPathConfig()
+    assert cfg.idle_step_wait_s(1) == 0.0
+    assert cfg.idle_step_wait_s(2) == pytest.approx(0.02)
+    assert KVPathConfig.from_extra_config({"idle_step_wait_ms": 5, "control_plaintext": True}).idle_step_wait_s(1) == pytest.approx(0.005)
+    assert KVPathConfig.from_extra_config({"idle_step_wait_ms": 0, "control_plaintext": True}).idle_step_wait_s(4) == 0.0
+
+
+@pytest.mark.parametrize("bad", [-2, 1001])
+def test_a_bad_wait_names_the_knob(bad):
+    with pytest.raises(ConfigError, match="idle_step_wait_ms"):
+        KVPathConfig.from_extra_config({"idle_step_wait_ms": bad, "control_plaintext": True})
+
+
+def _scheduler() -> KVPathScheduler:
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32),
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_producer"))
+    return KVPathScheduler(vcfg, KVPathConfig(), "p-engine")
+
+
+@pytest.mark.parametrize("tokens, idle", [(0, True), (7, False)])
+def test_the_scheduler_marks_a_step_that_runs_no_model(tokens, idle):
+    meta = _scheduler().build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens))
+    assert meta.idle is idle
+
+
+class FakeSender:
+    """What the worker uses of the writer: commands in, results out, one event."""
+
+    def __init__(self):
+        self.results_ready = threading.Event()
+        self.finished: set[str] = set()
+        self.submitted: list[str] = []
+
+    def submit_finished(self, request_id, *args, **kw):
+        self.submitted.append(request_id)
+
+    def abort(self, tid):
+        pass
+
+    def has_results(self) -> bool:
+        return bool(self.finished)
+
+    def take_finished(self) -> set[str]:
+        out, self.finished = self.finished, set()
+        return out
+
+
+def _worker(tp_size: int, sender: FakeSender) -> KVPathWorker:
+    w = KVPathWorker(KVPathConfig(), "p-engine", "kv_producer", 32, 16, compat={"tp_size": tp_size})
+    w.sender = sender
+    sender.results_ready = w._ready  # as register_kv_caches wires it
+    return w
+
+
+def test_an_idle_step_returns_when_a_result_comes_not_at_its_timeout():
+    s = FakeSender()
+    w = _worker(2, s)
+    w.idle_wait_s = 60.0  # a missed wake-up would hold this test for a minute and fail it
+
+    def finish():
+        s.finished.add("r1")
+        s.results_ready.set()
+
+    threading.Timer(0.05, finish).start()
+    w.process_metadata(KVPathMetadata(idle=True))
+    assert w.transfer_results()[0] == {"r1"}
+
+
+def test_a_result_already_there_ends_the_wait_at_once():
+    s = FakeSender()
+    s.finished.add("r0")
+    w = _worker(2, s)
+    assert w.wait_for_results(60.0) is True
+
+
+def test_nothing_to_report_waits_out_its_bound():
+    w = _worker(2, FakeSender())
+    assert w.wait_for_results(0.01) is False
+
+
+def test_a_step_that_runs_the_model_does_not_wait():
+    s = FakeSender()
+    w = _worker(2, s)
+    w.idle_wait_s = 60.0
+    w.process_metadata(KVPathMetadata(idle=False, finished=[SendReq("r2", "t2", [1, 2], None)]))
+    assert s.submitted == ["r2"]  # and it returned: no wait on a step with model work
+
+
+def test_tp_one_never_waits():
+    w = _worker(1, FakeSender())
+    assert w.idle_wait_s == 0.0
+    w.process_metadata(KVPathMetadata(idle=True))
+
+
+def test_the_writer_sets_the_event_when_a_push_ends():
+    from collections import OrderedDict
+
+    ev = threading.Event()
+    writer = SimpleNamespace(_released=OrderedDict(), _finished_lock=threading.Lock(), _finished=set(),
+                             results_ready=ev, notifier=None)
+    WriteLoop._release(writer, FinishedPrefill("r3", "t3", [4], None, None))
+    assert writer._finished == {"r3"} and ev.is_set()

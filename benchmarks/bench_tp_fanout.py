@@ -44,6 +44,7 @@ from rich.table import Table
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, EngineThread
 from kvpath.connector.messages import BlockLayout
+from kvpath.connector.step_commands import RecvReq, SendReq, StepCommands
 
 logger = logging.getLogger("bench_tp_fanout")
 
@@ -56,43 +57,11 @@ CHUNK_BYTES, MAX_CHUNKS = 1 << 20, 10
 Ack = tuple[int, int, float]  # (operation's seq, rank, the worker's process time for a "cpu" op)
 
 
-# Field for field RecvReq / SendReq / KVPathMetadata of kvpath.connector.vllm_scheduler:
-# importing those pulls in vLLM's KV connector package (~11 s), too slow for the smoke test.
-@dataclass
-class RecvReq:
-    request_id: str
-    transfer_id: str
-    peer: str
-    block_ids: list[int]
-    skip_blocks: int
-    peer_key: str | None = None
-    transfer_key: str = ""
-
-
-@dataclass
-class SendReq:
-    request_id: str
-    transfer_id: str
-    block_ids: list[int]
-    lane: int | None
-    lease_id: str | None = None
-    transfer_key: str = ""
-
-
-@dataclass
-class Metadata:
-    registrations: list[RecvReq] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)
-    finished: list[SendReq] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
-    idle: bool = False
-
-
 @dataclass
 class Op:
     seq: int
     kind: str  # an OPERATIONS entry, or "cpu" (the ack carries the worker's process time)
-    meta: Metadata | None = None
+    meta: StepCommands | None = None
 
 
 def make_op(seq: int, kind: str, rng: random.Random) -> Op:
@@ -101,9 +70,9 @@ def make_op(seq: int, kind: str, rng: random.Random) -> Op:
     key = f"{rng.getrandbits(256):064x}"
     blocks = sorted(rng.sample(range(20000), 64))
     if kind == "registration":
-        return Op(seq, kind, Metadata(registrations=[RecvReq(rid, tid, "10.0.0.2:5600", blocks, 0, transfer_key=key)]))
+        return Op(seq, kind, StepCommands(registrations=[RecvReq(rid, tid, "10.0.0.2:5600", blocks, 0, transfer_key=key)]))
     lease = f"lease-{rng.getrandbits(64):016x}"
-    return Op(seq, kind, Metadata(finished=[SendReq(rid, tid, blocks, rng.randrange(4), lease, transfer_key=key)]))
+    return Op(seq, kind, StepCommands(finished=[SendReq(rid, tid, blocks, rng.randrange(4), lease, transfer_key=key)]))
 
 
 def ack(op: Op, rank: int) -> Ack:

@@ -7,13 +7,14 @@ over in :class:`KVPathMetadata`. No networking here.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
+from kvpath.connector.step_commands import RecvReq, SendReq, StepCommands
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,33 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RecvReq:
-    request_id: str
-    transfer_id: str
-    peer: str
-    block_ids: list[int]
-    skip_blocks: int
-    peer_key: str | None = None
-    transfer_key: str = ""
-
-
-@dataclass
-class SendReq:
-    request_id: str
-    transfer_id: str
-    block_ids: list[int]
-    lane: int | None
-    lease_id: str | None = None
-    transfer_key: str = ""
-
-
-@dataclass
-class KVPathMetadata(KVConnectorMetadata):
-    registrations: list[RecvReq] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # D request ids
-    finished: list[SendReq] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)  # P transfer ids
-    idle: bool = False  # the step runs no model: it exists only for the connector's work
+class KVPathMetadata(StepCommands, KVConnectorMetadata):
+    """The step's commands (:mod:`kvpath.connector.step_commands`) as vLLM's metadata."""
 
 
 def _public_key(cfg: KVPathConfig) -> str | None:

@@ -1,0 +1,40 @@
+"""What the scheduler side hands each worker per step (no vLLM import, so that tools
+and benchmarks can build it without loading vLLM's KV connector package).
+
+:class:`~kvpath.connector.vllm_scheduler.KVPathMetadata` is these commands as vLLM's
+``KVConnectorMetadata``; vLLM broadcasts it to every TP worker with the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RecvReq:
+    request_id: str
+    transfer_id: str
+    peer: str
+    block_ids: list[int]
+    skip_blocks: int
+    peer_key: str | None = None
+    transfer_key: str = ""
+
+
+@dataclass
+class SendReq:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    lane: int | None
+    lease_id: str | None = None
+    transfer_key: str = ""
+
+
+@dataclass
+class StepCommands:
+    registrations: list[RecvReq] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # D request ids
+    finished: list[SendReq] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # P transfer ids
+    idle: bool = False  # the step runs no model: it exists only for the connector's work

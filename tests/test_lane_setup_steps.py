@@ -2,6 +2,7 @@
 never complete (a firewall dropping its packets) delays nobody else's acks, and
 leaves no remote agent behind when it fails."""
 
+import threading
 import time
 from collections import OrderedDict
 
@@ -58,6 +59,7 @@ def writer(agents) -> PushSender:
     snd.state = WriterState(lease_s=30.0)
     snd.stats = Stats()
     snd.instance, snd.engine_id, snd.rank = "pA", "p", 0
+    snd.results_ready = threading.Event()  # EngineThread.__init__'s, which __new__ skips
     snd.compat = M.Compat()
     snd.layout = LAY
     snd._router = FakeRouter()

@@ -66,10 +66,19 @@ def test_notifier_close_stops_its_threads_without_working_off_the_backlog():
     threading.Thread(target=accept, daemon=True).start()
     n = ReservationNotifier(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=0.3)
     try:
-        for i in range(10000):  # the queue's size: full
+        # Fill the queue (10,000): its one thread takes at most one call per 0.3 s, so
+        # a bounded loop gets it full however slow the machine is.
+        for i in range(20000):
+            if n._q.full():
+                break
             n.release(f"lease-{i}")
-        n.release("one too many")  # dropped and counted, never blocks
-        assert n.stats.totals["reservation_calls_failed"] >= 1
+        assert n._q.full()
+        before = n.stats.totals.get("reservation_calls_failed", 0)
+        for i in range(10):
+            n.release(f"one too many {i}")  # dropped and counted, never blocks
+        # the thread can free at most one slot per call it finishes (0.3 s each)
+        assert n.stats.totals["reservation_calls_failed"] - before >= 8
+        assert n._q.qsize() <= 10000
         n.close()
         for t in n._threads:  # each ends after the call it was in (0.3 s), not after 10,000 of them
             t.join(10)

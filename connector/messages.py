@@ -21,7 +21,7 @@ MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
 MAX_POST_BY_S = 3600.0
 # 3: Ack.instance, Welcome.agents (a D that checks notifications by agent must not
 # handshake with a P that does not name its agents).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Region(msgspec.Struct, array_like=True, frozen=True):
@@ -62,6 +62,7 @@ class Compat(msgspec.Struct, frozen=True):
     layers: str = ""  # the KV layers' names and order, "count:digest"
     tp_size: int = 1
     tp_rank: int = 0  # D rank r pairs with P rank r
+    kv_heads: int = 0  # the model's KV heads over all ranks (0: not known)
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]

@@ -54,7 +54,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvpath.connector.messages import BlockLayout, Region
+from kvpath.connector.messages import BlockLayout, Compat, Region
 
 
 def heads_of(tp_size: int, rank: int, total_heads: int) -> list[int]:
@@ -112,6 +112,29 @@ def sources(p_tp: int, d_tp: int, d_rank: int, total_heads: int) -> list[tuple[i
     for h in heads_of(d_tp, d_rank, total_heads):
         by_rank.setdefault(writer_of(p_tp, d_tp, d_rank, h, total_heads), []).append(h)
     return sorted(by_rank.items())
+
+
+def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
+    """(field, message) when P's and D's head counts, TP sizes or block sizes rule the
+    pair out, naming both sizes and the head count; None when they agree. Checked
+    before the field-by-field comparison so that its message says why."""
+    if p.kv_heads != d.kv_heads:
+        return "kv_heads", f"kv_heads differs: P's model has {p.kv_heads} KV heads, D's has {d.kv_heads}"
+    if p.tp_size == d.tp_size and p.block_size == d.block_size:
+        return None
+    sizes = (f"P has TP={p.tp_size} and block size {p.block_size}, D has TP={d.tp_size} and block size "
+             f"{d.block_size}; the model has {p.kv_heads or 'an unknown number of'} KV heads")
+    if p.kv_heads > 0:
+        for side, tp in (("P", p.tp_size), ("D", d.tp_size)):
+            try:
+                heads_of(tp, 0, p.kv_heads)
+            except ValueError:
+                return "tp_size", (f"tp_size: {side}'s TP size {tp} neither divides nor is a multiple of the "
+                                   f"{p.kv_heads} KV heads ({sizes})")
+    field = "tp_size" if p.tp_size != d.tp_size else "block_size"
+    # tp_map plans these pushes, but the writer and the receiver do not use it yet
+    return field, (f"{field} differs ({sizes}): kvpath pushes between equal TP sizes and equal block sizes "
+                   f"only; serve P and D with the same --tensor-parallel-size and --block-size")
 
 
 def check_hetero(p_tp: int, d_tp: int, total_heads: int, p_block_size: int, d_block_size: int,

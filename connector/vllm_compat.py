@@ -34,7 +34,7 @@ def refuse_unsupported(vllm_config: "VllmConfig") -> None:
 def compat_fields(vllm_config: "VllmConfig", cfg: KVPathConfig) -> dict[str, Any]:
     """What the handshake compares besides the layout and the layers: the served model
     and its identity (path and revision, or the model_identity knob), quantization,
-    KV dtype, vLLM's version, TP size."""
+    KV dtype, vLLM's version, TP size and the model's KV head count."""
     import vllm
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
@@ -47,7 +47,7 @@ def compat_fields(vllm_config: "VllmConfig", cfg: KVPathConfig) -> dict[str, Any
     identity = cfg.model_identity or f"{name}@{getattr(mc, 'revision', None) or 'default'}"
     return {"model": model, "model_identity": identity, "quantization": str(getattr(mc, "quantization", None) or ""),
             "vllm_version": str(vllm.__version__), "dtype": dtype.removeprefix("torch."),
-            "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+            "tp_size": vllm_config.parallel_config.tensor_parallel_size, "kv_heads": mc.get_total_num_kv_heads()}
 
 
 def attention_backend(vllm_config: "VllmConfig") -> str:

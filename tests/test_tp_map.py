@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvpath.connector.layout import build_descs
-from kvpath.connector.messages import BlockLayout, Region
-from kvpath.connector.tp_map import (RankKV, check_hetero, heads_of, holders, plan, sources, targets,
+from kvpath.connector.messages import BlockLayout, Compat, Region
+from kvpath.connector.tp_map import (RankKV, check_hetero, handshake_refusal, heads_of, holders, plan, sources, targets,
                                      writer_of)
 
 LAYERS = 2
@@ -220,6 +220,28 @@ def test_check_hetero_names_the_field():
         check_hetero(6, 2, 4, 32, 32, 128, 128, 2, 2)
     with pytest.raises(ValueError, match="block_size must be positive: P 0, D 32"):
         check_hetero(2, 2, 8, 0, 32, 128, 128, 2, 2)
+
+
+def _compat(tp: int, bs: int = 32, heads: int = 4) -> Compat:
+    return Compat(model="tiny", tp_size=tp, block_size=bs, kv_heads=heads)
+
+
+def test_the_handshake_names_both_sizes_and_the_head_count():
+    assert handshake_refusal(_compat(2), _compat(2)) is None  # equal: the field-by-field check decides
+    assert handshake_refusal(_compat(1, heads=0), _compat(1, heads=0)) is None
+    field, msg = handshake_refusal(_compat(2), _compat(1))
+    assert field == "tp_size" and "P has TP=2 and block size 32, D has TP=1 and block size 32" in msg
+    assert "the model has 4 KV heads" in msg and "same --tensor-parallel-size" in msg
+    field, msg = handshake_refusal(_compat(2, bs=32), _compat(2, bs=64))
+    assert field == "block_size" and "block size 32" in msg and "block size 64" in msg
+    field, msg = handshake_refusal(_compat(2), _compat(3))  # 3 neither divides nor multiplies 4
+    assert field == "tp_size" and msg.startswith("tp_size: D's TP size 3 neither divides nor is a multiple of the 4")
+    field, msg = handshake_refusal(_compat(6), _compat(2))
+    assert field == "tp_size" and "P's TP size 6" in msg
+    field, msg = handshake_refusal(_compat(2, heads=4), _compat(2, heads=2))
+    assert (field, msg) == ("kv_heads", "kv_heads differs: P's model has 4 KV heads, D's has 2")
+    field, msg = handshake_refusal(_compat(2, heads=0), _compat(1, heads=0))
+    assert field == "tp_size" and "an unknown number of KV heads" in msg
 
 
 def test_plan_refuses_what_it_cannot_write():

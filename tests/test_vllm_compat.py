@@ -14,7 +14,7 @@ def vllm_config(cache_dtype="auto", dp=1, pp=1, model="/models/tiny", revision=N
         parallel_config=SimpleNamespace(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         model_config=SimpleNamespace(served_model_name=["tiny"], model=model, revision=revision, dtype="torch.float32",
-                                     quantization=quantization),
+                                     quantization=quantization, get_total_num_kv_heads=lambda: 4),
     )
 
 
@@ -50,3 +50,9 @@ def test_layer_names_and_order_are_compared():
     assert layers_digest(["l0", "l1"]).startswith("2:")
     a, b = Compat(layers=layers_digest(["l0", "l1"])), Compat(layers=layers_digest(["l0", "l2"]))
     assert a.mismatch(b)[0] == "layers"
+
+
+def test_the_record_carries_the_models_kv_head_count():
+    cfg = KVPathConfig(control_plaintext=True)
+    assert Compat(**compat_fields(vllm_config(), cfg)).kv_heads == 4
+

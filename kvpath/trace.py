@@ -145,6 +145,22 @@ class ReceivedRecord(msgspec.Struct, tag="received", kw_only=True):
     request_id: str  # D's request id
     engine: str = ""
     at: float  # unix seconds
+    rank: int = 0  # D's TP rank: a request at TP > 1 lands one flow per rank
+
+
+def received_by_flow(records: Iterable[ReceivedRecord]) -> dict[tuple[str, int], float]:
+    """(transfer id, D rank) -> when that flow's last byte was on D. A P record's flow
+    is (its transfer id, its ``peer_rank``); the request's KV is on D when the last of
+    its flows is (the latest of them)."""
+    return {(r.transfer_id, r.rank): r.at for r in records}
+
+
+def kv_ready_at(records: Iterable[ReceivedRecord]) -> dict[str, float]:
+    """transfer id -> when D had every flow of it: the last flow's arrival."""
+    out: dict[str, float] = {}
+    for r in records:
+        out[r.transfer_id] = max(out.get(r.transfer_id, r.at), r.at)
+    return out
 
 
 class LaneRecord(msgspec.Struct, kw_only=True):

@@ -28,7 +28,7 @@ import httpx
 from rich.console import Console
 
 from kvpath.fabric import pd_placement as placement
-from kvpath.trace import TransferRecord, read_connector_log
+from kvpath.trace import ReceivedRecord, TransferRecord, read_connector_log, received_by_flow
 from kvpath.testbed.counters import link_bytes, spine_flow_bytes
 from kvpath.testbed.driver import drive
 from kvpath.testbed.engines import Engines, RunSite, engines_for
@@ -192,14 +192,16 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
 def pushes(site: RunSite) -> list[Push]:
     """Every push the connectors recorded: P's records, each with when D received it."""
     p_recs: list[tuple[TransferRecord, str]] = []
-    received: dict[str, float] = {}
+    received: list[ReceivedRecord] = []
     for _, h in site.roles:
         f = site.transfer_trace(h)
         if f.exists():
             log = read_connector_log(f)
             p_recs += [(t, h) for t in log.transfers]
-            received.update({r.transfer_id: r.at for r in log.received})
-    return [Push(t, h, received.get(t.transfer_id)) for t, h in p_recs]
+            received += log.received
+    # at TP > 1 a request is one flow per (P rank, D rank): each P record meets its D rank's
+    by_flow = received_by_flow(received)
+    return [Push(t, h, by_flow.get((t.transfer_id, t.peer_rank))) for t, h in p_recs]
 
 
 def _minus(now: dict[Any, dict[str, int]], base: dict[Any, dict[str, int]]) -> dict[Any, dict[str, int]]:

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvpath.trace import TransferRecord, read_connector_log, read_transfers
+from kvpath.trace import TransferRecord, kv_ready_at, read_connector_log, read_transfers
 from kvpath.testbed.driver import prompt_ids
 from kvpath.testbed.engines import API_PORT, KV_PORT, RunSite, engine_id
 from kvpath.testbed.run_config import CONNECTORS
@@ -165,7 +165,8 @@ class VllmEngines:
                 if role == "prefill":
                     recs = [{"transfer_id": t.transfer_id, "prefill_end": t.prefill_done_at} for t in log.transfers]
                 else:
-                    recs = [{"transfer_id": r.transfer_id, "kv_ready": r.at} for r in log.received]
+                    # at TP > 1 the KV is ready when the last rank's flow landed
+                    recs = [{"transfer_id": tid, "kv_ready": at} for tid, at in kv_ready_at(log.received).items()]
             out[h] = {"role": role, "records": recs, "kv_usage": 0}
         return out
 

@@ -96,6 +96,22 @@ def test_pushes_join_p_s_records_with_d_s_receipts(tmp_path):
     assert Push(a.record, "l0h0").end == a.record.completed_at
 
 
+def test_at_tp2_each_p_flow_meets_its_d_ranks_receipt_and_the_kv_is_ready_at_the_last(tmp_path):
+    # one request, P TP=2 -> D TP=2: two flows (rank r -> rank r), landing at different times
+    p_text = "".join(msgspec.json.encode(TransferRecord(T1, "cmpl-a", bytes=500, lane=r, src_port=40000 + r,
+                                                        prefill_done_at=100.0, submit_at=100.1, completed_at=100.2,
+                                                        status="ok", rank=r, peer_rank=r)).decode() + "\n"
+                     for r in (0, 1))
+    (tmp_path / "transfers-l0h0.jsonl").write_text(p_text)
+    (tmp_path / "transfers-l1h0.jsonl").write_text("".join(
+        msgspec.json.encode(ReceivedRecord(transfer_id=T1, request_id="d-a", at=at, rank=r)).decode() + "\n"
+        for r, at in ((1, 100.9), (0, 100.4))))
+    got = sorted(pushes(_site(tmp_path)), key=lambda p: p.record.rank)
+    assert [(p.record.rank, p.received_at) for p in got] == [(0, 100.4), (1, 100.9)]
+    recs = VllmEngines(_site(tmp_path, engine="vllm")).records()
+    assert recs["l1h0"]["records"] == [{"transfer_id": T1, "kv_ready": 100.9}]  # the request's last flow
+
+
 def test_vllm_records_come_from_the_connectors_logs(tmp_path):
     _write_logs(tmp_path)
     recs = VllmEngines(_site(tmp_path, engine="vllm")).records()

@@ -18,7 +18,7 @@ from kvpath.connector.params import decode_leg_params
 from kvpath.connector.pd_client import make_prompts, pd_and_decode_only
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
-from kvpath.trace import read_transfers
+from kvpath.trace import read_connector_log, read_transfers
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,8 @@ def tp2(tmp_path_factory):
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
                                                        trace_path=str(logs / "p_trace.jsonl"), **common))
     d = VLLMServer(model, D_PORT, log_path=str(logs / "d.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
-                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, engine_id="d-tp2", **common))
+                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, engine_id="d-tp2",
+                                                       trace_path=str(logs / "d_trace.jsonl"), **common))
     p.start()
     d.start()
     try:
@@ -108,6 +109,9 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     for r in recs:
         by_tid.setdefault(r.transfer_id, []).append(r.bytes)
     assert all(len(set(b)) == 1 for b in by_tid.values())  # each rank moves its own half, same size
+    # D's ranks each record their flow's arrival: every request lands on both
+    got_d = [r for r in read_connector_log(logs / "d_trace.jsonl").received if r.transfer_id in tids]
+    assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, r) for t in tids for r in (0, 1))
 
 
 def test_kv_usage_returns_to_zero_on_both_engines(tp2):

@@ -99,7 +99,7 @@ def _split(trace: Trace, inp: ReplayInput, train_frac: float) -> tuple[np.ndarra
     cut = np.sort(arrival)[k - 1]
     req_train = arrival <= cut
     flow_train = np.zeros(len(trace.flows), dtype=bool)
-    flow_train[inp.flow_index[req_train]] = True
+    flow_train[inp.flows_of(req_train)] = True
     return req_train, flow_train, cut
 
 

@@ -6,7 +6,9 @@ instance. Prefill and decode run on the iteration-time model (the emulated engin
 one) times the trace's compute scale (B/S for a testbed trace). The KV transfer of a
 request takes the FCT a network backend gives its flow when the trace's flows are
 replayed at their measured start times on their measured spines, so the network runs
-once however often the compute constants change (calibration). A fixed
+once however often the compute constants change (calibration). At TP > 1 a request
+has one flow per (P rank, D rank) pair: its KV is on D when the last of them lands,
+so the decode waits for the slowest. A fixed
 ``request_overhead_s`` (proxy, HTTP, the engines' own bookkeeping) is added to the
 first token.
 """
@@ -47,7 +49,8 @@ class ReplayInput:
     reqs: list[Request]
     p_of: list[int]
     d_of: list[int]
-    flow_index: np.ndarray  # per request: its flow's index in trace.flows
+    flows: np.ndarray  # indices into trace.flows, grouped by request in request order
+    flow_start: np.ndarray  # per request: where its flows begin in ``flows`` (each has >= 1)
     ttft: np.ndarray  # measured
     tpot: np.ndarray  # measured (NaN for single-token outputs)
     base: IterationTimeModel
@@ -57,7 +60,9 @@ class ReplayInput:
     def of(cls, trace: Trace) -> "ReplayInput":
         """A ValueError when the trace has no request to replay, or its header names an
         iteration-time model that cannot be built (``TraceSetup.iteration_time``)."""
-        flow_of = {f.request_id: i for i, f in enumerate(trace.flows)}
+        flow_of: dict[str, list[int]] = {}
+        for i, f in enumerate(trace.flows):
+            flow_of.setdefault(f.request_id, []).append(i)
         rows = [q for q in trace.requests if q.status == "ok" and q.request_id in flow_of
                 and q.p_instance and q.d_instance and q.ttft_s is not None]
         if not rows:
@@ -65,12 +70,25 @@ class ReplayInput:
         ps = {p: k for k, p in enumerate(sorted({q.p_instance for q in rows}))}
         ds = {d: k for k, d in enumerate(sorted({q.d_instance for q in rows}))}
         setup = TraceSetup(trace)
+        groups = [flow_of[q.request_id] for q in rows]
         return cls(reqs=[Request(q.request_id, q.arrival_s, q.prompt_tokens, max(q.output_tokens, 1)) for q in rows],
                    p_of=[ps[q.p_instance] for q in rows], d_of=[ds[q.d_instance] for q in rows],
-                   flow_index=np.array([flow_of[q.request_id] for q in rows]),
+                   flows=np.array([i for g in groups for i in g], dtype=np.int64),
+                   flow_start=np.cumsum([0] + [len(g) for g in groups[:-1]], dtype=np.int64),
                    ttft=np.array([q.ttft_s for q in rows], dtype=float),
                    tpot=np.array([np.nan if q.tpot_s is None else q.tpot_s for q in rows], dtype=float),
                    base=setup.iteration_time, time_scale=setup.time_scale)
+
+
+    def flows_of(self, mask: np.ndarray) -> np.ndarray:
+        """The indices into trace.flows of the flows of the requests ``mask`` selects."""
+        ends = np.append(self.flow_start[1:], self.flows.size)
+        return np.concatenate([self.flows[a:b] for a, b in zip(self.flow_start[mask], ends[mask])]
+                              + [np.zeros(0, dtype=np.int64)])
+
+    def kv_time(self, flow_fct: np.ndarray) -> np.ndarray:
+        """Per request: the FCT of its slowest flow (its KV is on D when the last lands)."""
+        return np.maximum.reduceat(flow_fct[self.flows], self.flow_start)
 
 
 def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +96,7 @@ def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams) -> tu
     itm = compute.model(inp.base)
     cfg = ServingConfig(time_scale=inp.time_scale / compute.speed)
     pre_start, pre_end = prefill_drain(inp.reqs, inp.p_of, max(inp.p_of) + 1, itm, cfg)
-    ready = pre_end + flow_fct[inp.flow_index]  # never before the KV has arrived
+    ready = pre_end + inp.kv_time(flow_fct)  # never before the KV has arrived
     _, first, done = decode_drain(inp.reqs, inp.d_of, max(inp.d_of) + 1, ready, itm, cfg)
     arrival = np.array([r.arrival_s for r in inp.reqs])
     out = np.array([r.output_tokens for r in inp.reqs], dtype=float)

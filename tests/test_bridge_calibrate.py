@@ -46,6 +46,29 @@ def test_the_replay_reproduces_a_simulated_trace_exactly(trace):
     assert (ttft2 >= ttft + 0.01 - 1e-9).all()
 
 
+def test_at_tp2_a_request_waits_for_its_last_flow(trace):
+    """Each request's flow split in two, as a P TP=2 -> D TP=2 trace has it (one flow per
+    rank pair, listed in any order): the replay's KV time is the slower flow's."""
+    import msgspec
+
+    r0 = [msgspec.structs.replace(f, bytes=f.bytes // 2) for f in trace.flows]
+    r1 = [msgspec.structs.replace(f, bytes=f.bytes - f.bytes // 2, flow_id=f"{f.flow_id}-r1") for f in trace.flows]
+    tp2 = msgspec.structs.replace(trace, flows=r1 + r0)  # rank 1's flows first: grouping must not rely on order
+    inp, inp2 = ReplayInput.of(trace), ReplayInput.of(tp2)
+    assert inp2.flows.size == 2 * inp.flows.size
+    base = np.array([f.fct_s for f in trace.flows])
+    ttft_tp1, _ = replay(inp, base, ComputeParams())
+    assert np.allclose(replay(inp2, np.concatenate([base, base]), ComputeParams())[0], ttft_tp1, rtol=0, atol=1e-9)
+    for fct in (np.concatenate([base + 0.02, base]), np.concatenate([base, base + 0.02])):  # rank 1, then rank 0 late
+        ttft, _ = replay(inp2, fct, ComputeParams())
+        assert (ttft >= ttft_tp1 + 0.02 - 1e-9).all()  # the slower flow sets every request's KV time
+    # calibration's split takes both flows of a training request
+    mask = np.zeros(len(inp2.reqs), dtype=bool)
+    mask[:3] = True
+    got = sorted(tp2.flows[i].request_id for i in inp2.flows_of(mask))
+    assert got == sorted(r.request_id for r in inp2.reqs[:3] for _ in range(2))
+
+
 def test_calibrate_recovers_the_known_network_constants(trace):
     c = calibrate(trace, "flow", train_frac=0.5)
     assert c.net.efficiency == pytest.approx(TRUE_NET.efficiency)

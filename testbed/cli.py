@@ -81,7 +81,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             cfg = RunConfig(out=f"{args.out}/{m}", fabric=args.fabric, pools=args.pools, engine=args.engine,
                             connector=args.connector,
                             workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
-                            scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, model=args.model,
+                            scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, tp=args.tp, model=args.model,
                             accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                             pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s,
                             policy=args.policy, reserve_at=args.reserve_at, cc_metric=args.cc_metric)
@@ -132,6 +132,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--scale-s", type=float, default=None, help="KV bytes divided by S (default 500; 1 with vllm)")
     rn.add_argument("--lanes", type=int, default=4,
                     help="connector lanes per P-D pair, each its own source port and ECMP path (default %(default)s)")
+    rn.add_argument("--tp", default="1:1",
+                    help="with --engine vllm: P's and D's tensor-parallel sizes, P:D (equal today), e.g. 2:2; "
+                    "each engine's ranks bind to cores from its own on, so ranks share cores when they "
+                    "outnumber them (default %(default)s)")
     rn.add_argument("--model", default="llama-3-8b",
                     help="emulated engines: model preset for KV bytes per token and iteration times (llama-3-8b, "
                     "llama-3-70b, qwen2.5-7b; default %(default)s); vllm engines use the tiny model")

@@ -42,6 +42,7 @@ class RunConfig:
     scale_b: float = 500.0
     scale_s: float | None = None  # None: ENGINE_DEFAULTS
     lanes: int = 4
+    tp: str = "1:1"  # P's and D's TP sizes (vLLM engines)
     model: str = "llama-3-8b"
     accelerator: str = "h100"
     min_prompt: int | None = None  # None: ENGINE_DEFAULTS
@@ -91,6 +92,8 @@ class RunConfig:
             self._validate_vllm(n_p + n_d)
         elif self.connector != "kvpath":
             raise RunConfigError("--connector applies to --engine vllm only (emulated engines use kvpath's)")
+        elif self.tp_sizes != (1, 1):
+            raise RunConfigError("--tp applies to --engine vllm only (emulated engines have no TP ranks)")
         from kvpath.proxy.instances import POLICIES
 
         if self.policy not in POLICIES:
@@ -108,6 +111,18 @@ class RunConfig:
             raise RunConfigError("--requests must be >= 1")
         return spec, n_p, n_d
 
+    @property
+    def tp_sizes(self) -> tuple[int, int]:
+        """(P's, D's) TP size from ``tp`` ("P:D", or one size for both)."""
+        parts = str(self.tp).split(":")
+        try:
+            sizes = [int(x) for x in parts]
+        except ValueError:
+            raise RunConfigError(f"--tp: give P:D TP sizes such as 2:2, got {self.tp!r}") from None
+        if len(sizes) not in (1, 2) or not all(1 <= n <= 8 for n in sizes):
+            raise RunConfigError(f"--tp: give P:D TP sizes from 1 to 8 such as 2:2, got {self.tp!r}")
+        return sizes[0], sizes[-1]
+
     def _validate_vllm(self, engines: int) -> None:
         from kvpath.testbed.vllm_engines import cpus_for
         from kvpath.testbed.vllm_server import MAX_MODEL_LEN
@@ -124,3 +139,8 @@ class RunConfig:
             cpus_for(engines)
         except ValueError as e:
             raise RunConfigError(f"--pools {self.pools}: {e}") from None
+        p_tp, d_tp = self.tp_sizes
+        if p_tp != d_tp:
+            # the handshake would refuse every pair (docs/connector.md); vLLM's own
+            # connectors are not tried at unequal TP here either
+            raise RunConfigError(f"--tp {self.tp}: P and D need equal TP sizes today (P {p_tp}, D {d_tp})")

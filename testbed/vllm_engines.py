@@ -92,9 +92,16 @@ class VllmEngines:
             env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": pl.fabric_ip, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(KV_PORT)})
         else:
             raise ValueError(f"connector must be one of {CONNECTORS}, got {cfg.connector!r}")
+        tp = cfg.tp_sizes[0 if pl.role == "prefill" else 1]
+        extra = []
+        if tp > 1:
+            # rank r binds to the r-th core from the engine's own, wrapping: ranks share
+            # cores when they outnumber them (each rank r's side channel is KV_PORT + r)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in rank_cores(pl.cpu, tp))
+            extra = ["--tensor-parallel-size", str(tp)]
         return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip,
                           wrap=site.fabric.exec_argv(pl.host, []), log_path=str(site.engine_log(pl.role, pl.host)),
-                          env=env)
+                          env=env, extra_args=extra)
 
     def start(self, proxy_url: str) -> None:
         from kvpath.tiny_model import build_tiny_model
@@ -218,6 +225,14 @@ def cpus_for(n: int) -> list[int]:
     if n > len(cores):
         raise ValueError(f"{n} vLLM engines need {n} cores (one each); this machine gives {len(cores)}")
     return cores[:n]
+
+
+def rank_cores(home: int, tp: int) -> list[int]:
+    """The cores of an engine's TP ranks: from its own core on, wrapping around the
+    cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    start = cores.index(home) if home in cores else 0
+    return [cores[(start + r) % len(cores)] for r in range(tp)]
 
 
 # vLLM's NIXL counters of KV that did not arrive (Prometheus names without "_total"):

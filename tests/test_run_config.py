@@ -16,6 +16,11 @@ from kvpath.testbed.run_config import ENGINE_DEFAULTS, RunConfig, RunConfigError
     (dict(engine="emulated", connector="nixl"), "--connector"),
     (dict(engine="gpu"), "--engine"),
     (dict(min_prompt=500, max_prompt=100), "--min-prompt"),
+    (dict(engine="vllm", tp="2:1"), r"--tp 2:1: P and D need equal TP sizes today \(P 2, D 1\)"),
+    (dict(engine="vllm", tp="2x2"), "--tp: give P:D TP sizes such as 2:2"),
+    (dict(engine="vllm", tp="0:0"), "--tp: give P:D TP sizes from 1 to 8"),
+    (dict(engine="vllm", tp="1:2:3"), "--tp"),
+    (dict(tp="2:2"), "--tp applies to --engine vllm only"),
 ])
 def test_bad_run_configs_name_the_field(tmp_path, kw, field):
     with pytest.raises(RunConfigError, match=field):

@@ -84,6 +84,28 @@ def _write_logs(tmp_path: Path) -> None:
         + "\n" + msgspec.json.encode(ReceivedRecord(transfer_id="other", request_id="x", at=1.0)).decode() + "\n")
 
 
+def test_tp_sizes_reach_each_engine_with_its_ranks_on_cores_from_its_own(tmp_path, monkeypatch):
+    import os
+
+    from kvpath.testbed.vllm_engines import Placement, rank_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert rank_cores(0, 2) == [0, 1] and rank_cores(1, 2) == [1, 0] and rank_cores(1, 3) == [1, 0, 1]
+    eng = VllmEngines(_site(tmp_path, engine="vllm", tp="2"))
+    eng.site.fabric.exec_argv = lambda host, argv: ["ip", "netns", "exec", f"kvp-test-{host}", *argv]
+    assert eng.site.cfg.tp_sizes == (2, 2)
+    p = eng.server(Placement("l0h0", "prefill", "10.0.0.2", "10.254.0.2", 0), "/m", "http://x")
+    d = eng.server(Placement("l1h0", "decode", "10.1.0.2", "10.254.0.3", 1), "/m", "http://x")
+    for srv, bind in ((p, "0|1"), (d, "1|0")):
+        cmd = srv.command()
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and srv.env["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    one_eng = VllmEngines(_site(tmp_path, engine="vllm"))
+    one_eng.site.fabric.exec_argv = eng.site.fabric.exec_argv
+    one = one_eng.server(Placement("l0h0", "prefill", "10.0.0.2", "10.254.0.2", 0),
+                                                             "/m", "http://x")
+    assert "--tensor-parallel-size" not in one.command() and "VLLM_CPU_OMP_THREADS_BIND" not in one.env
+
+
 def test_pushes_join_p_s_records_with_d_s_receipts(tmp_path):
     _write_logs(tmp_path)
     got = {p.record.transfer_id: p for p in pushes(_site(tmp_path))}

@@ -118,3 +118,24 @@ def test_the_writer_sets_the_event_when_a_push_ends():
                              results_ready=ev, notifier=None)
     WriteLoop._release(writer, FinishedPrefill("r3", "t3", [4], None, None))
     assert writer._finished == {"r3"} and ev.is_set()
+
+
+def test_the_receiver_sets_the_event_after_a_step_that_released_also_one_that_failed():
+    from kvpath.connector.receiver import PushReceiver
+
+    ev = threading.Event()
+    state = SimpleNamespace(released=set())
+
+    def body():
+        state.released.add("d1")
+        raise RuntimeError("mid-step")
+
+    rx = SimpleNamespace(_lock=threading.Lock(), state=state, results_ready=ev, _step_body=body)
+    with pytest.raises(RuntimeError):
+        PushReceiver._step(rx)
+    assert ev.is_set() and PushReceiver.has_results(rx)
+    ev.clear()
+    state.released.clear()
+    rx._step_body = lambda: None
+    PushReceiver._step(rx)  # a step that released nothing wakes nobody
+    assert not ev.is_set() and not PushReceiver.has_results(rx)

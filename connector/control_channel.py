@@ -80,6 +80,11 @@ class ControlChannel:
             user = frames[1].get("User-Id").encode() if self._curve is not None else None
             try:
                 msg = M.decode_to_prefill(data)
+            except M.WrongVersion as e:
+                self.stats.inc("handshakes_refused")
+                logger.warning("refused a Hello: %s", e)
+                self._send(ident, M.Welcome(self.instance, False, "protocol", str(e)))
+                continue
             except M.MalformedMessage as e:
                 self.stats.inc("messages_malformed")
                 logger.warning("dropped malformed control message: %s", e)

@@ -18,7 +18,7 @@ from kvpath.connector.config import ConfigError
 from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
 from kvpath.connector.nixl_io import PROBE_BYTES, make_agent
-from kvpath.connector.tp_map import handshake_refusal
+from kvpath.connector.tp_map import compat_refusal
 from kvpath.reservation_wire import LaneInfo, WorkerPair
 from kvpath.trace import LaneRecord, LanesRecord
 
@@ -104,7 +104,7 @@ class LaneSetup:
     def _on_hello(self: "PushSender", ident: bytes, hello: M.Hello) -> None:
         """The handshake: refuse an incompatible peer naming the field, else open lanes."""
         self.stats.inc("handshakes")
-        bad = handshake_refusal(self.compat, hello.compat) or self.compat.mismatch(hello.compat)
+        bad = compat_refusal(self.compat, hello.compat)
         if bad is None:
             try:
                 check_compatible(self.layout, hello.layout)

@@ -20,8 +20,10 @@ NOTIF_PREFIX = b"kvpath:done:"
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
 MAX_POST_BY_S = 3600.0
 # 3: Ack.instance, Welcome.agents (a D that checks notifications by agent must not
-# handshake with a P that does not name its agents).
+# handshake with a P that does not name its agents). 4: Compat.kv_heads. A Hello of
+# another version is answered with a refusing Welcome (its shape is the same since 3).
 PROTOCOL_VERSION = 4
+MAX_KV_HEADS = 1 << 16
 
 
 class Region(msgspec.Struct, array_like=True, frozen=True):
@@ -161,6 +163,11 @@ class MalformedMessage(ValueError):
     pass
 
 
+class WrongVersion(MalformedMessage):
+    """A Hello of another protocol version: answered with a refusal naming the
+    versions, so D fails its requests at once instead of at its liveness clock."""
+
+
 def encode(msg: msgspec.Struct) -> bytes:
     return _enc.encode(msg)
 
@@ -191,7 +198,7 @@ MAX_TP_SIZE = 1024  # far above any real TP size; the bound keeps a peer's value
 
 def validate_hello(h: Hello) -> None:
     if h.version != PROTOCOL_VERSION:
-        raise MalformedMessage(f"protocol version {h.version}, expected {PROTOCOL_VERSION}")
+        raise WrongVersion(f"protocol version {h.version}, expected {PROTOCOL_VERSION}")
     if not h.agent_name or not h.agent_metadata:
         raise MalformedMessage("hello without NIXL agent metadata")
     lay = h.layout
@@ -206,6 +213,8 @@ def validate_hello(h: Hello) -> None:
     if not 1 <= c.tp_size <= MAX_TP_SIZE or not 0 <= c.tp_rank < c.tp_size:
         raise MalformedMessage(f"hello with tp_rank {c.tp_rank} of tp_size {c.tp_size} "
                                f"(tp_size must be in [1, {MAX_TP_SIZE}], tp_rank below it)")
+    if not 0 <= c.kv_heads <= MAX_KV_HEADS:
+        raise MalformedMessage(f"hello with kv_heads {c.kv_heads} outside [0, {MAX_KV_HEADS}]")
 
 
 def validate_register(reg: Register) -> None:

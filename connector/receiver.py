@@ -320,9 +320,10 @@ class PushReceiver(PeerLinks, EngineThread):
         if not msg.ok:
             link.welcomed = False
             link.refused_until = time.monotonic() + REFUSAL_RETRY_S
-            link.refusal = f"P at {link.addr} refused the handshake: {msg.detail}"
+            # P's words, bounded and quoted: a peer's text must not forge log lines
+            link.refusal = f"P at {link.addr} refused the handshake: {msg.detail[:512]!r}"
             self.stats.inc("handshakes_refused")
-            logger.error("%s (field %s)", link.refusal, msg.field)
+            logger.error("%s (field %r)", link.refusal, msg.field[:64])
             self._fail_queued(link, link.refusal)
             return
         if link.instance and msg.instance != link.instance:

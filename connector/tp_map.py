@@ -114,12 +114,28 @@ def sources(p_tp: int, d_tp: int, d_rank: int, total_heads: int) -> list[tuple[i
     return sorted(by_rank.items())
 
 
+# Compat fields that differ when TP sizes, block sizes or head counts do (kv_layout's
+# bytes per block follow from them): the handshake words these with handshake_refusal
+SIZE_FIELDS = frozenset({"block_size", "kv_layout", "tp_size", "kv_heads"})
+
+
+def compat_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
+    """The handshake's verdict, (field, message) or None: the first differing field of
+    the record, worded by ``handshake_refusal`` when it is one of the sizes."""
+    bad = p.mismatch(d)
+    if bad is None or bad[0] in SIZE_FIELDS:
+        return handshake_refusal(p, d) or bad
+    return bad
+
+
 def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
     """(field, message) when P's and D's head counts, TP sizes or block sizes rule the
     pair out, naming both sizes and the head count; None when they agree. Checked
     before the field-by-field comparison so that its message says why."""
     if p.kv_heads != d.kv_heads:
-        return "kv_heads", f"kv_heads differs: P's model has {p.kv_heads} KV heads, D's has {d.kv_heads}"
+        def heads(n: int) -> str:
+            return str(n) if n else "an unknown number of"
+        return "kv_heads", f"kv_heads differs: P's model has {heads(p.kv_heads)} KV heads, D's has {heads(d.kv_heads)}"
     if p.tp_size == d.tp_size and p.block_size == d.block_size:
         return None
     sizes = (f"P has TP={p.tp_size} and block size {p.block_size}, D has TP={d.tp_size} and block size "

@@ -32,15 +32,11 @@ def _pair(a: np.ndarray, scale: float) -> tuple[float | None, float | None]:
 
 
 def _err(meas: np.ndarray, sim: np.ndarray) -> tuple[float, float] | None:
-    """None where a measured mean or p99 is not a positive finite number (nothing to divide by)."""
-    ok = np.isfinite(meas) & np.isfinite(sim)
-    meas, sim = meas[ok], sim[ok]
-    if not meas.size:
-        return None
-    m, p = float(meas.mean()), float(np.percentile(meas, 99))
-    if not (m > 0 and p > 0):
-        return None
-    return (float(sim.mean()) / m - 1, float(np.percentile(sim, 99)) / p - 1)
+    """(mean, p99) relative errors; None where ``Errors.of_finite`` has none."""
+    from kvpath.bridge.compare import Errors  # the bridge loads on first use, as in demo/steps.py
+
+    e = Errors.of_finite(meas, sim)
+    return None if e is None else (e.mean, e.p99)
 
 
 def replay_rows(variant: str, replays: Sequence[tuple[str, object]], scale: float, note: str) -> list[Row]:

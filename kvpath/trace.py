@@ -152,11 +152,17 @@ def received_by_flow(records: Iterable[ReceivedRecord]) -> dict[tuple[str, int],
     """(transfer id, D rank) -> when that flow's last byte was on D. A P record's flow
     is (its transfer id, its ``peer_rank``); the request's KV is on D when the last of
     its flows is (the latest of them)."""
-    return {(r.transfer_id, r.rank): r.at for r in records}
+    out: dict[tuple[str, int], float] = {}
+    for r in records:  # a flow recorded twice (a rotated log read whole): its latest
+        key = (r.transfer_id, r.rank)
+        out[key] = max(out.get(key, r.at), r.at)
+    return out
 
 
 def kv_ready_at(records: Iterable[ReceivedRecord]) -> dict[str, float]:
-    """transfer id -> when D had every flow of it: the last flow's arrival."""
+    """transfer id -> the latest arrival among its flows' receipts: when D had every
+    flow of it, where every flow has a receipt (a flow whose push failed has none: the
+    request then failed on D, which the caller learns from the request's own record)."""
     out: dict[str, float] = {}
     for r in records:
         out[r.transfer_id] = max(out.get(r.transfer_id, r.at), r.at)

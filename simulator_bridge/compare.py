@@ -85,6 +85,17 @@ class Errors:
 
         return cls(int(measured.size), err(None), err(50), err(99), float(np.median(rel)), float(np.abs(rel).mean()))
 
+    @classmethod
+    def of_finite(cls, measured: np.ndarray, simulated: np.ndarray) -> "Errors | None":
+        """``of`` over the pairs where both are finite; None where nothing is left or the
+        measured mean or p99 is not positive (nothing to divide by)."""
+        ok = np.isfinite(measured) & np.isfinite(simulated)
+        measured, simulated = measured[ok], simulated[ok]
+        if not measured.size or not (measured.mean() > 0 and np.percentile(measured, 99) > 0):
+            return None
+        with np.errstate(divide="ignore", invalid="ignore"):  # a zero item: its own bias is inf
+            return cls.of(measured, simulated)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

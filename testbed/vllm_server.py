@@ -92,8 +92,16 @@ class VLLMServer:
                   hint=f"vllm on port {self.port}, see {self.log_path}", request_timeout_s=2.0)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Kill the whole process group (API server, EngineCore, workers)."""
-        if self.proc is None or self.proc.poll() is not None:
+        """Kill the whole process group (API server, EngineCore, workers), also when the
+        API server is gone already: a worker of a dead engine can outlive it (an orphan
+        still in the group, whose id the kernel does not reuse while the group lives)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         try:
             os.killpg(self.proc.pid, sig)

@@ -255,6 +255,28 @@ def test_a_hello_whose_nixl_metadata_names_another_agent_is_refused(keys):
         p.close()
 
 
+def test_a_hello_of_another_protocol_version_is_answered_with_a_refusal_naming_it(keys):
+    pc, _ = cfgs(keys, lanes=1)
+    p, bufs = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        spans = [(b.ctypes.data, b.nbytes) for b in bufs]
+        hello = M.Hello(engine_id="old", agent_name="old-agent", agent_metadata=b"x",
+                        layout=layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), compat=p.compat,
+                        instance="o1", heartbeat_s=1.0, version=M.PROTOCOL_VERSION - 1)
+        m = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], "old-agent"))
+        m.send(M.encode(hello))
+        assert m.poll(10000)  # at once, not a silence D would wait out
+        w = msgspec.msgpack.decode(m.recv(), type=M.Welcome)
+        assert (w.ok, w.field) == (False, "protocol")
+        assert w.detail == f"protocol version {M.PROTOCOL_VERSION - 1}, expected {M.PROTOCOL_VERSION}"
+        st = p.stats.snapshot()
+        assert st["handshakes_refused"] == 1 and st["messages_malformed"] == 0 and "old-agent" not in p.lanes()
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
 def test_a_second_connection_cannot_take_a_live_ds_routing_id(keys):
     pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
     p, bufs = start_p(pc)

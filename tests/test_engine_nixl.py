@@ -331,14 +331,16 @@ def test_unequal_tp_sizes_are_refused_at_the_handshake_naming_both_sizes_and_the
     kv_layout = p.sender.compat.kv_layout
     p.sender.compat = Compat(model="tiny", block_size=SPEC.block_size, kv_layout=kv_layout, tp_size=2, kv_heads=4)
     d_compat = Compat(model="tiny", block_size=SPEC.block_size, kv_layout=kv_layout, tp_size=1, kv_heads=4)
-    with PeerProcess(c, SPEC, compat=d_compat) as d:
-        d.call("register", "d1", "tp1", p.sender.address, [1], 0)
-        _, done, failed = d.call("wait", ["d1"], 5)
-        assert failed == ["d1"]  # released, as failed
-        assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lanes()
-    assert any("tp_size differs (P has TP=2 and block size" in r.getMessage() and "D has TP=1" in r.getMessage()
-               and "4 KV heads" in r.getMessage() for r in caplog.records)
-    p.sender.close()
+    try:
+        with PeerProcess(c, SPEC, compat=d_compat) as d:
+            d.call("register", "d1", "tp1", p.sender.address, [1], 0)
+            _, done, failed = d.call("wait", ["d1"], 5)
+            assert failed == ["d1"]  # released, as failed
+            assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lanes()
+        assert any("tp_size differs (P has TP=2 and block size" in r.getMessage() and "D has TP=1" in r.getMessage()
+                   and "4 KV heads" in r.getMessage() for r in caplog.records)
+    finally:
+        p.sender.close()
 
 
 def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():

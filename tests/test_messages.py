@@ -69,6 +69,8 @@ def test_ack_and_welcome_name_the_p_process_and_its_agents_and_old_ones_decode_a
         M.encode(hello(compat=M.Compat(tp_size=2, tp_rank=-1))),
         M.encode(hello(compat=M.Compat(tp_size=0, tp_rank=0))),
         M.encode(hello(compat=M.Compat(tp_size=M.MAX_TP_SIZE + 1, tp_rank=0))),
+        M.encode(hello(compat=M.Compat(kv_heads=-1))),
+        M.encode(hello(compat=M.Compat(kv_heads=M.MAX_KV_HEADS + 1))),
         M.encode(M.Cancel("")),
     ],
 )
@@ -84,3 +86,10 @@ def test_compat_names_the_first_differing_field():
     assert field == "dtype" and "float32" in msg and "bfloat16" in msg
     assert p.mismatch(M.Compat(model="tiny", dtype="float32", block_size=32, kv_layout="4x[8192]", tp_size=2))[0] == "tp_size"
     assert p.digest() != M.Compat(model="other").digest()
+
+
+def test_a_hello_of_another_version_is_told_apart_from_a_malformed_one():
+    with pytest.raises(M.WrongVersion, match="protocol version 99, expected"):
+        M.decode_to_prefill(M.encode(hello(version=99)))
+    assert M.decode_to_prefill(M.encode(hello(compat=M.Compat(kv_heads=M.MAX_KV_HEADS)))).compat.kv_heads == M.MAX_KV_HEADS
+

@@ -12,7 +12,7 @@ import pytest
 
 from kvpath.connector.layout import build_descs
 from kvpath.connector.messages import BlockLayout, Compat, Region
-from kvpath.connector.tp_map import (RankKV, check_hetero, handshake_refusal, heads_of, holders, plan, sources, targets,
+from kvpath.connector.tp_map import (RankKV, check_hetero, compat_refusal, handshake_refusal, heads_of, holders, plan, sources, targets,
                                      writer_of)
 
 LAYERS = 2
@@ -242,6 +242,20 @@ def test_the_handshake_names_both_sizes_and_the_head_count():
     assert (field, msg) == ("kv_heads", "kv_heads differs: P's model has 4 KV heads, D's has 2")
     field, msg = handshake_refusal(_compat(2, heads=0), _compat(1, heads=0))
     assert field == "tp_size" and "an unknown number of KV heads" in msg
+    assert handshake_refusal(_compat(2, heads=4), _compat(2, heads=0))[1] == \
+        "kv_heads differs: P's model has 4 KV heads, D's has an unknown number of"
+
+
+def test_a_different_model_is_named_before_the_sizes_it_implies():
+    import msgspec
+
+    p, d = _compat(2, heads=8), msgspec.structs.replace(_compat(1, heads=4), model="other")
+    assert compat_refusal(p, d)[0] == "model"  # not kv_heads: the operator looks for the right thing
+    field, msg = compat_refusal(msgspec.structs.replace(_compat(2), kv_layout="2x[4096]"),
+                                msgspec.structs.replace(_compat(1), kv_layout="2x[8192]"))
+    assert field == "tp_size" and "P has TP=2" in msg  # kv_layout differs first, as TP sizes make it
+    assert compat_refusal(_compat(2), _compat(2)) is None
+    assert compat_refusal(_compat(2), msgspec.structs.replace(_compat(2), dtype="bfloat16"))[0] == "dtype"
 
 
 def test_plan_refuses_what_it_cannot_write():

@@ -34,7 +34,27 @@ def _lane_dports(data: RunData, ip_of: Any) -> dict[tuple[str, str, int], int]:
     return out
 
 
+def _pair_ranks(worker: str) -> tuple[int, int] | None:
+    """(P rank, D rank) of a decision's worker pair, ``"p-eng/r0>d-eng/r1"``."""
+    try:
+        p, d = worker.split(">")
+        return int(p.rpartition("/r")[2]), int(d.rpartition("/r")[2])
+    except ValueError:
+        return None
+
+
+def _predicted_spine(dec: dict[str, Any], rank: int, peer_rank: int) -> str | None:
+    """The spine the decision reserved for the flow of one rank pair: a request's flows
+    are reserved together, one spine per worker pair (``workers``/``spines``)."""
+    for w, spine in zip(dec.get("workers") or [], dec.get("spines") or []):
+        if _pair_ranks(w) == (rank, peer_rank):
+            return spine
+    return dec.get("spine")
+
+
 def join(data: RunData, ip_of: Any) -> Joined:
+    """One row per request; one flow per push, i.e. per (P rank, D rank) pair of a
+    request (one at TP=1), each with its own lane, measured spine and reserved spine."""
     j = Joined(lanes=_lane_dports(data, ip_of))
     p_rec: dict[str, dict] = {}
     d_rec: dict[str, dict] = {}
@@ -42,7 +62,9 @@ def join(data: RunData, ip_of: Any) -> Joined:
         for r in rec["records"]:
             if r.get("transfer_id"):
                 (p_rec if rec["role"] == "prefill" else d_rec)[r["transfer_id"]] = dict(r, host=host)
-    transfers = {t.record.transfer_id: t for t in data.transfers}
+    transfers: dict[str, list[Any]] = {}
+    for t in data.transfers:
+        transfers.setdefault(t.record.transfer_id, []).append(t)
     decisions = {d["transfer_id"]: d for d in data.decisions}
     counts = {tuple(json.loads(k).values()): v for k, v in data.flow_bytes.items()}
     by_tuple_prefix: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -56,7 +78,8 @@ def join(data: RunData, ip_of: Any) -> Joined:
     only_d = data.d_hosts[0] if len(data.d_hosts) == 1 else None
     for c in data.client:
         tid = c.get("transfer_id", "")
-        p, d, push, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), transfers.get(tid), decisions.get(tid)
+        p, d, dec = p_rec.get(tid, {}), d_rec.get(tid, {}), decisions.get(tid)
+        pushes = sorted(transfers.get(tid, []), key=lambda t: (t.record.rank, t.record.peer_rank))
         if c["status"] == "ok":
             p, d = {"host": only_p, **p}, {"host": only_d, **d}
         row: dict[str, Any] = {
@@ -71,31 +94,45 @@ def join(data: RunData, ip_of: Any) -> Joined:
             row["ttft"] = row["first_token"] - row["arrival"]
             n = c["tokens"]
             row["tpot"] = (row["completion"] - row["first_token"]) / (n - 1) if n > 1 else None
-        if push is not None:
+        flows = []
+        for push in pushes:
             t = push.record
             p_ip, d_ip = ip_of(p.get("host") or push.p_host), ip_of(d.get("host")) if d.get("host") else None
             sport = int(t.src_port or 0)
             measured = by_tuple_prefix.get((p_ip, d_ip, sport), {}) if d_ip else {}
-            spine = max(measured.items(), key=lambda kv: kv[1])[0] if measured else None
-            end = push.end
             # a push that did not wait for its reservation (reserve_at=push answered late)
             # went on the hash's lane: the reservation's spine is not its prediction
             used = dec is not None and dec.get("lane") == t.lane
-            row.update({"kv_bytes": t.bytes, "push_start": t.submit_at, "push_end": end,
-                        "push_status": t.status, "lane": t.lane, "src_ip": p_ip, "dst_ip": d_ip,
-                        "src_port": sport, "dst_port": j.lanes.get((p_ip, d_ip, sport)),
-                        "path_predicted": dec.get("spine") if used else None, "path_measured": spine,
+            flows.append({
+                "flow_id": tid if len(pushes) == 1 else f"{tid}/r{t.rank}>r{t.peer_rank}",
+                "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip, "src_port": sport,
+                "dst_port": j.lanes.get((p_ip, d_ip, sport)), "bytes": t.bytes, "start": t.submit_at,
+                "end": push.end, "status": t.status, "lane": t.lane,
+                "path": max(measured.items(), key=lambda kv: kv[1])[0] if measured else None,
+                "path_predicted": _predicted_spine(dec, t.rank, t.peer_rank) if used else None, "used": used})
+        if flows:
+            first = flows[0]
+            bad = [f["status"] for f in flows if f["status"] != "ok"]
+            ends = [f["end"] for f in flows]
+            # the request's push: all its flows, from the first start to the last end
+            row.update({"kv_bytes": sum(f["bytes"] for f in flows),
+                        "push_start": min((f["start"] for f in flows if f["start"]), default=None),
+                        "push_end": None if None in ends else max(ends),
+                        "push_status": bad[0] if bad else "ok", "flows": len(flows), "lane": first["lane"],
+                        "src_ip": first["src_ip"], "dst_ip": first["dst_ip"], "src_port": first["src_port"],
+                        "dst_port": first["dst_port"], "path_predicted": first["path_predicted"],
+                        "path_measured": first["path"],
+                        "paths": [(f["path_predicted"], f["path"]) for f in flows],
                         "reserved_lane": dec.get("lane") if dec else None,
-                        "reservation_unused": dec is not None and not used})
-            if t.submit_at and end and t.status == "ok":
-                fct = end - t.submit_at
-                standalone = standalone_fct(t.bytes, data.link_mbit, data.burst_bytes)
-                j.flows.append({"flow_id": tid, "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip,
-                                "src_port": sport, "dst_port": row["dst_port"], "bytes": t.bytes,
-                                "start": t.submit_at, "end": end, "path": spine, "fct": fct,
-                                "lane": t.lane, "path_predicted": row["path_predicted"],
-                                "wire_fct": standalone,
-                                "wire_slowdown": fct / standalone if standalone else None})
+                        "reservation_unused": dec is not None and not all(f["used"] for f in flows)})
+        for f in flows:
+            if f["start"] and f["end"] and f["status"] == "ok":
+                fct = f["end"] - f["start"]
+                standalone = standalone_fct(f["bytes"], data.link_mbit, data.burst_bytes)
+                j.flows.append({k: f[k] for k in ("flow_id", "request_id", "src_ip", "dst_ip", "src_port", "dst_port",
+                                                  "bytes", "start", "end", "path", "lane", "path_predicted")}
+                               | {"fct": fct, "wire_fct": standalone,
+                                  "wire_slowdown": fct / standalone if standalone else None})
         j.requests.append(row)
     j.overhead_s, j.lone_flows = calibrate_standalone(j.flows)
     return j
@@ -177,8 +214,9 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
     scale = data.config["scale_b"] / data.config["scale_s"]  # testbed seconds per datacenter second
     ok = [r for r in j.requests if r["status"] == "ok"]
     pushes = [r for r in j.requests if r.get("push_status")]
-    judged = [r for r in pushes if r.get("path_predicted") and r.get("path_measured")]
-    agree = sum(r["path_predicted"] == r["path_measured"] for r in judged)
+    # every flow of a request (one per rank pair at TP > 1) is judged on its own
+    judged = [(pred, meas) for r in pushes for pred, meas in r.get("paths", []) if pred and meas]
+    agree = sum(pred == meas for pred, meas in judged)
     out: dict[str, Any] = {
         "mode": data.config["mode"], "requests": len(j.requests), "ok": len(ok),
         "failed": len(j.requests) - len(ok),

@@ -229,3 +229,47 @@ def test_a_token_that_starts_with_a_dash_reaches_the_proxy_and_the_engines_as_on
     site.fabric.exec_argv = lambda host, argv: argv
     eargv = engines._argv("prefill", "l0h0", "http://10.255.0.1:18000")
     assert "--reservation-token=-Xq3token" in eargv
+
+
+def test_at_tp2_every_rank_pair_is_its_own_flow_on_its_own_reserved_spine(tmp_path):
+    """P TP=2 -> D TP=2: a request is two pushes, one per rank pair, each on its pair's
+    lane. The reservation took both pairs' lanes in one decision (``workers``/``spines``);
+    each flow is judged against its own pair's spine, and the request's push spans both."""
+    from dataclasses import asdict
+
+    from kvpath.five_tuple import FiveTuple
+    from kvpath.testbed.orchestrator import RunData
+    from kvpath.testbed.run_report import fidelity, join, summarize
+    from kvpath.testbed.run_session import write_trace
+    from kvpath.trace import read_trace
+
+    site = _site(tmp_path)
+    spec = site.fabric.spec
+    p_ip, d_ip = spec.host_ip("l0h0"), spec.host_ip("l1h0")
+    data = RunData(asdict(site.cfg), "kvp-test", ["l0h0"], ["l1h0"], 200.0, started=99.0)
+    data.transfers = [Push(TransferRecord(T1, "cmpl-a", bytes=1000, lane=0, src_port=40000 + r, prefill_done_at=100.0,
+                                          submit_at=100.1 + r / 10, completed_at=100.4, status="ok", rank=r, peer_rank=r),
+                           "l0h0", received_at=100.5 + r / 10) for r in (1, 0)]
+    data.client = [{"request_id": "r0", "transfer_id": T1, "status": "ok", "arrival": 99.9, "prompt_tokens": 100,
+                    "tokens": 3, "first_token": 100.8, "completion": 101.0}]
+    data.engine_records = {"l0h0": {"role": "prefill", "records": [{"transfer_id": T1, "prefill_end": 100.0}]},
+                           "l1h0": {"role": "decode", "records": [{"transfer_id": T1, "kv_ready": 100.6}]}}
+    data.decisions = [{"transfer_id": T1, "lane": 0, "spine": "spine0", "spines": ["spine0", "spine1"],
+                       "workers": ["p-l0h0/r0>d-l1h0/r0", "p-l0h0/r1>d-l1h0/r1"]}]
+    data.lanes_known = {"l0h0->l1h0": {"p-l0h0/r0>d-l1h0/r0": [[0, 40000, 39000]],
+                                       "p-l0h0/r1>d-l1h0/r1": [[0, 40001, 39001]]}}
+    # rank 1's lane hashed onto spine0 this time: its flow disagrees with its reservation
+    data.flow_bytes = {json.dumps(FiveTuple(p_ip, d_ip, 40000, 39000).to_dict()): {"spine0": 1030},
+                       json.dumps(FiveTuple(p_ip, d_ip, 40001, 39001).to_dict()): {"spine0": 1020}}
+    j = join(data, spec.host_ip)
+    (r,) = j.requests
+    assert (r["kv_bytes"], r["flows"], r["push_start"], r["push_end"]) == (2000, 2, 100.1, 100.6)
+    assert r["paths"] == [("spine0", "spine0"), ("spine1", "spine0")]
+    assert sorted((f["flow_id"], f["src_port"], f["dst_port"], f["path_predicted"], f["path"]) for f in j.flows) == [
+        (f"{T1}/r0>r0", 40000, 39000, "spine0", "spine0"), (f"{T1}/r1>r1", 40001, 39001, "spine1", "spine0")]
+    fid = fidelity(data, j, None)
+    assert fid["spine_bytes_over_push_bytes"] == pytest.approx(2050 / 2000)  # both flows' bytes, not one
+    s = summarize(data, j, fid, spec.host_ip)
+    assert (s["pushes"], s["pushes_with_path"], s["path_agreement"]) == (1, 2, 0.5)
+    write_trace(tmp_path / "trace.jsonl", data, j, spec)
+    assert sorted(f.flow_id for f in read_trace(tmp_path / "trace.jsonl").flows) == [f"{T1}/r0>r0", f"{T1}/r1>r1"]

@@ -21,7 +21,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
-from kvpath.trace import TraceWriter, TransferRecord
+from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class EngineThread:
                 # the handshake pairs D rank r with P rank r only (equal TP sizes), so a
                 # record without a peer (expired, cancelled) has its D rank too
                 rec.rank = rec.peer_rank = self.rank
+            elif isinstance(rec, ReceivedRecord):
+                rec.rank = self.rank  # D's rank: one receipt per flow at TP > 1
             self.trace.write(rec)
         except Exception:
             self.stats.inc("trace_write_failed")

@@ -442,4 +442,4 @@ class PushReceiver(PeerLinks, EngineThread):
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
                     self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
-                                                    at=time.time(), rank=self.rank))
+                                                    at=time.time()))

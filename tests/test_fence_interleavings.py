@@ -95,6 +95,7 @@ class FakeAgent:
 def receiver(c: Clock, **kw) -> tuple[PushReceiver, _PeerLink]:
     """A PushReceiver without its thread, sockets or NIXL agent, welcomed by P ``pA``."""
     rcv = PushReceiver.__new__(PushReceiver)
+    rcv.rank = 0
     rcv.state = rstate(c, **kw)
     rcv._lock = threading.Lock()
     rcv.stats = Stats()

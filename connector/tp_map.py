@@ -130,8 +130,8 @@ def compat_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
 
 def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
     """(field, message) when P's and D's head counts, TP sizes or block sizes rule the
-    pair out, naming both sizes and the head count; None when they agree. Checked
-    before the field-by-field comparison so that its message says why."""
+    pair out, naming both sizes and the head count; None when they agree (the words
+    ``compat_refusal`` uses when the first differing field is a size)."""
     if p.kv_heads != d.kv_heads:
         def heads(n: int) -> str:
             return str(n) if n else "an unknown number of"

@@ -30,6 +30,13 @@ class PDResult:
     error: str = ""
 
 
+def engine_client(timeout_s: float = 120.0) -> httpx.AsyncClient:
+    """A client for requests to vLLM engines (or the proxy), without keep-alive: uvicorn closes
+    an idle connection after 5 s, and a request that reuses one as it closes fails with
+    a ReadError (seen in CI while a P/D request's other leg took longer than that)."""
+    return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 async def pd_request(
     client: httpx.AsyncClient,
     p_url: str,

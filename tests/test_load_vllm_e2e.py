@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from kvpath.connector.pd_client import engine_client
 from kvpath.tiny_model import build_tiny_model
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
@@ -74,7 +75,7 @@ def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_o
         ps = prompts()
 
         async def load():
-            async with httpx.AsyncClient(timeout=600) as c:
+            async with engine_client(600) as c:
                 t0 = time.monotonic()
                 got = await asyncio.gather(*(complete(c, proxy, pr) for pr in ps))
                 return got, time.monotonic() - t0
@@ -88,7 +89,7 @@ def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_o
 
         # decode-only reference, computed on P after the run
         async def reference():
-            async with httpx.AsyncClient(timeout=600) as c:
+            async with engine_client(600) as c:
                 return await asyncio.gather(*(complete(c, p.url, pr) for pr in ps))
 
         ref = asyncio.run(reference())

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from kvpath.connector.params import decode_leg_params
-from kvpath.connector.pd_client import make_prompts, pd_and_decode_only
+from kvpath.connector.pd_client import engine_client, make_prompts, pd_and_decode_only
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_connector_log, read_transfers
@@ -56,11 +56,6 @@ def tp2(tmp_path_factory):
         d.kill()
 
 
-def _client() -> httpx.AsyncClient:
-    # no keep-alive: an idle pooled connection that the server closes fails the next POST
-    return httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
-
-
 def kv_usage(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M))
@@ -88,7 +83,7 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     prompts = make_prompts(4, seed=11 if mode == "sequential" else 12)
 
     async def run():
-        async with _client() as c:
+        async with engine_client() as c:
             # the references on D first: D must not have seen the prompts before their pushes
             return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, 12, mode=mode,
                                             ref_url=d.url)

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from kvpath.connector.pd_client import direct_request, make_prompts, pd_and_decode_only
+from kvpath.connector.pd_client import direct_request, engine_client, make_prompts, pd_and_decode_only
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
@@ -51,7 +51,7 @@ def metric(url: str, name: str) -> float:
 
 
 async def _run(p, d, prompts, mode, max_tokens=12):
-    async with httpx.AsyncClient(timeout=120) as c:
+    async with engine_client(120) as c:
         return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, max_tokens, mode=mode)
 
 
@@ -95,7 +95,7 @@ def test_bad_transfer_params_fall_back_to_local_prefill(servers):
 
 
 async def _direct(url, prompt, n):
-    async with httpx.AsyncClient(timeout=60) as c:
+    async with engine_client(60) as c:
         return await direct_request(c, url, prompt, n)
 
 
@@ -161,7 +161,7 @@ def test_a_reused_transfer_id_ends_the_second_legs_fast_and_frees_every_block(se
     ref = asyncio.run(_direct(p.url, prompt, 6))
 
     async def go():
-        async with httpx.AsyncClient(timeout=60) as c:
+        async with engine_client(60) as c:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
             dl = {"do_remote_prefill": True, "kvpath": {"transfer_id": "reused", "peer": f"127.0.0.1:{P_SIDE}"}}
             pl = {"do_remote_decode": True, "kvpath": {"transfer_id": "reused"}}
@@ -216,7 +216,7 @@ def test_killed_prefill_fails_pending_requests_within_timeout_and_d_keeps_servin
     prompts = make_prompts(6, seed=3)
 
     async def go():
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with engine_client(120) as c:
             # D legs only: registered with P, waiting for pushes that never come
             tasks = [asyncio.create_task(c.post(f"{d.url}/v1/completions", json={
                 "model": "tiny", "prompt": pr, "max_tokens": 8, "temperature": 0,

@@ -57,6 +57,16 @@ import numpy as np
 from kvpath.connector.messages import BlockLayout, Compat, Region
 
 
+def tp_fits(tp_size: int, total_heads: int) -> bool:
+    """vLLM's rule: a TP size splits the KV heads (divides them) or replicates them
+    (is a multiple of them)."""
+    return total_heads % tp_size == 0 if tp_size <= total_heads else tp_size % total_heads == 0
+
+
+def _heads_text(n: int) -> str:
+    return str(n) if n else "an unknown number of"
+
+
 def heads_of(tp_size: int, rank: int, total_heads: int) -> list[int]:
     """The KV heads TP rank ``rank`` of ``tp_size`` holds (vLLM's rule)."""
     if tp_size <= 0 or total_heads <= 0:
@@ -133,18 +143,15 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
     pair out, naming both sizes and the head count; None when they agree (the words
     ``compat_refusal`` uses when the first differing field is a size)."""
     if p.kv_heads != d.kv_heads:
-        def heads(n: int) -> str:
-            return str(n) if n else "an unknown number of"
-        return "kv_heads", f"kv_heads differs: P's model has {heads(p.kv_heads)} KV heads, D's has {heads(d.kv_heads)}"
+        return "kv_heads", (f"kv_heads differs: P's model has {_heads_text(p.kv_heads)} KV heads, "
+                            f"D's has {_heads_text(d.kv_heads)}")
     if p.tp_size == d.tp_size and p.block_size == d.block_size:
         return None
     sizes = (f"P has TP={p.tp_size} and block size {p.block_size}, D has TP={d.tp_size} and block size "
-             f"{d.block_size}; the model has {p.kv_heads or 'an unknown number of'} KV heads")
+             f"{d.block_size}; the model has {_heads_text(p.kv_heads)} KV heads")
     if p.kv_heads > 0:
         for side, tp in (("P", p.tp_size), ("D", d.tp_size)):
-            try:
-                heads_of(tp, 0, p.kv_heads)
-            except ValueError:
+            if not tp_fits(tp, p.kv_heads):
                 return "tp_size", (f"tp_size: {side}'s TP size {tp} neither divides nor is a multiple of the "
                                    f"{p.kv_heads} KV heads ({sizes})")
     field = "tp_size" if p.tp_size != d.tp_size else "block_size"
@@ -165,7 +172,7 @@ def check_hetero(p_tp: int, d_tp: int, total_heads: int, p_block_size: int, d_bl
     for side, tp in (("P", p_tp), ("D", d_tp)):
         if tp <= 0:
             raise ValueError(f"tp_size: {side} has {tp} (P {p_tp}, D {d_tp})")
-        if (tp <= total_heads and total_heads % tp) or (tp > total_heads and tp % total_heads):
+        if not tp_fits(tp, total_heads):
             raise ValueError(f"tp_size: {side} TP size {tp} does not divide or multiply the "
                              f"{total_heads} KV heads (P {p_tp}, D {d_tp})")
     for name, p, d in (("head_dim", p_head_dim, d_head_dim), ("esz", p_esz, d_esz)):

@@ -164,8 +164,8 @@ def kv_ready_at(records: Iterable[ReceivedRecord]) -> dict[str, float]:
     flow of it, where every flow has a receipt (a flow whose push failed has none: the
     request then failed on D, which the caller learns from the request's own record)."""
     out: dict[str, float] = {}
-    for r in records:
-        out[r.transfer_id] = max(out.get(r.transfer_id, r.at), r.at)
+    for (tid, _rank), at in received_by_flow(records).items():
+        out[tid] = max(out.get(tid, at), at)
     return out
 
 

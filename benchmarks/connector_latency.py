@@ -55,12 +55,12 @@ def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -
 
     def stamped_on_done(self, transfer_id, *args):
         w = on_done(self, transfer_id, *args)
-        if w is None and transfer_id.startswith("r") and transfer_id in self.by_tid:
+        if w is None and transfer_id.startswith("r") and self.get(transfer_id) is not None:
             # the raw-NIXL baseline's WRITEs come from the bench's own agents, for
             # registrations sent to no P: the receiver rightly refuses them as stray, so
             # the baseline accepts them here, as a receiver without that check would
-            w = self.by_tid.pop(transfer_id)
-            self.released.add(w.request_id)
+            w = self.get(transfer_id)
+            self._flow_ended(w, ok=True)
         if w is not None:
             seen[w.request_id] = time.monotonic()
         return w

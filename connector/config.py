@@ -50,6 +50,9 @@ class KVPathConfig:
     # The connector's log: kvpath.trace records, one per push, lane set-up and received
     # push (docs/trace.md); appended to, "{pid}" expanded. Unset: none is written.
     trace_path: str | None = None
+    # A directory where each push's KV is copied, as sent by P and as landed on D
+    # (kvpath.connector.kv_dump), to check transfer fidelity. Debugging only.
+    kv_dump_dir: str | None = None
     # P's control (side-channel) socket: D workers send registrations here.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = KV_SIDE_CHANNEL_PORT

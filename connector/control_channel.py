@@ -129,6 +129,16 @@ class ControlChannel:
             self.stats.inc("registrations_rejected")
             self._ack(ident, tid, "rejected", f"block id {bad[0]} outside D's {peer.hello.layout.num_blocks} blocks")
             return
+        want_tp = reg.p_tp_size or peer.hello.compat.tp_size
+        if want_tp != self.compat.tp_size:
+            # D chose which P ranks to register with for another TP size: the heads it
+            # expects from this rank are not the ones this rank holds
+            self.stats.inc("registrations_rejected")
+            why = (f"p_tp_size: D chose its P ranks for P TP={want_tp}, this P has TP={self.compat.tp_size}; give D "
+                   f"P's TP size (kvpath.tp_size in the D leg's kv_transfer_params, the proxy's tp= field of --prefill)")
+            logger.warning("registration of transfer %s rejected: %s", tid, why)
+            self._ack(ident, tid, "rejected", why)
+            return
         # D's deadlines, moved onto this clock. The message's age (wall clocks) is
         # taken off, so a Register that sat in a queue gets no extra time.
         now = time.monotonic()

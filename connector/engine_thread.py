@@ -19,6 +19,7 @@ import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
+from kvpath.connector.kv_dump import KVDump
 from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
@@ -59,6 +60,7 @@ class EngineThread:
         self.trace = trace or TraceWriter(cfg.trace_path, max_bytes=cfg.trace_max_bytes, keep=cfg.trace_keep)
         # Without vLLM (tests, benchmarks) only the layout is known.
         self.compat = compat or M.Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=rank)
+        self.kv_dump = KVDump(cfg.kv_dump_dir, id_prefix, rank) if cfg.kv_dump_dir else None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

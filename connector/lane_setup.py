@@ -18,7 +18,7 @@ from kvpath.connector.config import ConfigError
 from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
 from kvpath.connector.nixl_io import PROBE_BYTES, make_agent
-from kvpath.connector.tp_map import compat_refusal
+from kvpath.connector.tp_map import compat_refusal, layouts_refusal
 from kvpath.reservation_wire import LaneInfo, WorkerPair
 from kvpath.trace import LaneRecord, LanesRecord
 
@@ -87,6 +87,10 @@ class LaneSetup:
             self._register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)
 
+    def same_sizes(self: "PushSender", hello: M.Hello) -> bool:
+        """P and this D worker have equal TP and block sizes: blocks are copied as they are."""
+        return hello.compat.tp_size == self.compat.tp_size and hello.layout.block_size == self.layout.block_size
+
     def worker_pair(self: "PushSender", hello: M.Hello) -> WorkerPair:
         """The (P worker, D worker) pair in the reservation service: engines and ranks
         (what the proxy's reservations select on); its incarnation names both processes
@@ -105,7 +109,9 @@ class LaneSetup:
         """The handshake: refuse an incompatible peer naming the field, else open lanes."""
         self.stats.inc("handshakes")
         bad = compat_refusal(self.compat, hello.compat)
-        if bad is None:
+        if bad is None and not self.same_sizes(hello):
+            bad = layouts_refusal(self.layout, self.compat, hello.layout, hello.compat)
+        elif bad is None:
             try:
                 check_compatible(self.layout, hello.layout)
             except LayoutMismatch as e:

@@ -20,9 +20,10 @@ NOTIF_PREFIX = b"kvpath:done:"
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
 MAX_POST_BY_S = 3600.0
 # 3: Ack.instance, Welcome.agents (a D that checks notifications by agent must not
-# handshake with a P that does not name its agents). 4: Compat.kv_heads. A Hello of
-# another version is answered with a refusing Welcome (its shape is the same since 3).
-PROTOCOL_VERSION = 4
+# handshake with a P that does not name its agents). 4: Compat.kv_heads. 5: unequal TP
+# sizes (Register.p_tp_size). A Hello of another version
+# is answered with a refusing Welcome (its shape is the same since 3).
+PROTOCOL_VERSION = 5
 MAX_KV_HEADS = 1 << 16
 
 
@@ -111,6 +112,9 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     # The transfer's secret from D's kv_transfer_params (encrypted by CURVE on the wire):
     # P pushes only when it equals the one its own request carried.
     transfer_key: str = ""
+    # The P TP size D chose its P ranks for (0: P's own, as at equal TP sizes): a P of
+    # another size refuses the registration rather than push heads nobody expects.
+    p_tp_size: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -230,6 +234,8 @@ def validate_register(reg: Register) -> None:
         raise MalformedMessage("negative block id")
     if len(set(reg.block_ids)) != len(reg.block_ids):
         raise MalformedMessage("duplicate block ids")
+    if not 0 <= reg.p_tp_size <= MAX_TP_SIZE:
+        raise MalformedMessage(f"register with p_tp_size {reg.p_tp_size} outside [0, {MAX_TP_SIZE}]")
     if not 0 < reg.post_by_s <= MAX_POST_BY_S:  # also refuses inf and nan
         raise MalformedMessage(f"register with post_by_s {reg.post_by_s} outside (0, {MAX_POST_BY_S}]")
 

@@ -1,7 +1,9 @@
 """The ``kv_transfer_params`` that carry kvpath's per-request fields (no vLLM import).
 
-D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port", "peer_key": K}}
-        (``peer_key``, P's CURVE public key, only where D trusts several P keys)
+D leg:  {"do_remote_prefill": true, "kvpath": {"transfer_id": T, "peer": "P-host:port", "peer_key": K,
+        "tp_size": 2}}
+        (``peer_key``, P's CURVE public key, only where D trusts several P keys; ``tp_size``,
+        P's TP size, where it differs from D's: P rank r listens at port + r)
 Both legs may carry ``"transfer_key": K``, a secret the client (the proxy) makes per
 transfer: P then pushes only to a registration that carries the same K, so a peer that
 learns a transfer id cannot receive its KV.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvpath.connector.config import parse_host_port
+from kvpath.connector.messages import MAX_TP_SIZE
 
 
 class BadTransferParams(ValueError):
@@ -29,6 +32,7 @@ class DecodeParams:
     peer: str
     peer_key: str | None = None  # selects one of D's trusted P keys; can never add one
     transfer_key: str = ""  # the transfer's secret, sent to P with the registration
+    tp_size: int = 0  # P's TP size (0: not given, taken to be D's)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,10 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
     key = kp.get("peer_key")
     if key is not None and not (isinstance(key, str) and len(key) == 40 and key.isascii()):
         raise BadTransferParams("kv_transfer_params.kvpath.peer_key must be a 40-character z85 CURVE public key")
-    return DecodeParams(tid, peer, key or None, _transfer_key(kp))
+    tp = kp.get("tp_size", 0)
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 0 <= tp <= MAX_TP_SIZE:
+        raise BadTransferParams(f"kv_transfer_params.kvpath.tp_size must be an integer in [1, {MAX_TP_SIZE}]")
+    return DecodeParams(tid, peer, key or None, _transfer_key(kp), tp)
 
 
 def _transfer_key(kp: Mapping[str, Any]) -> str:
@@ -113,8 +120,10 @@ def new_transfer_key() -> str:
 
 
 def decode_leg_params(transfer_id: str, peer: str, peer_key: str | None = None,
-                      transfer_key: str = "") -> dict[str, Any]:
+                      transfer_key: str = "", tp_size: int = 0) -> dict[str, Any]:
     kp: dict[str, Any] = {"transfer_id": transfer_id, "peer": peer}
+    if tp_size:
+        kp["tp_size"] = tp_size
     if peer_key:
         kp["peer_key"] = peer_key
     if transfer_key:

@@ -47,7 +47,10 @@ async def pd_request(
     mode: str = "sequential",
     lane: int | None = None,
     model: str = "tiny",
+    p_tp_size: int = 0,
 ) -> PDResult:
+    """One request through P then D. ``p_tp_size``: P's TP size, for the D leg of the
+    concurrent mode (the sequential one passes on what P answered, which names it)."""
     tid = uuid.uuid4().hex
     body = {"model": model, "prompt": prompt, "temperature": 0}
     t0 = time.perf_counter()
@@ -61,7 +64,8 @@ async def pd_request(
         d_params = rp.json()["kv_transfer_params"]
         rd = await client.post(f"{d_url}/v1/completions", json={**body, "max_tokens": max_tokens, "kv_transfer_params": d_params})
     elif mode == "concurrent":
-        d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer, transfer_key=key)}
+        d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer, transfer_key=key,
+                                                                                           tp_size=p_tp_size)}
         rd, rp = await asyncio.gather(
             client.post(f"{d_url}/v1/completions", json=d_body), client.post(f"{p_url}/v1/completions", json=p_body),
             return_exceptions=True,
@@ -97,6 +101,7 @@ async def pd_and_decode_only(
     mode: str = "sequential",
     ref_url: str | None = None,
     model: str = "tiny",
+    p_tp_size: int = 0,
 ) -> tuple[list[str], list[PDResult]]:
     """Each prompt's decode-only output (a plain greedy request, by default on P) and its
     P-then-D result, for checking that P/D changes nothing: the references all at once,
@@ -105,7 +110,8 @@ async def pd_and_decode_only(
     ref_url = ref_url or p_url
     refs = await asyncio.gather(*(direct_request(client, ref_url, pr, max_tokens, model) for pr in prompts))
     got = await asyncio.gather(
-        *(pd_request(client, p_url, d_url, p_peer, pr, max_tokens, mode=mode, model=model) for pr in prompts)
+        *(pd_request(client, p_url, d_url, p_peer, pr, max_tokens, mode=mode, model=model, p_tp_size=p_tp_size)
+          for pr in prompts)
     )
     return list(refs), list(got)
 

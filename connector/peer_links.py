@@ -81,7 +81,7 @@ class PeerLinks:
     def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
         for reg in link.queued:
             with self._lock:
-                self.state.send_failed(reg.transfer_id, why)
+                self.state.send_failed(reg.transfer_id, why, link.addr)
         link.queued.clear()
         self._poller.unregister(link.sock)
         self._sockets.remove(link.sock)
@@ -93,7 +93,7 @@ class PeerLinks:
         were idle for peer_idle_timeout_s, or whose Hello was never answered for two
         heartbeats; ``need_room``: also the least recently used idle one."""
         with self._lock:
-            busy = {w.peer for w in self.state.by_tid.values()}
+            busy = {w.peer for w in self.state.waiting()}
         window = 2 * self.cfg.heartbeat_s()
         idle = sorted((link.used_at, addr) for addr, link in self._links.items()
                       if addr not in busy and not link.queued)

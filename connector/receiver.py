@@ -55,7 +55,8 @@ class PushReceiver(PeerLinks, EngineThread):
         self._links: dict[str, _PeerLink] = {}
         self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
         self._next_prune = 0.0
-        self._regs: dict[str, M.Register] = {}  # receiver thread only: to re-send after P restarted
+        # (transfer id, P peer) -> its Register; receiver thread only: to re-send after P restarted
+        self._regs: dict[tuple[str, str], M.Register] = {}
         self.instance = uuid.uuid4().hex[:12]
         self._keys: ControlKeys | None = None
         cfg.validate_security()
@@ -82,13 +83,18 @@ class PushReceiver(PeerLinks, EngineThread):
         self.agent = None  # NIXL's agent object releases its UCX worker when collected
 
     # -- engine thread ----------------------------------------------------------
-    def register(self, request_id: str, transfer_id: str, peer: str, block_ids: list[int], skip_blocks: int = 0,
-                 peer_key: str | None = None, transfer_key: str = "") -> None:
-        """Ask P at ``peer`` (host:port) to push ``transfer_id`` into ``block_ids``.
+    def register(self, request_id: str, transfer_id: str, peer: str | list[str], block_ids: list[int],
+                 skip_blocks: int = 0, peer_key: str | None = None, transfer_key: str = "",
+                 p_tp_size: int = 0) -> None:
+        """Ask P at ``peer`` (host:port; several: the P ranks that write into this rank,
+        one flow each) to push ``transfer_id`` into ``block_ids``.
         ``peer_key``: P's public key (z85), needed when D trusts more than one;
-        ``transfer_key``: the transfer's secret, when the request carries one."""
-        parse_host_port(peer, "kv_transfer_params.kvpath.peer")
-        server_key, why = self._server_key(peer, peer_key)
+        ``transfer_key``: the transfer's secret, when the request carries one;
+        ``p_tp_size``: the P TP size these peers were chosen for (P checks it)."""
+        peers = [peer] if isinstance(peer, str) else list(dict.fromkeys(peer))
+        for p in peers:
+            parse_host_port(p, "kv_transfer_params.kvpath.peer")
+        server_key, why = self._server_key(peers[0], peer_key) if peers else (None, "no P peer to register with")
         if why:
             # a peer this engine's own config does not trust: nothing is sent to it
             with self._lock:
@@ -97,7 +103,7 @@ class PushReceiver(PeerLinks, EngineThread):
             logger.error("request %s not registered with %s: %s", request_id, peer, why)
             return
         with self._lock:
-            if not self.state.add(request_id, transfer_id, peer):
+            if not self.state.add(request_id, transfer_id, peers):
                 # Two live requests with one transfer id (a reused id, or n > 1 whose
                 # children share kv_transfer_params): only one can receive the push.
                 self.state.reject_new(request_id)
@@ -105,7 +111,16 @@ class PushReceiver(PeerLinks, EngineThread):
                 logger.warning("request %s reuses transfer id %s, which another request is waiting on: failed",
                                request_id, transfer_id)
                 return
-        self._put("register", (request_id, transfer_id, peer, list(block_ids), skip_blocks, server_key, transfer_key))
+        self._put("register", (request_id, transfer_id, peers, list(block_ids), skip_blocks, server_key, transfer_key,
+                               p_tp_size))
+
+    def refuse(self, request_id: str, why: str) -> None:
+        """Fail a request that cannot be registered (its KV cannot come): freed at once."""
+        with self._lock:
+            self.state.reject_new(request_id)
+        self.stats.inc("recv_failed")
+        logger.error("request %s not registered: %s", request_id, why)
+        self._wake()
 
     def connect(self, peer: str, peer_key: str | None = None) -> None:
         """Handshake with P at ``peer`` now (P opens its lanes to us on our Hello), so the
@@ -218,26 +233,13 @@ class PushReceiver(PeerLinks, EngineThread):
     def _drain_cmds(self) -> None:
         for kind, arg in self._commands():
             if kind == "register":
-                request_id, tid, peer, block_ids, skip, server_key, transfer_key = arg
-                link = self._link(peer, server_key)
-                if link is None:
-                    known = peer in self._links
-                    why = "P is known by another key" if known else f"{MAX_LINKS} P peers connected, none idle"
-                    with self._lock:
-                        w = self.state.by_tid.get(tid)
-                        if w is not None:
-                            self.state.send_failed(tid, why)
-                    self.stats.inc("peers_untrusted" if known else "peers_over_limit")
-                    logger.error("request %s not registered with %s: %s", request_id, peer, why)
-                    continue
-                link.used_at = time.monotonic()
-                reg = M.Register(
-                    transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
-                    skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
-                )
-                self._regs[tid] = reg
-                link.queued.append(reg)
-                self._flush(link)
+                request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp = arg
+                for peer in peers:  # one flow per P rank
+                    self._register_flow(request_id, tid, peer, server_key, M.Register(
+                        transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
+                        skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
+                        p_tp_size=p_tp,
+                    ))
             elif kind == "reconnect":
                 for link in self._links.values():
                     link.sock.disconnect(f"tcp://{link.addr}")
@@ -246,6 +248,22 @@ class PushReceiver(PeerLinks, EngineThread):
                 link = self._link(*arg)
                 if link is not None:
                     self._flush(link)
+
+    def _register_flow(self, request_id: str, tid: str, peer: str, server_key: bytes | None,
+                       reg: M.Register) -> None:
+        link = self._link(peer, server_key)
+        if link is None:
+            known = peer in self._links
+            why = "P is known by another key" if known else f"{MAX_LINKS} P peers connected, none idle"
+            with self._lock:
+                self.state.send_failed(tid, why, peer)
+            self.stats.inc("peers_untrusted" if known else "peers_over_limit")
+            logger.error("request %s not registered with %s: %s", request_id, peer, why)
+            return
+        link.used_at = time.monotonic()
+        self._regs[(tid, peer)] = reg
+        link.queued.append(reg)
+        self._flush(link)
 
     def _flush(self, link: _PeerLink) -> None:
         """Send what waits for ``link``: a Hello first, registrations once welcomed."""
@@ -270,12 +288,12 @@ class PushReceiver(PeerLinks, EngineThread):
             # the two would otherwise release the blocks as never sent while the
             # Register is on its way to P.
             with self._lock:
-                if not self.state.on_sent(reg.transfer_id, link.instance):
+                if not self.state.on_sent(reg.transfer_id, link.instance, link.addr):
                     continue  # given up while queued
             stamped = msgspec.structs.replace(reg, sent_at=time.time())
             if not self._send(link, stamped):  # not queued: P cannot know of it
                 with self._lock:
-                    self.state.send_failed(reg.transfer_id, "control channel full")
+                    self.state.send_failed(reg.transfer_id, "control channel full", link.addr)
 
     def _send(self, link: _PeerLink, msg: Any) -> bool:
         try:
@@ -312,7 +330,7 @@ class PushReceiver(PeerLinks, EngineThread):
             elif isinstance(msg, M.Pending):
                 with self._lock:
                     for tid in msg.transfer_ids:
-                        self.state.on_alive(tid)
+                        self.state.on_alive(tid, link.addr)
             else:
                 self._on_ack(link, msg)
 
@@ -340,25 +358,26 @@ class PushReceiver(PeerLinks, EngineThread):
     def _on_ack(self, link: _PeerLink, ack: M.Ack) -> None:
         if ack.status == "accepted":
             with self._lock:
-                self.state.on_alive(ack.transfer_id)
+                self.state.on_alive(ack.transfer_id, link.addr)
             return
         if ack.status == "posted":
             with self._lock:
-                self.state.on_posted(ack.transfer_id, ack.bytes)
+                self.state.on_posted(ack.transfer_id, ack.bytes, peer=link.addr)
             return
         if ack.status == "unknown_peer":
             # P does not know us (it restarted): handshake again, then re-send.
             link.welcomed = False
             link.hello_at = 0.0
             with self._lock:
-                w = self.state.on_unknown_peer(ack.transfer_id)
-            if w is not None and not w.failed and ack.transfer_id in self._regs:
-                link.queued.append(self._regs[ack.transfer_id])
+                w = self.state.on_unknown_peer(ack.transfer_id, link.addr)
+            key = (ack.transfer_id, link.addr)
+            if w is not None and not w.failed and key in self._regs:
+                link.queued.append(self._regs[key])
             self._flush(link)
             return
         with self._lock:
             outcome, w = self.state.on_ended(ack.transfer_id, ack.posted, f"{ack.status}: {ack.detail}",
-                                             instance=ack.instance)
+                                             instance=ack.instance, peer=link.addr)
         if outcome == "ignored":
             # Another P process's answer (P restarted), or "never posted" after a
             # posted WRITE: it proves nothing about bytes still on the way.
@@ -415,9 +434,9 @@ class PushReceiver(PeerLinks, EngineThread):
             if link.queued:
                 self._flush(link)
         with self._lock:
-            live = set(self.state.by_tid)
-        for tid in [t for t in self._regs if t not in live]:
-            del self._regs[tid]
+            live = {(w.transfer_id, w.peer) for w in self.state.waiting()}
+        for key in [k for k in self._regs if k not in live]:
+            del self._regs[key]
 
     def _agents(self, peer: str, instance: str) -> set[str]:
         link = self._links.get(peer)
@@ -432,12 +451,16 @@ class PushReceiver(PeerLinks, EngineThread):
                     continue
                 with self._lock:
                     w = self.state.on_done(tid, sender, self._agents)
+                    last = tid not in self.state.by_tid  # every flow of it into this rank has landed
                 if w is None:
                     # No registration waits for it, or it comes from an agent of another
                     # process than the one the registration went to: never a success.
                     self.stats.inc("notifs_stray")
                     logger.warning("dropped notification for transfer %s from agent %s", tid, sender)
                     continue
+                reg = self._regs.get((tid, w.peer))
+                if self.kv_dump is not None and last and reg is not None:
+                    self.kv_dump.write(tid, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
                 if not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it

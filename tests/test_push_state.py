@@ -297,3 +297,55 @@ def test_a_registration_without_the_transfer_key_is_refused_in_either_order():
     # no key on P's request: any registration (clients that send none)
     s.add_prefill(FinishedPrefill("p-c", "c", [3]))
     assert s.add_registration(Register("c", "d", "agent", [1]), b"d", 5.0)[0] == "matched"
+
+
+def test_a_request_with_several_flows_is_released_when_its_last_flow_lands():
+    c = Clock()
+    r = rstate(c)
+    assert r.add("d1", "t1", ["p:1", "p:2"])  # P TP 2 -> D TP 1: one flow from each P rank
+    assert not r.add("d2", "t1", ["p:3"])  # the transfer id is taken, whatever the peer
+    assert r.on_sent("t1", "i1", "p:1") and r.on_sent("t1", "i2", "p:2")
+    assert r.pending() == 2 and r.get("t1") is None  # two flows: a peer must be named
+
+    def agents(peer, instance):
+        return {f"{instance}-lane0"}
+
+    assert r.on_done("t1", "i2-lane0", agents).peer == "p:2"  # the flow is told by its sender's agent
+    assert r.take() == (set(), set()) and r.pending() == 1  # p:1's heads are not here yet
+    assert r.on_done("t1", "i2-lane0", agents) is None  # that flow ended: a repeat is stray
+    assert r.on_done("t1", "i1-lane0", agents).peer == "p:1"
+    assert r.take() == ({"d1"}, set()) and r.pending() == 0
+
+
+def test_one_failed_flow_fails_the_request_and_gives_up_its_other_flows():
+    c, drained = Clock(), Drained()
+    r = rstate(c)
+    assert r.add("d1", "t1", ["p:1", "p:2"])
+    r.on_sent("t1", "i1", "p:1")
+    r.on_sent("t1", "i2", "p:2")
+    r.on_posted("t1", 1 << 20, peer="p:2")
+    # P rank 0 never posted (its prefill was aborted): that flow ends at once
+    assert r.on_ended("t1", False, "rejected: aborted", instance="i1", peer="p:1")[0] == "released"
+    w = r.get("t1", "p:2")
+    assert w.gave_up and "another flow of the request failed" in w.why
+    assert r.take() == (set(), set())  # p:2's WRITE may still land in the blocks: held
+    assert [x.peer for x in r.to_cancel()] == ["p:2"]  # P rank 1 is asked to stop at once
+    # P rank 1's posted WRITE ended (failed): its fence holds the blocks grace_s longer
+    assert r.on_ended("t1", True, "failed", instance="i2", peer="p:2")[0] == "fenced"
+    c.t = 0.5
+    r.expire(drained)
+    assert r.take() == (set(), set())
+    c.t = 1.5
+    r.expire(drained)
+    assert r.take() == ({"d1"}, {"d1"})  # failed, released once, after the last flow's fence
+
+
+def test_a_cancelled_request_gives_up_every_flow():
+    c = Clock()
+    r = rstate(c)
+    assert r.add("d1", "t1", ["p:1", "p:2"])
+    r.on_sent("t1", "i1", "p:1")  # p:2's Register has not left D yet
+    assert {w.peer for w in r.cancel_request("d1")} == {"p:1", "p:2"}
+    assert r.take() == (set(), set()) and r.pending() == 1  # the unsent flow ended at once
+    assert r.on_ended("t1", False, "cancelled", instance="i1", peer="p:1")[0] == "released"
+    assert r.take() == ({"d1"}, set())  # D's own request ended: released, not failed

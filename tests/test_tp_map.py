@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvpath.connector.layout import build_descs
+from kvpath.connector.layout import build_descs, layout_from_buffers
 from kvpath.connector.messages import BlockLayout, Compat, Region
-from kvpath.connector.tp_map import (RankKV, check_hetero, compat_refusal, handshake_refusal, heads_of, holders, plan, sources, targets,
+from kvpath.connector.tp_map import (RankKV, check_hetero, compat_refusal, handshake_refusal, heads_of, holders, layouts_refusal, peer_ranks, plan, rank_kv, sources, targets,
                                      writer_of)
 
 LAYERS = 2
@@ -229,11 +229,14 @@ def _compat(tp: int, bs: int = 32, heads: int = 4) -> Compat:
 def test_the_handshake_names_both_sizes_and_the_head_count():
     assert handshake_refusal(_compat(2), _compat(2)) is None  # equal: the field-by-field check decides
     assert handshake_refusal(_compat(1, heads=0), _compat(1, heads=0)) is None
-    field, msg = handshake_refusal(_compat(2), _compat(1))
-    assert field == "tp_size" and "P has TP=2 and block size 32, D has TP=1 and block size 32" in msg
-    assert "the model has 4 KV heads" in msg and "same --tensor-parallel-size" in msg
+    assert handshake_refusal(_compat(2), _compat(1)) is None  # P TP 2 -> D TP 1: planned by tp_map
+    assert handshake_refusal(_compat(4, heads=2), _compat(2, heads=2)) is None  # P replicates heads
+    field, msg = handshake_refusal(_compat(1), _compat(2))
+    assert field == "tp_size" and "P has TP=1 and block size 32, D has TP=2 and block size 32" in msg
+    assert "the model has 4 KV heads" in msg and "D's TP size is above P's" in msg
     field, msg = handshake_refusal(_compat(2, bs=32), _compat(2, bs=64))
     assert field == "block_size" and "block size 32" in msg and "block size 64" in msg
+    assert "same --block-size" in msg
     field, msg = handshake_refusal(_compat(2), _compat(3))  # 3 neither divides nor multiplies 4
     assert field == "tp_size" and msg.startswith("tp_size: D's TP size 3 neither divides nor is a multiple of the 4")
     field, msg = handshake_refusal(_compat(6), _compat(2))
@@ -246,16 +249,62 @@ def test_the_handshake_names_both_sizes_and_the_head_count():
         "kv_heads differs: P's model has 4 KV heads, D's has an unknown number of"
 
 
+def test_equal_tp_sizes_pair_rank_with_rank():
+    import msgspec
+
+    field, msg = handshake_refusal(_compat(2), msgspec.structs.replace(_compat(2), tp_rank=1))
+    assert field == "tp_rank" and "D rank 1 reached P rank 0" in msg
+    # unequal sizes: any D rank may register with any P rank (peer_ranks decides)
+    assert handshake_refusal(_compat(2), msgspec.structs.replace(_compat(1), tp_rank=0)) is None
+    assert handshake_refusal(msgspec.structs.replace(_compat(2), tp_rank=1), _compat(1)) is None
+
+
 def test_a_different_model_is_named_before_the_sizes_it_implies():
     import msgspec
 
     p, d = _compat(2, heads=8), msgspec.structs.replace(_compat(1, heads=4), model="other")
     assert compat_refusal(p, d)[0] == "model"  # not kv_heads: the operator looks for the right thing
-    field, msg = compat_refusal(msgspec.structs.replace(_compat(2), kv_layout="2x[4096]"),
-                                msgspec.structs.replace(_compat(1), kv_layout="2x[8192]"))
-    assert field == "tp_size" and "P has TP=2" in msg  # kv_layout differs first, as TP sizes make it
+    field, msg = compat_refusal(msgspec.structs.replace(_compat(1), kv_layout="2x[4096]"),
+                                msgspec.structs.replace(_compat(2), kv_layout="2x[8192]"))
+    assert field == "tp_size" and "P has TP=1" in msg  # kv_layout differs first, as TP sizes make it
     assert compat_refusal(_compat(2), _compat(2)) is None
     assert compat_refusal(_compat(2), msgspec.structs.replace(_compat(2), dtype="bfloat16"))[0] == "dtype"
+    # a non-size field is named even when it comes after the sizes in the record
+    assert compat_refusal(_compat(2), msgspec.structs.replace(_compat(1), layers="3:abc"))[0] == "layers"
+    field, msg = compat_refusal(msgspec.structs.replace(_compat(2), kv_layout="2x[1]"),
+                                msgspec.structs.replace(_compat(2), kv_layout="2x[2]"))
+    assert field == "kv_layout" and "'2x[1]'" in msg
+
+
+def test_d_ranks_register_with_the_p_ranks_that_hold_their_heads():
+    assert [peer_ranks(2, 2, d, 4) for d in range(2)] == [[0], [1]]  # rank for rank
+    assert peer_ranks(2, 1, 0, 4) == [0, 1]  # each P rank holds half of D's heads
+    assert [peer_ranks(4, 2, d, 8) for d in range(2)] == [[0, 1], [2, 3]]
+    # one KV head, P TP 2 -> D TP 1: rank 1 writes nothing but is still registered with
+    # (its empty push frees its blocks at once, not at its lease)
+    assert peer_ranks(2, 1, 0, 1) == [0, 1]
+    assert [peer_ranks(4, 2, d, 1) for d in range(2)] == [[0, 2], [1, 3]]
+    # every P rank is registered with by exactly one D rank
+    for p_tp, d_tp, h in [(2, 1, 4), (4, 2, 8), (4, 1, 2), (4, 2, 1), (8, 2, 4), (2, 2, 1)]:
+        seen = sorted(p for d in range(d_tp) for p in peer_ranks(p_tp, d_tp, d, h))
+        assert seen == list(range(p_tp)), (p_tp, d_tp, h)
+
+
+def test_a_cache_is_read_from_its_handshake_record():
+    lay = layout_from_buffers([(4096, 4 * 2 * 16 * 2 * 8 * 4)] * 3, num_blocks=4, block_size=16)  # 2 heads, hd 8, f32
+    kv = rank_kv(lay, Compat(tp_size=2, tp_rank=1, kv_heads=4, block_size=16))
+    assert kv.heads == [2, 3] and kv.head_bytes == 16 * 2 * 8 * 4 and len(kv.regions) == 3
+    with pytest.raises(ValueError, match="not 3 heads"):
+        rank_kv(lay, Compat(tp_size=1, tp_rank=0, kv_heads=3, block_size=16))
+    d = layout_from_buffers([(4096, 4 * 4 * 16 * 2 * 8 * 4)] * 3, num_blocks=4, block_size=16)
+    dc = Compat(tp_size=1, tp_rank=0, kv_heads=4, block_size=16)
+    assert layouts_refusal(lay, Compat(tp_size=2, tp_rank=1, kv_heads=4, block_size=16), d, dc) is None
+    short = layout_from_buffers([(4096, 4 * 4 * 16 * 2 * 8 * 4)] * 2, num_blocks=4, block_size=16)
+    assert layouts_refusal(lay, Compat(tp_size=2, tp_rank=1, kv_heads=4, block_size=16), short, dc) == \
+        ("kv_layout", "kv_layout: P has 3 regions (layers), D has 2")
+    wide = layout_from_buffers([(4096, 4 * 4 * 16 * 2 * 16 * 4)] * 3, num_blocks=4, block_size=16)  # head_dim 16
+    field, msg = layouts_refusal(lay, Compat(tp_size=2, tp_rank=1, kv_heads=4, block_size=16), wide, dc)
+    assert field == "kv_layout" and "head_dim differs" in msg
 
 
 def test_plan_refuses_what_it_cannot_write():

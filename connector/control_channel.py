@@ -129,6 +129,11 @@ class ControlChannel:
             self.stats.inc("registrations_rejected")
             self._ack(ident, tid, "rejected", f"block id {bad[0]} outside D's {peer.hello.layout.num_blocks} blocks")
             return
+        if reg.skip_blocks + len(reg.block_ids) > peer.hello.layout.num_blocks:
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "rejected", f"skip_blocks {reg.skip_blocks} + {len(reg.block_ids)} blocks exceed "
+                                              f"D's {peer.hello.layout.num_blocks} blocks")
+            return
         want_tp = reg.p_tp_size or peer.hello.compat.tp_size
         if want_tp != self.compat.tp_size:
             # D chose which P ranks to register with for another TP size: the heads it

@@ -88,9 +88,10 @@ class EngineThread:
         cleanup that follows it on the engine thread."""
         try:
             if isinstance(rec, TransferRecord):
-                # the handshake pairs D rank r with P rank r only (equal TP sizes), so a
-                # record without a peer (expired, cancelled) has its D rank too
-                rec.rank = rec.peer_rank = self.rank
+                rec.rank = self.rank
+                if not rec.peer_engine:
+                    # no D worker behind it (expired, cancelled): the rank equal TP sizes pair it with
+                    rec.peer_rank = self.rank
             elif isinstance(rec, ReceivedRecord):
                 rec.rank = self.rank  # D's rank: one receipt per flow at TP > 1
             self.trace.write(rec)

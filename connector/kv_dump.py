@@ -56,7 +56,13 @@ class KVDump:
 
     def write(self, transfer_id: str, layout: BlockLayout, compat: Compat, block_ids: Sequence[int],
               skip_blocks: int = 0) -> None:
-        """Never raises: a dump must not fail a push."""
+        """Never raises: a dump must not fail a push. DRAM only (a VRAM region's base
+        is a device pointer)."""
+        if layout.mem_type != "DRAM":
+            if self.written == 0:
+                logger.warning("kv_dump_dir: the KV cache is in %s, not DRAM: nothing is dumped", layout.mem_type)
+            self.written = MAX_DUMPS + 1
+            return
         if self.written >= MAX_DUMPS:
             if self.written == MAX_DUMPS:
                 logger.warning("kv_dump_dir: %d dumps written, no more from this process", MAX_DUMPS)

@@ -81,7 +81,7 @@ class PeerLinks:
     def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
         for reg in link.queued:
             with self._lock:
-                self.state.send_failed(reg.transfer_id, why, link.addr)
+                self.state.send_failed(reg.transfer_id, why, link.addr, reg.request_id)
         link.queued.clear()
         self._poller.unregister(link.sock)
         self._sockets.remove(link.sock)

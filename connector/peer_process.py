@@ -134,7 +134,9 @@ def serve_prefill(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp
     high = opts.get("max_byte", 256)  # the source bytes stay below this value
     bufs = [rng.integers(0, high, spec.num_blocks * spec.block_len, dtype=np.uint8) for _ in range(spec.regions)]
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
-    tx = PushSender(cfg, layout_from_buffers(spans, spec.num_blocks, spec.block_size), spans).start()
+    rank = opts.get("rank", 0)  # a TP rank: its control port is side_channel_port + rank
+    tx = PushSender(cfg, layout_from_buffers(spans, spec.num_blocks, spec.block_size), spans, rank=rank,
+                    compat=opts.get("compat")).start()
     q_out.put(("ready", tx.engine_id))
     while True:
         cmd, *args = q_in.get()
@@ -143,6 +145,8 @@ def serve_prefill(cfg: KVPathConfig, spec: BufferSpec, q_in: mp.Queue, q_out: mp
             q_out.put(("ok",))
         elif cmd == "read":
             q_out.put(("data", [b.reshape(spec.num_blocks, spec.block_len)[args[0]].tobytes() for b in bufs]))
+        elif cmd == "address":
+            q_out.put(("address", tx.address))
         elif cmd == "stats":
             q_out.put(("stats", tx.stats.snapshot()))
         elif cmd == "stop":

@@ -85,12 +85,13 @@ class PushReceiver(PeerLinks, EngineThread):
     # -- engine thread ----------------------------------------------------------
     def register(self, request_id: str, transfer_id: str, peer: str | list[str], block_ids: list[int],
                  skip_blocks: int = 0, peer_key: str | None = None, transfer_key: str = "",
-                 p_tp_size: int = 0) -> None:
+                 p_tp_size: int = 0, peer_ranks: list[int] | None = None) -> None:
         """Ask P at ``peer`` (host:port; several: the P ranks that write into this rank,
         one flow each) to push ``transfer_id`` into ``block_ids``.
         ``peer_key``: P's public key (z85), needed when D trusts more than one;
         ``transfer_key``: the transfer's secret, when the request carries one;
-        ``p_tp_size``: the P TP size these peers were chosen for (P checks it)."""
+        ``p_tp_size``: the P TP size these peers were chosen for (P checks it);
+        ``peer_ranks``: their P ranks, for the trace."""
         peers = [peer] if isinstance(peer, str) else list(dict.fromkeys(peer))
         for p in peers:
             parse_host_port(p, "kv_transfer_params.kvpath.peer")
@@ -103,7 +104,12 @@ class PushReceiver(PeerLinks, EngineThread):
             logger.error("request %s not registered with %s: %s", request_id, peer, why)
             return
         with self._lock:
-            if not self.state.add(request_id, transfer_id, peers):
+            if self.state.waits(request_id):
+                # registered already (vLLM does not re-register a request): its flows end it
+                self.stats.inc("registrations_duplicate")
+                logger.warning("request %s is registered already: the second registration is ignored", request_id)
+                return
+            if not self.state.add(request_id, transfer_id, peers, peer_ranks):
                 # Two live requests with one transfer id (a reused id, or n > 1 whose
                 # children share kv_transfer_params): only one can receive the push.
                 self.state.reject_new(request_id)
@@ -256,7 +262,7 @@ class PushReceiver(PeerLinks, EngineThread):
             known = peer in self._links
             why = "P is known by another key" if known else f"{MAX_LINKS} P peers connected, none idle"
             with self._lock:
-                self.state.send_failed(tid, why, peer)
+                self.state.send_failed(tid, why, peer, request_id)
             self.stats.inc("peers_untrusted" if known else "peers_over_limit")
             logger.error("request %s not registered with %s: %s", request_id, peer, why)
             return
@@ -288,12 +294,12 @@ class PushReceiver(PeerLinks, EngineThread):
             # the two would otherwise release the blocks as never sent while the
             # Register is on its way to P.
             with self._lock:
-                if not self.state.on_sent(reg.transfer_id, link.instance, link.addr):
+                if not self.state.on_sent(reg.transfer_id, link.instance, link.addr, reg.request_id):
                     continue  # given up while queued
             stamped = msgspec.structs.replace(reg, sent_at=time.time())
             if not self._send(link, stamped):  # not queued: P cannot know of it
                 with self._lock:
-                    self.state.send_failed(reg.transfer_id, "control channel full", link.addr)
+                    self.state.send_failed(reg.transfer_id, "control channel full", link.addr, reg.request_id)
 
     def _send(self, link: _PeerLink, msg: Any) -> bool:
         try:
@@ -434,9 +440,17 @@ class PushReceiver(PeerLinks, EngineThread):
             if link.queued:
                 self._flush(link)
         with self._lock:
-            live = {(w.transfer_id, w.peer) for w in self.state.waiting()}
-        for key in [k for k in self._regs if k not in live]:
+            live = {(w.transfer_id, w.peer, w.request_id) for w in self.state.waiting() if not w.sent}
+            live_keys = {(w.transfer_id, w.peer) for w in self.state.waiting()}
+        for key in [k for k in self._regs if k not in live_keys]:
             del self._regs[key]
+        for link in self._links.values():  # a flow that ended while its Register waited: never sent
+            link.queued = [r for r in link.queued if (r.transfer_id, link.addr, r.request_id) in live]
+
+    def _dump(self, w: Any) -> None:
+        reg = self._regs.get((w.transfer_id, w.peer))
+        if reg is not None and self.kv_dump is not None:
+            self.kv_dump.write(w.transfer_id, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
 
     def _agents(self, peer: str, instance: str) -> set[str]:
         link = self._links.get(peer)
@@ -451,18 +465,18 @@ class PushReceiver(PeerLinks, EngineThread):
                     continue
                 with self._lock:
                     w = self.state.on_done(tid, sender, self._agents)
-                    last = tid not in self.state.by_tid  # every flow of it into this rank has landed
+                    if w is not None and self.kv_dump is not None and tid not in self.state.by_tid:
+                        # every flow of it into this rank has landed; under the lock, so the
+                        # engine cannot take the release (and reuse the blocks) before the copy
+                        self._dump(w)
                 if w is None:
                     # No registration waits for it, or it comes from an agent of another
                     # process than the one the registration went to: never a success.
                     self.stats.inc("notifs_stray")
                     logger.warning("dropped notification for transfer %s from agent %s", tid, sender)
                     continue
-                reg = self._regs.get((tid, w.peer))
-                if self.kv_dump is not None and last and reg is not None:
-                    self.kv_dump.write(tid, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
                 if not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
                     self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
-                                                    at=time.time()))
+                                                at=time.time(), peer_rank=w.peer_rank))

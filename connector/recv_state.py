@@ -73,6 +73,7 @@ class Waiting:
     spin_until: float = 0.0  # D progresses without pause until then
     why: str = ""
     released_by: str = ""  # expire's release: "drain" (path 4) or "bound" (path 5)
+    peer_rank: int = -1  # the P rank at ``peer`` (for the trace), -1: not given
 
 
 class ReceiverState:
@@ -95,7 +96,8 @@ class ReceiverState:
         self.failed: set[str] = set()  # subset of released: the KV did not arrive
 
     # -- inputs ------------------------------------------------------------------
-    def add(self, request_id: str, transfer_id: str, peer: str | list[str]) -> bool:
+    def add(self, request_id: str, transfer_id: str, peer: str | list[str], peer_ranks: list[int] | None = None
+            ) -> bool:
         """Wait for ``transfer_id`` from ``peer`` (several: one flow from each, added
         together so that none can end the request before the others are known).
         False for a transfer id already waiting, or a request already waiting: the
@@ -104,8 +106,10 @@ class ReceiverState:
         if transfer_id in self.by_tid or request_id in self._flows_left or not peers:
             return False
         now = self.clock()
+        ranks = peer_ranks if peer_ranks is not None and len(peer_ranks) == len(peers) else [-1] * len(peers)
         self.by_tid[transfer_id] = {
-            p: Waiting(request_id, transfer_id, p, now + self.liveness_s, now + self.max_wait_s) for p in peers}
+            p: Waiting(request_id, transfer_id, p, now + self.liveness_s, now + self.max_wait_s, peer_rank=r)
+            for p, r in zip(peers, ranks)}
         self._flows_left[request_id] = len(peers)
         return True
 
@@ -127,13 +131,16 @@ class ReceiverState:
         self.failed.add(request_id)
         self.released.add(request_id)
 
-    def on_sent(self, transfer_id: str, instance: str = "", peer: str | None = None) -> bool:
+    def on_sent(self, transfer_id: str, instance: str = "", peer: str | None = None,
+                request_id: str | None = None) -> bool:
         """The Register is about to leave for P process ``instance``. Called under the
         same lock as the check that it still waits, before the send: an abort from
         then on fences it instead of releasing it as never sent. False: not waiting
-        (given up while queued) or already sent: do not send it."""
+        (given up while queued), already sent, or the flow is another request's (a
+        Register left queued by an ended request whose transfer id was reused: its
+        blocks are not this request's): do not send it."""
         w = self.get(transfer_id, peer)
-        if w is None or w.sent:
+        if w is None or w.sent or (request_id is not None and w.request_id != request_id):
             return False
         now = self.clock()  # the clocks start when P can know of it
         w.sent, w.instance, w.sent_at = True, instance, now
@@ -141,13 +148,19 @@ class ReceiverState:
         w.give_up_at = now + self.max_wait_s
         return True
 
-    def send_failed(self, transfer_id: str, why: str, peer: str | None = None) -> Waiting | None:
+    def send_failed(self, transfer_id: str, why: str, peer: str | None = None,
+                    request_id: str | None = None) -> Waiting | None:
         """The Register marked sent was not queued after all (the NOBLOCK send failed):
-        P cannot know of it, so nothing is posted. Ends it."""
+        P cannot know of it, so nothing is posted. Ends it (only ``request_id``'s flow)."""
         w = self.get(transfer_id, peer)
-        if w is not None:
+        if w is not None and (request_id is None or w.request_id == request_id):
             self._end(w, why)
-        return w
+            return w
+        return None
+
+    def waits(self, request_id: str) -> bool:
+        """Flows of ``request_id`` are waiting."""
+        return request_id in self._flows_left
 
     def on_unknown_peer(self, transfer_id: str, peer: str | None = None) -> Waiting | None:
         """P answered that it has no handshake with us (it restarted): it dropped the

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The P ranks one D rank registers a request with (P's TP size over D's): bounds the
+# links and flows a request's kvpath.tp_size can make
+MAX_FLOWS = 64
+
 
 class KVPathWorker:
     def __init__(
@@ -72,12 +76,14 @@ class KVPathWorker:
                 p_tp = r.p_tp_size or self.tp_size
                 try:  # P rank p listens at the advertised port + p
                     ranks = peer_ranks(p_tp, self.tp_size, self.rank, int(self.compat_fields.get("kv_heads") or 0))
+                    if len(ranks) > MAX_FLOWS:  # a client's tp_size must not make D open a link per rank
+                        raise ValueError(f"{len(ranks)} P ranks for this D rank, at most {MAX_FLOWS}")
+                    # never raises on the engine thread: a bad peer or port fails the request only
+                    self.receiver.register(r.request_id, r.transfer_id, [f"{host}:{int(port) + p}" for p in ranks],
+                                           r.block_ids, r.skip_blocks, peer_key=r.peer_key,
+                                           transfer_key=r.transfer_key, p_tp_size=p_tp, peer_ranks=ranks)
                 except ValueError as e:
-                    self.receiver.refuse(r.request_id, f"P's TP size {p_tp} and D's {self.tp_size}: {e}")
-                    continue
-                self.receiver.register(r.request_id, r.transfer_id, [f"{host}:{int(port) + p}" for p in ranks],
-                                       r.block_ids, r.skip_blocks, peer_key=r.peer_key, transfer_key=r.transfer_key,
-                                       p_tp_size=p_tp)
+                    self.receiver.refuse(r.request_id, f"P's TP size {p_tp}, D's {self.tp_size}: {e}")
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
         if self.sender is not None:

@@ -97,7 +97,7 @@ class WriteLoop:
         peer = self._peers[reg.agent_name]
         rec = TransferRecord(
             transfer_id=fp.transfer_id, request_id=fp.request_id, peer_engine=peer.hello.engine_id,
-            peer_request_id=reg.request_id, lane=lane, lease_id=fp.lease_id or "",
+            peer_request_id=reg.request_id, peer_rank=peer.hello.compat.tp_rank, lane=lane, lease_id=fp.lease_id or "",
             registered_at=pr.received_at, prefill_done_at=fp.finished_at,
         )
         if time.monotonic() >= pr.post_by:

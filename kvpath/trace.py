@@ -145,16 +145,19 @@ class ReceivedRecord(msgspec.Struct, tag="received", kw_only=True):
     request_id: str  # D's request id
     engine: str = ""
     at: float  # unix seconds
-    rank: int = 0  # D's TP rank: a request at TP > 1 lands one flow per rank
+    rank: int = 0  # D's TP rank: a request at TP > 1 lands one flow per rank pair
+    # the P rank whose flow this is (P's TP size above D's: several per D rank); -1:
+    # not recorded (older logs), the P rank equal TP sizes pair with ``rank``
+    peer_rank: int = -1
 
 
-def received_by_flow(records: Iterable[ReceivedRecord]) -> dict[tuple[str, int], float]:
-    """(transfer id, D rank) -> when that flow's last byte was on D. A P record's flow
-    is (its transfer id, its ``peer_rank``); the request's KV is on D when the last of
-    its flows is (the latest of them)."""
-    out: dict[tuple[str, int], float] = {}
+def received_by_flow(records: Iterable[ReceivedRecord]) -> dict[tuple[str, int, int], float]:
+    """(transfer id, P rank, D rank) -> when that flow's last byte was on D. A P
+    record's flow is (its transfer id, its ``rank``, its ``peer_rank``); the request's KV
+    is on D when the last of its flows is (the latest of them)."""
+    out: dict[tuple[str, int, int], float] = {}
     for r in records:  # a flow recorded twice (a rotated log read whole): its latest
-        key = (r.transfer_id, r.rank)
+        key = (r.transfer_id, r.peer_rank if r.peer_rank >= 0 else r.rank, r.rank)
         out[key] = max(out.get(key, r.at), r.at)
     return out
 
@@ -164,7 +167,7 @@ def kv_ready_at(records: Iterable[ReceivedRecord]) -> dict[str, float]:
     flow of it, where every flow has a receipt (a flow whose push failed has none: the
     request then failed on D, which the caller learns from the request's own record)."""
     out: dict[str, float] = {}
-    for (tid, _rank), at in received_by_flow(records).items():
+    for (tid, _p, _d), at in received_by_flow(records).items():
         out[tid] = max(out.get(tid, at), at)
     return out
 

@@ -133,7 +133,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--lanes", type=int, default=4,
                     help="connector lanes per P-D pair, each its own source port and ECMP path (default %(default)s)")
     rn.add_argument("--tp", default="1:1",
-                    help="with --engine vllm: P's and D's tensor-parallel sizes, P:D (equal today), e.g. 2:2; "
+                    help="with --engine vllm: P's and D's tensor-parallel sizes, P:D (P's at least D's; unequal "
+                    "with --connector kvpath only), e.g. 2:2 or 2:1; "
                     "each engine's ranks bind to cores from its own on, so ranks share cores when they "
                     "outnumber them (default %(default)s)")
     rn.add_argument("--model", default="llama-3-8b",

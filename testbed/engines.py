@@ -97,8 +97,9 @@ class RunSite:
                 argv += ["--decode", f"{self.url(h)},fabric_host={h}"
                                      + (f",engine_id={engine_id(role, h)}" if self.cfg.pushes else "")]
             elif self.cfg.pushes or self.cfg.connector == "nixl-push":  # D's leg names P's side channel and id
+                p_tp, d_tp = self.cfg.tp_sizes
                 argv += ["--prefill", f"{self.url(h)},kv_addr={spec.host_ip(h)}:{KV_PORT},fabric_host={h},"
-                                      f"engine_id={engine_id(role, h)}"]
+                                      f"engine_id={engine_id(role, h)}" + (f",tp={p_tp}" if p_tp != d_tp else "")]
             else:
                 argv += ["--prefill", f"{self.url(h)},fabric_host={h}"]
         return argv

@@ -201,7 +201,7 @@ def pushes(site: RunSite) -> list[Push]:
             received += log.received
     # at TP > 1 a request is one flow per (P rank, D rank): each P record meets its D rank's
     by_flow = received_by_flow(received)
-    return [Push(t, h, by_flow.get((t.transfer_id, t.peer_rank))) for t, h in p_recs]
+    return [Push(t, h, by_flow.get((t.transfer_id, t.rank, t.peer_rank))) for t, h in p_recs]
 
 
 def _minus(now: dict[Any, dict[str, int]], base: dict[Any, dict[str, int]]) -> dict[Any, dict[str, int]]:

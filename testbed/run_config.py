@@ -140,7 +140,10 @@ class RunConfig:
         except ValueError as e:
             raise RunConfigError(f"--pools {self.pools}: {e}") from None
         p_tp, d_tp = self.tp_sizes
-        if p_tp != d_tp:
-            # the handshake would refuse every pair (docs/connector.md); vLLM's own
-            # connectors are not tried at unequal TP here either
-            raise RunConfigError(f"--tp {self.tp}: P and D need equal TP sizes today (P {p_tp}, D {d_tp})")
+        if p_tp != d_tp and self.connector != "kvpath":
+            # vLLM's own connectors are not tried at unequal TP here
+            raise RunConfigError(f"--tp {self.tp}: --connector {self.connector} needs equal TP sizes here "
+                                 f"(P {p_tp}, D {d_tp})")
+        if d_tp > p_tp:
+            # the handshake would refuse every pair (docs/connector.md)
+            raise RunConfigError(f"--tp {self.tp}: D's TP size above P's is not pushed yet (P {p_tp}, D {d_tp})")

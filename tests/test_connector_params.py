@@ -80,3 +80,50 @@ def test_engine_threads_write_their_log_only_through_the_non_raising_helper():
                     and node.value.attr == "trace" and path.name != "engine_thread.py"):
                 direct.append(f"{path.name}:{node.lineno}")
     assert direct == []
+
+
+def test_ps_tp_size_in_ds_params_is_checked():
+    import pytest as _pytest
+
+    from kvpath.connector.params import BadTransferParams, decode_leg_params, parse_decode
+
+    assert parse_decode(decode_leg_params("t", "h:1", tp_size=4)).tp_size == 4
+    for bad in ("2", -1, 1025, True, 2.0):
+        params = decode_leg_params("t", "h:1")
+        params["kvpath"]["tp_size"] = bad
+        with _pytest.raises(BadTransferParams, match="kvpath.tp_size"):
+            parse_decode(params)
+
+
+def test_a_d_leg_whose_p_ranks_cannot_be_reached_fails_alone_not_the_engine():
+    """P rank p is at the advertised port + p: a client's port near 65535 with a TP size
+    would name a port that does not exist, and a huge TP size a link per rank. Either
+    fails that request (refused, its blocks freed), never the engine's step."""
+    from kvpath.connector.config import parse_host_port
+    from kvpath.connector.step_commands import RecvReq, StepCommands
+    from kvpath.connector.vllm_worker import MAX_FLOWS, KVPathWorker
+
+    class Receiver:
+        def __init__(self):
+            self.registered, self.refused = [], []
+
+        def register(self, rid, tid, peers, *a, **kw):
+            for p in peers:
+                parse_host_port(p, "peer")
+            self.registered.append((rid, peers, kw["peer_ranks"]))
+
+        def refuse(self, rid, why):
+            self.refused.append((rid, why))
+
+    w = KVPathWorker.__new__(KVPathWorker)
+    w.receiver, w.sender, w.rank, w.tp_size, w.idle_wait_s = Receiver(), None, 0, 1, 0.0
+    w.compat_fields = {"kv_heads": 128}
+    w.process_metadata(StepCommands(registrations=[
+        RecvReq("r1", "t1", "127.0.0.1:65535", [1], 0, p_tp_size=2),
+        RecvReq("r2", "t2", "127.0.0.1:5600", [1], 0, p_tp_size=MAX_FLOWS * 2),
+        RecvReq("r3", "t3", "127.0.0.1:5600", [1], 0, p_tp_size=2),
+        RecvReq("r4", "t4", "127.0.0.1:5600", [1], 0, p_tp_size=3),  # 3 does not divide 128 heads
+    ]))
+    assert w.receiver.registered == [("r3", ["127.0.0.1:5600", "127.0.0.1:5601"], [0, 1])]
+    assert [rid for rid, _ in w.receiver.refused] == ["r1", "r2", "r4"]
+    assert "65536" in w.receiver.refused[0][1] and f"at most {MAX_FLOWS}" in w.receiver.refused[1][1]

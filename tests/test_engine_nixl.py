@@ -354,7 +354,7 @@ def test_p_at_tp2_pushes_into_d_at_tp1_each_rank_its_own_heads():
     when both have landed."""
     from kvpath.connector.tp_map import peer_ranks
 
-    c = cfg(lanes=1)
+    c = cfg(lanes=4)
     ps = _p_ranks(c, 2)
     d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=2 * SPEC.block_len,
                         block_size=SPEC.block_size)

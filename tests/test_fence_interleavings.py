@@ -100,6 +100,7 @@ def receiver(c: Clock, **kw) -> tuple[PushReceiver, _PeerLink]:
     rcv._lock = threading.Lock()
     rcv.stats = Stats()
     rcv._regs = {}
+    rcv.kv_dump = None
     rcv.engine_id = "d"
     rcv.listen_ports = []
     rcv._wake = lambda: None
@@ -123,7 +124,7 @@ def sender(instance: str) -> PushSender:
 
 
 def register(tid: str) -> M.Register:
-    return M.Register(tid, "d-" + tid, "d-agent", [1, 2])
+    return M.Register(tid, "d" + tid[1:], "d-agent", [1, 2])  # request d1 waits for transfer t1
 
 
 # -- 1. a restarted P, crossing acks -------------------------------------------
@@ -418,3 +419,19 @@ def test_a_cancel_cannot_free_a_prefill_nobody_registered_and_forgotten_records_
     assert s.forgotten == 1
     status, fp, pr = s.cancel("never-seen-or-forgotten")
     assert status == "cancelled" and s.final("never-seen-or-forgotten") == ("cancelled", True)
+
+
+def test_a_register_left_queued_by_an_ended_request_is_never_sent_for_the_next_one():
+    """Request d1's Register waits on a link; d1 ends before it leaves (freed at once,
+    never sent), and d2 reuses the transfer id. d1's Register names d1's blocks, which
+    vLLM has freed: sending it for d2's flow would have P write into them."""
+    c = Clock()
+    rcv, link = receiver(c)
+    rcv.state.add("d1", "t1", PEER)
+    link.queued.append(register("t1"))  # request d1, blocks [1, 2]
+    rcv.state.cancel_request("d1")
+    assert rcv.state.take() == ({"d1"}, set())  # never sent: released at once
+    rcv.state.add("d2", "t1", PEER)
+    link.queued.append(M.Register("t1", "d2", "d-agent", [5, 6]))
+    rcv._flush(link)
+    assert [(m.request_id, m.block_ids) for m in link.sock.out] == [("d2", [5, 6])]

@@ -720,3 +720,21 @@ def test_push_legs_carry_one_fresh_transfer_key_each():
     key = pb["kv_transfer_params"]["kvpath"]["transfer_key"]
     assert len(key) >= 16 and db["kv_transfer_params"]["kvpath"]["transfer_key"] == key
     assert pb2["kv_transfer_params"]["kvpath"]["transfer_key"] != key
+
+
+def test_a_p_instances_tp_size_reaches_ds_leg_and_bad_values_name_the_field():
+    from kvpath.connector.params import parse_decode
+    from kvpath.proxy import legs
+    from kvpath.proxy.cli import parse_instance
+
+    p = parse_instance("http://p:1,kv_addr=10.0.0.1:5600,tp=2", "prefill")
+    assert p.tp_size == 2 and p.to_dict()["tp_size"] == 2
+    _, db = legs.push_legs({"prompt": "x"}, p, "t1", None, None)
+    assert parse_decode(db["kv_transfer_params"]).tp_size == 2
+    # not given: not sent, and D takes P's TP size to be its own
+    _, db = legs.push_legs({"prompt": "x"}, parse_instance("http://p:1,kv_addr=10.0.0.1:5600", "prefill"), "t2",
+                           None, None)
+    assert "tp_size" not in db["kv_transfer_params"]["kvpath"] and parse_decode(db["kv_transfer_params"]).tp_size == 0
+    for bad in ("0", "x", "2000", ""):
+        with pytest.raises(SystemExit, match=f"tp must be the engine's TP size, 1 to 1024, got '{bad}'"):
+            parse_instance(f"http://p:1,kv_addr=h:1,tp={bad}", "prefill")

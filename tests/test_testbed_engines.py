@@ -48,6 +48,15 @@ def test_proxy_flags_with_a_push_connector_name_p_s_kv_address(tmp_path):
     assert argv[argv.index("--kv-bytes-per-token") + 1] == str(round(131072 / 500))
 
 
+def test_at_unequal_tp_the_proxy_learns_ps_tp_size(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    site = _site(tmp_path, engine="vllm", tp="2:1")
+    assert site.proxy_instance_args()[1].endswith(",engine_id=p-l0h0,tp=2")  # D's leg then names it
+    assert ",tp=" not in _site(tmp_path, engine="vllm", tp="2:2").proxy_instance_args()[1]
+
+
 def test_proxy_flags_with_the_pull_connector_reserve_nothing(tmp_path):
     site = _site(tmp_path, engine="vllm", connector="nixl", mode="ecmp")
     assert site.proxy_instance_args()[:2] == ["--prefill", f"{site.url('l0h0')},fabric_host=l0h0"]

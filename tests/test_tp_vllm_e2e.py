@@ -220,6 +220,9 @@ def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(tp2, d_tp1, mod
     # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
     assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
     assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+    # one descriptor per block per layer (the tiny model's 2): a P rank's one head lands
+    # at its offset in each of D's two-head blocks, so D's side does not continue
+    assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
     assert sorted(r.transfer_id for r in got_d) == sorted(t for t in tids for _ in range(2))
     dump = logs / "dump"
     for g in got:

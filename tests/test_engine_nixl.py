@@ -340,6 +340,12 @@ def _p_ranks(c: KVPathConfig, tp: int, heads: int = 4) -> list[PSide]:
     return out
 
 
+def _d_spec(block_len: int) -> BufferSpec:
+    """SPEC's blocks with another number of heads per block (``block_len`` bytes)."""
+    return BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=block_len,
+                      block_size=SPEC.block_size)
+
+
 def _d_compat(spec: BufferSpec, tp: int, rank: int = 0, heads: int = 4):
     from kvpath.connector.messages import Compat
 
@@ -356,8 +362,7 @@ def test_p_at_tp2_pushes_into_d_at_tp1_each_rank_its_own_heads():
 
     c = cfg(lanes=4)
     ps = _p_ranks(c, 2)
-    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=2 * SPEC.block_len,
-                        block_size=SPEC.block_size)
+    d_spec = _d_spec(2 * SPEC.block_len)
     try:
         with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 1)) as d:
             peers = [ps[p].sender.address for p in peer_ranks(2, 1, 0, 4)]
@@ -385,8 +390,7 @@ def test_p_at_tp2_pushes_into_d_at_tp1_each_rank_its_own_heads():
 def test_d_ranks_chosen_for_another_p_tp_size_are_refused_by_p(caplog):
     c = cfg(lanes=1)
     ps = _p_ranks(c, 2)
-    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=2 * SPEC.block_len,
-                        block_size=SPEC.block_size)
+    d_spec = _d_spec(2 * SPEC.block_len)
     try:
         with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 1)) as d:
             # D believes P has TP 1 (no tp_size in its params): it asks rank 0 for everything
@@ -403,8 +407,7 @@ def test_d_ranks_chosen_for_another_p_tp_size_are_refused_by_p(caplog):
 def test_d_tp_above_p_tp_is_refused_at_the_handshake_naming_both_sizes_and_the_head_count(caplog):
     c = cfg(lanes=1)
     ps = _p_ranks(c, 1)
-    d_spec = BufferSpec(regions=SPEC.regions, num_blocks=SPEC.num_blocks, block_len=SPEC.block_len // 2,
-                        block_size=SPEC.block_size)
+    d_spec = _d_spec(SPEC.block_len // 2)
     try:
         with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2)) as d:
             d.call("register", "d1", "tp12", ps[0].sender.address, [1], 0, None, "", 1)

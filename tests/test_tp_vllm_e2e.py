@@ -76,6 +76,18 @@ def tp2(model, tmp_path_factory):
         d.kill()
 
 
+def flow_records(logs, d_log: str, tids: set[str], n: int, timeout_s: float = 30.0) -> tuple[list, list]:
+    """P's transfer records and D's receipts of ``tids``, once ``n`` of each are written
+    (both logs are written by other processes, a moment after the answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
+        got_d = [r for r in read_connector_log(logs / d_log).received if r.transfer_id in tids]
+        if (len(recs) >= n and len(got_d) >= n) or time.monotonic() > deadline:
+            return recs, got_d
+        time.sleep(0.2)
+
+
 def kv_usage(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M))
@@ -113,13 +125,7 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     assert [g.text for g in got] == refs
     # one push per (P rank, D rank) pair, rank r to rank r, each landed
     tids = {g.transfer_id for g in got}
-    deadline = time.monotonic() + 30
-    while True:  # both logs are written by other processes, a moment after the answer
-        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
-        got_d = [r for r in read_connector_log(logs / "d_trace.jsonl").received if r.transfer_id in tids]
-        if (len(recs) >= 8 and len(got_d) >= 8) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    recs, got_d = flow_records(logs, "d_trace.jsonl", tids, 8)
     assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 4 + [(1, 1)] * 4
     assert all(r.status == "ok" and r.bytes > 0 for r in recs)
     by_tid = {}
@@ -210,13 +216,7 @@ def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(tp2, d_tp1, mod
     assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
     assert all(g.text.strip() for g in got)
     tids = {g.transfer_id for g in got}
-    deadline = time.monotonic() + 30
-    while True:
-        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
-        got_d = [r for r in read_connector_log(logs / "d1_trace.jsonl").received if r.transfer_id in tids]
-        if (len(recs) >= 6 and len(got_d) >= 6) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    recs, got_d = flow_records(logs, "d1_trace.jsonl", tids, 6)
     # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
     assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
     assert all(r.status == "ok" and r.bytes > 0 for r in recs)

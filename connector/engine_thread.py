@@ -38,6 +38,7 @@ LINGER_S = 1.0
 
 class EngineThread:
     STOP_TIMEOUT_S = 10.0  # close() waits this long for the thread (a lane probe takes up to 5 s)
+    kv_dump: KVDump | None = None  # the kv_dump_dir knob's writer, when set
 
     def __init__(
         self,

@@ -31,7 +31,8 @@ def test_a_bad_wait_names_the_knob(bad):
 
 def _scheduler() -> KVPathScheduler:
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32),
-                           kv_transfer_config=SimpleNamespace(kv_role="kv_producer"))
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
     return KVPathScheduler(vcfg, KVPathConfig(), "p-engine")
 
 

@@ -282,3 +282,19 @@ def test_at_tp2_every_rank_pair_is_its_own_flow_on_its_own_reserved_spine(tmp_pa
     assert (s["pushes"], s["pushes_with_path"], s["path_agreement"]) == (1, 2, 0.5)
     write_trace(tmp_path / "trace.jsonl", data, j, spec)
     assert sorted(f.flow_id for f in read_trace(tmp_path / "trace.jsonl").flows) == [f"{T1}/r0>r0", f"{T1}/r1>r1"]
+
+
+def test_p_tp2_into_d_tp1_each_flow_meets_its_own_receipt(tmp_path):
+    # one request, P TP=2 -> D TP=1: two flows into D rank 0, told apart by the P rank
+    p_text = "".join(msgspec.json.encode(TransferRecord(T1, "cmpl-a", bytes=500, lane=r, src_port=40000 + r,
+                                                        prefill_done_at=100.0, submit_at=100.1, completed_at=100.2,
+                                                        status="ok", rank=r, peer_rank=0)).decode() + "\n"
+                     for r in (0, 1))
+    (tmp_path / "transfers-l0h0.jsonl").write_text(p_text)
+    (tmp_path / "transfers-l1h0.jsonl").write_text("".join(
+        msgspec.json.encode(ReceivedRecord(transfer_id=T1, request_id="d-a", at=at, rank=0, peer_rank=p)).decode()
+        + "\n" for p, at in ((1, 100.9), (0, 100.4))))
+    got = sorted(pushes(_site(tmp_path)), key=lambda p: p.record.rank)
+    assert [(p.record.rank, p.received_at) for p in got] == [(0, 100.4), (1, 100.9)]
+    recs = VllmEngines(_site(tmp_path, engine="vllm")).records()
+    assert recs["l1h0"]["records"] == [{"transfer_id": T1, "kv_ready": 100.9}]

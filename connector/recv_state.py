@@ -127,9 +127,17 @@ class ReceiverState:
         return [w for flows in self.by_tid.values() for w in flows.values()]
 
     def reject_new(self, request_id: str) -> None:
-        """A request that was never registered with P (duplicate id): fail and free it."""
+        """A request that was never registered with P (duplicate id): fail and free it.
+        Not one whose flows are waiting (a second registration of a live request): their
+        fences decide when its blocks are free."""
+        if request_id in self._flows_left:
+            return
         self.failed.add(request_id)
         self.released.add(request_id)
+
+    def failing(self, request_id: str) -> bool:
+        """One of the request's flows failed: it is (or will be) released as failed."""
+        return request_id in self._failing or request_id in self.failed
 
     def on_sent(self, transfer_id: str, instance: str = "", peer: str | None = None,
                 request_id: str | None = None) -> bool:

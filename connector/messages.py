@@ -187,6 +187,8 @@ def decode_to_prefill(data: bytes) -> Hello | Register | Cancel:
         validate_hello(msg)
     elif not msg.transfer_id:
         raise MalformedMessage("cancel without transfer_id")
+    elif "\x00" in msg.transfer_id:
+        raise MalformedMessage("cancel of a transfer_id with a NUL character")
     return msg
 
 
@@ -226,6 +228,8 @@ def validate_register(reg: Register) -> None:
     layout the Hello gave, by the writer)."""
     if not reg.transfer_id:
         raise MalformedMessage("register without transfer_id")
+    if "\x00" in reg.transfer_id:  # P keys the flows of one transfer by "<id>\x00<D rank>"
+        raise MalformedMessage("transfer_id with a NUL character")
     if not reg.agent_name:
         raise MalformedMessage("register without agent_name")
     if reg.skip_blocks < 0:

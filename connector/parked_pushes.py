@@ -84,25 +84,26 @@ class ParkedPushes:
                 except Exception:
                     logger.exception("failing push %s failed", m.prefill.transfer_id)
 
-    def _take_parked(self: "PushSender", tid: str) -> tuple[Match, TransferRecord] | None:
+    def _take_parked(self: "PushSender", key: str) -> tuple[Match, TransferRecord] | None:
         """Remove a waiting push (D cancelled it: nothing was posted)."""
         for name, waiting in self._parked.items():
             for i, (m, rec) in enumerate(waiting):
-                if m.prefill.transfer_id == tid:
+                if m.prefill.key == key:
                     del waiting[i]
                     if not waiting:
                         del self._parked[name]
                     return m, rec
         return None
 
-    def _cancel_parked(self: "PushSender", tid: str) -> bool:
-        """D's Cancel of a push waiting for a lane: it ends "cancelled", not posted, its
-        blocks freed. False when ``tid`` is not waiting."""
-        got = self._take_parked(tid)
+    def _cancel_parked(self: "PushSender", key: str) -> bool:
+        """D's Cancel of a push (flow ``key``) waiting for a lane: it ends "cancelled", not
+        posted, its blocks freed. False when it is not waiting."""
+        got = self._take_parked(key)
         if got is None:
             return False
         m, rec = got
-        self.state.complete(tid, "cancelled", posted=False)
+        tid = m.prefill.transfer_id
+        self.state.complete(key, "cancelled", posted=False)
         self._release(m.prefill)
         self.stats.inc("pushes_cancelled")
         rec.status, rec.detail, rec.completed_at = "cancelled", "cancelled while its lane reopened", time.time()

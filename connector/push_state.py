@@ -5,10 +5,19 @@ duplicates are reported, never re-executed. Deadlines bound how long anything
 waits: a finished prefill whose registration never comes is expired after the
 lease (its blocks are freed), and a registration whose prefill has not finished
 by D's ``post_by`` is expired (D is told no WRITE was posted).
+
+A finished prefill may be pushed by several flows, one per D rank that takes heads
+from this P rank (D's TP size above P's: ``tp_map.d_ranks_of``). Each flow has its own
+key (``flow_key``: the transfer id, plus the D rank when there are several), its own
+registration, match, deadline and final record; the prefill's blocks are freed when
+its last flow ends (``flow_ended``). P learns the fan-out from the first registration
+(its Hello gives D's TP size): a prefill that comes first waits whole under its
+transfer id and is split into its flows when a registration names them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 from collections import OrderedDict
@@ -16,6 +25,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpath.connector.messages import Register
+
+
+FLOW_SEP = "\x00"  # never in a transfer id (messages.validate_register refuses it)
+
+
+def flow_key(transfer_id: str, d_rank: int, fanout: int) -> str:
+    """The key of one flow of a transfer at this P rank: the transfer id itself when the
+    prefill has one flow (equal TP sizes, P's TP size above D's)."""
+    return transfer_id if fanout <= 1 else f"{transfer_id}{FLOW_SEP}{d_rank}"
+
+
+@dataclass
+class Share:
+    """The flows of one finished prefill still holding its blocks."""
+
+    left: int
 
 
 @dataclass
@@ -29,6 +54,11 @@ class FinishedPrefill:
     transfer_key: str = ""  # when set, only a registration carrying it gets the push
     finished_at: float = field(default_factory=time.time)
     deadline: float = 0.0
+    key: str = ""  # this flow's key ("": the transfer id, one flow)
+    share: Share | None = None  # several flows: the blocks are freed when the last ends
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.transfer_id
 
 
 @dataclass
@@ -38,6 +68,12 @@ class PendingRegistration:
     received_at: float = field(default_factory=time.time)
     # On the writer's clock: no WRITE is posted after this (D's max_wait_s).
     post_by: float = 0.0
+    key: str = ""  # this flow's key ("": the transfer id)
+    siblings: tuple[str, ...] = ()  # the keys of every flow of the transfer here (with key)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.reg.transfer_id
+        self.siblings = self.siblings or (self.key,)
 
 
 @dataclass
@@ -60,7 +96,9 @@ def _keys_fit(fp: FinishedPrefill, reg: Register) -> bool:
 
 
 class WriterState:
-    """Bookkeeping of the writer thread, kept pure so it can be unit-tested."""
+    """Bookkeeping of the writer thread, kept pure so it can be unit-tested. Every map
+    is keyed by flow key, except ``prefills`` for a prefill not split yet (its transfer
+    id) and ``_fan``/``_shares`` (transfer ids of fanned-out transfers)."""
 
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic, remember: int = 65536):
         self.lease_s = lease_s
@@ -68,147 +106,230 @@ class WriterState:
         self.prefills: dict[str, FinishedPrefill] = {}  # waiting for a registration
         self.registrations: dict[str, PendingRegistration] = {}  # waiting for a prefill
         self.active: dict[str, Match] = {}  # matched, being written
-        self.aborted: set[str] = set()  # P request aborted before matching
-        # transfer id -> (final status, a WRITE was posted for it): a Cancel arriving
+        self.aborted: set[str] = set()  # P request aborted before matching (transfer ids)
+        # flow key -> (final status, a WRITE was posted for it): a Cancel arriving
         # after the end is answered with this, never with "cancelled, not posted".
         self._done: OrderedDict[str, tuple[str, bool]] = OrderedDict()
         self._remember = remember
         self.forgotten = 0  # records dropped to stay bounded
+        # transfer id -> its flows' keys, while fanned-out registrations wait for the prefill
+        self._fan: dict[str, tuple[str, ...]] = {}
+        # transfer id -> the split prefill, while any of its flows holds its blocks
+        self._shares: dict[str, FinishedPrefill] = {}
 
     # -- inputs -----------------------------------------------------------
-    def add_registration(self, reg: Register, reply_to: bytes, post_by: float) -> tuple[str, Match | None]:
+    def add_registration(self, reg: Register, reply_to: bytes, post_by: float, key: str = "",
+                         siblings: tuple[str, ...] = ()) -> tuple[str, Match | None]:
         """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("aborted", None)
         | ("key_mismatch", None): the prefill waits with a transfer key this registration
-        does not carry, so it is refused and the prefill keeps waiting for the right one."""
+        does not carry, so it is refused and the prefill keeps waiting for the right one.
+        ``key``/``siblings``: this flow's key and those of all the transfer's flows here
+        (several when D's TP size is above P's)."""
         tid = reg.transfer_id
-        if tid in self.registrations or tid in self.active or tid in self._done:
+        pr = PendingRegistration(reg, reply_to, post_by=post_by, key=key, siblings=tuple(siblings))
+        key, fanned = pr.key, len(pr.siblings) > 1
+        if key in self.registrations or key in self.active or key in self._done or key not in pr.siblings:
+            return "duplicate", None
+        if fanned and (self._fan.get(tid, pr.siblings) != pr.siblings or tid in self.registrations
+                       or tid in self.active or tid in self._done):
+            return "duplicate", None  # the id is taken by a transfer of another shape
+        if not fanned and (tid in self._fan or tid in self._shares):
             return "duplicate", None
         if tid in self.aborted:
-            self.aborted.discard(tid)
-            self._finish(tid, "aborted", posted=False)
+            if not fanned:
+                self.aborted.discard(tid)
+            self._finish(key, "aborted", posted=False)
             return "aborted", None
-        pr = PendingRegistration(reg, reply_to, post_by=post_by)
-        fp = self.prefills.get(tid)
+        template = self.prefills.get(tid) if fanned else None
+        if template is not None:  # the prefill came first, whole: split it into its flows now
+            if not _keys_fit(template, reg):
+                return "key_mismatch", None
+            del self.prefills[tid]
+            self._split(template, pr.siblings)
+        fp = self.prefills.get(key)
         if fp is None:
-            self.registrations[tid] = pr
+            self.registrations[key] = pr
+            if fanned:
+                self._fan[tid] = pr.siblings
             return "waiting", None
         if not _keys_fit(fp, reg):
             return "key_mismatch", None
-        del self.prefills[tid]
+        del self.prefills[key]
         m = Match(fp, pr)
-        self.active[tid] = m
+        self.active[key] = m
         return "matched", m
 
-    def add_prefill(self, fp: FinishedPrefill) -> tuple[str, Match | None]:
-        """Returns ("matched", m) | ("waiting", None) | ("duplicate", None) | ("dead", None)
-        | ("key_mismatch", m).
+    def add_prefill(self, fp: FinishedPrefill) -> tuple[str, list[Match]]:
+        """Returns ("matched", [m, ...]) | ("waiting", []) | ("duplicate", []) | ("dead", [])
+        | ("key_mismatch", [m, ...]).
 
         "dead": the transfer already ended (cancelled by D, expired, aborted):
-        the caller frees this prefill's blocks at once. "key_mismatch": the waiting
-        registration (``m.registration``, dropped: the caller refuses it) lacks the
-        prefill's transfer key; the prefill waits for another registration or its lease.
+        the caller frees this prefill's blocks at once. "key_mismatch": waiting
+        registrations (``m.registration``, dropped: the caller refuses them) lack the
+        prefill's transfer key; the prefill waits for others or its lease. With several
+        flows waiting, "matched" lists every flow that can start.
         """
         tid = fp.transfer_id
-        if tid in self.prefills or tid in self.active:
-            return "duplicate", None
+        if tid in self.prefills or tid in self.active or tid in self._shares:
+            return "duplicate", []
         if tid in self._done:
-            return "dead", None
+            return "dead", []
         fp.deadline = self.clock() + self.lease_s
+        siblings = self._fan.pop(tid, None)
+        if siblings is not None:
+            return self._split(fp, siblings)
         pr = self.registrations.pop(tid, None)
         if pr is None:
             self.prefills[tid] = fp
-            return "waiting", None
+            return "waiting", []
         if not _keys_fit(fp, pr.reg):
             self.prefills[tid] = fp
-            return "key_mismatch", Match(fp, pr)
+            return "key_mismatch", [Match(fp, pr)]
         m = Match(fp, pr)
         self.active[tid] = m
-        return "matched", m
+        return "matched", [m]
 
-    def cancel(self, transfer_id: str) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
-        """D gave up on a transfer. Returns (status, prefill to free, registration dropped):
+    def _split(self, fp: FinishedPrefill, keys: tuple[str, ...]) -> tuple[str, list[Match]]:
+        """Turn ``fp`` into one flow per key sharing its blocks; each matches its waiting
+        registration, counts as ended if it already ended (a Cancel, an expiry), or waits."""
+        share = Share(len(keys))
+        self._shares[fp.transfer_id] = fp
+        matched, refused = [], []
+        for k in keys:
+            flow = dataclasses.replace(fp, key=k, share=share)
+            pr = self.registrations.pop(k, None)
+            if k in self._done:
+                share.left -= 1
+            elif pr is None:
+                self.prefills[k] = flow
+            elif not _keys_fit(flow, pr.reg):
+                self.prefills[k] = flow
+                refused.append(Match(flow, pr))
+            else:
+                self.active[k] = m = Match(flow, pr)
+                matched.append(m)
+        if share.left == 0:  # every flow had ended: nothing holds the blocks
+            del self._shares[fp.transfer_id]
+            self._finish(fp.transfer_id, "ended", posted=False)
+            return "dead", []
+        if refused:
+            return "key_mismatch", refused + matched
+        return ("matched", matched) if matched else ("waiting", [])
+
+    def flow_ended(self, fp: FinishedPrefill) -> bool:
+        """One flow of ``fp`` ended (any way): True when its blocks are free now (its last
+        flow, or a prefill of one flow). Called once per ended flow."""
+        if fp.share is None:
+            return True
+        fp.share.left -= 1
+        if fp.share.left > 0:
+            return False
+        self._shares.pop(fp.transfer_id, None)
+        # the transfer id is spent: a second prefill or registration with it is refused
+        self._finish(fp.transfer_id, "ended", posted=False)
+        return True
+
+    def cancel(self, key: str) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
+        """D gave up on a flow. Returns (status, prefill to free, registration dropped):
         "in_flight" (too late: the WRITE finishes or fails; D hears that), "done" (it
         had ended: answer with :meth:`final`, which is kept as it was) or "cancelled"
         (nothing was posted and nothing will be; recorded, so a late Register for it is
-        refused, also when this process never saw the transfer)."""
-        if transfer_id in self.active:
+        refused, also when this process never saw the transfer). The prefill returned
+        is the flow's: free its blocks when ``flow_ended`` says so."""
+        if key in self.active:
             return "in_flight", None, None
-        if transfer_id in self._done:
+        if key in self._done:
             return "done", None, None
-        if transfer_id in self.prefills and transfer_id not in self.registrations:
+        if key in self.prefills and key not in self.registrations:
             # nobody registered it (a Cancel's sender is bound to its own registrations):
             # the prefill keeps waiting for its registration or its lease
             return "unregistered", None, None
-        pr = self.registrations.pop(transfer_id, None)
-        fp = self.prefills.pop(transfer_id, None)
+        pr = self.registrations.pop(key, None)
+        fp = self.prefills.pop(key, None)
         # Unseen here. If records were ever forgotten (bounded memory), it may be one that
         # ended with a posted WRITE: say "posted", so D keeps its fence (grace) for it.
-        self._finish(transfer_id, "cancelled", posted=pr is None and fp is None and self.forgotten > 0)
+        self._finish(key, "cancelled", posted=pr is None and fp is None and self.forgotten > 0)
+        if pr is not None:
+            self._unfan(pr.reg.transfer_id, "cancelled")
         return "cancelled", fp, pr
 
-    def abort_prefill(self, transfer_id: str) -> PendingRegistration | None:
-        """P's request ended without KV to push (aborted); reject D if it waits."""
-        pr = self.registrations.pop(transfer_id, None)
-        if pr is not None:
-            self._finish(transfer_id, "aborted", posted=False)
-        elif transfer_id not in self._done and transfer_id not in self.active:
-            self.aborted.add(transfer_id)
+    def abort_prefill(self, transfer_id: str) -> list[PendingRegistration]:
+        """P's request ended without KV to push (aborted); reject every D flow that waits."""
+        keys = self._fan.pop(transfer_id, (transfer_id,))
+        out = [pr for pr in (self.registrations.pop(k, None) for k in keys) if pr is not None]
+        for pr in out:
+            self._finish(pr.key, "aborted", posted=False)
+        if len(keys) > 1 or not out:
+            if transfer_id not in self._done and transfer_id not in self.active:
+                # flows that register later are refused too
+                self.aborted.add(transfer_id)
         # An ended or in-flight transfer keeps its record: overwriting it with
         # "aborted, not posted" would let D skip the fence of a posted WRITE.
-        return pr
+        return out
 
-    def complete(self, transfer_id: str, status: str = "ok", posted: bool = True) -> Match | None:
-        """The matched push ended. ``posted``: a WRITE was posted (the default: when in
-        doubt, D must fence)."""
-        m = self.active.pop(transfer_id, None)
+    def complete(self, key: str, status: str = "ok", posted: bool = True) -> Match | None:
+        """The matched push of flow ``key`` ended. ``posted``: a WRITE was posted (the
+        default: when in doubt, D must fence)."""
+        m = self.active.pop(key, None)
         if m is not None:
-            self._finish(transfer_id, status, posted)
+            self._finish(key, status, posted)
         return m
 
     def expire(self) -> Expired:
         now = self.clock()
         out = Expired()
-        for tid in [t for t, fp in self.prefills.items() if fp.deadline <= now]:
-            out.prefills.append(self.prefills.pop(tid))
-            self._finish(tid, "expired", posted=False)
-        for tid in [t for t, pr in self.registrations.items() if pr.post_by <= now]:
-            out.registrations.append(self.registrations.pop(tid))
-            self._finish(tid, "expired", posted=False)
+        for key in [k for k, fp in self.prefills.items() if fp.deadline <= now]:
+            out.prefills.append(self.prefills.pop(key))
+            self._finish(key, "expired", posted=False)
+        for key in [k for k, pr in self.registrations.items() if pr.post_by <= now]:
+            pr = self.registrations.pop(key)
+            out.registrations.append(pr)
+            self._finish(key, "expired", posted=False)
+            self._unfan(pr.reg.transfer_id, "expired")
         return out
+
+    def _unfan(self, transfer_id: str, status: str) -> None:
+        """A fanned-out registration ended before its prefill came: when none of its
+        siblings waits any more, the transfer is over (its D request has ended on
+        every rank), so a prefill that comes now is dead at once, not held for its lease."""
+        keys = self._fan.get(transfer_id)
+        if keys is not None and not any(k in self.registrations for k in keys):
+            del self._fan[transfer_id]
+            self._finish(transfer_id, status, posted=False)
 
     # -- queries ----------------------------------------------------------
     def holder(self, transfer_id: str) -> str | None:
         """P request id whose finished prefill holds ``transfer_id`` now, if any."""
-        fp = self.prefills.get(transfer_id)
+        fp = self.prefills.get(transfer_id) or self._shares.get(transfer_id)
         if fp is None and transfer_id in self.active:
             fp = self.active[transfer_id].prefill
         return fp.request_id if fp is not None else None
 
-    def registered_by(self, transfer_id: str) -> bytes | None:
-        """The control identity of the D whose registration of ``transfer_id`` P holds."""
-        pr = self.registrations.get(transfer_id)
-        if pr is None and transfer_id in self.active:
-            pr = self.active[transfer_id].registration
+    def registered_by(self, key: str) -> bytes | None:
+        """The control identity of the D whose registration of flow ``key`` P holds."""
+        pr = self.registrations.get(key)
+        if pr is None and key in self.active:
+            pr = self.active[key].registration
         return pr.reply_to if pr is not None else None
 
     def held_registrations(self) -> list[PendingRegistration]:
         """Registrations P holds (waiting for the prefill or being written): heartbeated."""
         return list(self.registrations.values()) + [m.registration for m in self.active.values()]
 
-    def status_of(self, transfer_id: str) -> str | None:
-        done = self._done.get(transfer_id)
+    def status_of(self, key: str) -> str | None:
+        done = self._done.get(key)
         return done[0] if done is not None else None
 
-    def final(self, transfer_id: str) -> tuple[str, bool] | None:
-        """(final status, a WRITE was posted) of an ended transfer, None otherwise."""
-        return self._done.get(transfer_id)
+    def final(self, key: str) -> tuple[str, bool] | None:
+        """(final status, a WRITE was posted) of an ended flow, None otherwise."""
+        return self._done.get(key)
 
     def idle(self) -> bool:
         return not (self.prefills or self.registrations or self.active)
 
-    def _finish(self, tid: str, status: str, posted: bool) -> None:
-        self._done[tid] = (status, posted)
-        self._done.move_to_end(tid)
+    def _finish(self, key: str, status: str, posted: bool) -> None:
+        self._done[key] = (status, posted)
+        self._done.move_to_end(key)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)
             self.forgotten += 1

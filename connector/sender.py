@@ -197,12 +197,11 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
             elif kind == "reserved":
                 self._on_reserved(*arg)
             elif kind == "abort":
-                pr = self.state.abort_prefill(arg)
-                if pr is not None:
+                for pr in self.state.abort_prefill(arg):
                     self._ack(pr.reply_to, arg, "rejected", "prefill request was aborted")
 
     def _on_finished(self, fp: FinishedPrefill) -> None:
-        status, m = self.state.add_prefill(fp)
+        status, matches = self.state.add_prefill(fp)
         if status == "duplicate":
             holder = self.state.holder(fp.transfer_id)
             if holder != fp.request_id:
@@ -216,8 +215,9 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
             logger.info("transfer %s already ended (%s): blocks freed", fp.transfer_id,
                         self.state.status_of(fp.transfer_id))
             self._release(fp)
-        elif status == "key_mismatch" and m is not None:
-            self._refuse_key(m.registration.reply_to, fp.transfer_id)
-        elif m is not None:
-            self._start_write(m)
+        for m in matches:
+            if self.state.active.get(m.prefill.key) is m:
+                self._start_write(m)
+            else:  # a registration without the transfer's key: the flow's prefill waits on
+                self._refuse_key(m.registration.reply_to, fp.transfer_id)
 

@@ -49,6 +49,7 @@ checks these.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -138,6 +139,13 @@ def peer_ranks(p_tp: int, d_tp: int, d_rank: int, total_heads: int) -> list[int]
     return sorted(ranks)
 
 
+@functools.lru_cache(maxsize=256)
+def d_ranks_of(p_tp: int, p_rank: int, d_tp: int, total_heads: int) -> tuple[int, ...]:
+    """The D ranks that register with P rank ``p_rank`` (the inverse of ``peer_ranks``):
+    one flow each, so P pushes one prefill once per D rank named here."""
+    return tuple(d for d in range(d_tp) if p_rank in peer_ranks(p_tp, d_tp, d, total_heads))
+
+
 # Compat fields that differ when TP sizes, block sizes or head counts do (kv_layout's
 # bytes per block follow from them): the handshake words these with handshake_refusal;
 # tp_rank differs whenever TP sizes do
@@ -178,9 +186,6 @@ def handshake_refusal(p: Compat, d: Compat) -> tuple[str, str] | None:
         name = "tp_size" if p.tp_size != d.tp_size else "block_size"
         return name, (f"{name} differs ({sizes}): unequal TP or block sizes need the model's KV head count, "
                       f"which one side did not send")
-    if d.tp_size > p.tp_size:
-        return "tp_size", (f"tp_size: D's TP size is above P's ({sizes}): one P rank would write into several "
-                           f"D ranks, which kvpath does not do yet; serve D with a TP size at most P's")
     return None
 
 

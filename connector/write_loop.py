@@ -59,16 +59,16 @@ class WriteLoop:
             return False
         fp.lane_asked = True
         nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
-        self._asking[fp.transfer_id] = (m, time.monotonic())
+        self._asking[fp.key] = (m, time.monotonic())
         # this worker pair's flow only (with TP>1 every rank asks for its own)
         pair = self.worker_pair(peer.hello)
         scope = FlowScope(p_engine=pair.p_engine, d_engine=pair.d_engine, p_rank=pair.p_rank, d_rank=pair.d_rank)
         self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, transfer_id=fp.transfer_id,
-                              scope=scope, done=lambda tid, lane, lease: self._put("reserved", (tid, lane, lease)))
+                              scope=scope, done=lambda _tid, lane, lease, key=fp.key: self._put("reserved", (key, lane, lease)))
         return True
 
-    def _on_reserved(self: "PushSender", tid: str, lane: int | None, lease_id: str | None) -> None:
-        asked = self._asking.pop(tid, None)
+    def _on_reserved(self: "PushSender", key: str, lane: int | None, lease_id: str | None) -> None:
+        asked = self._asking.pop(key, None)
         if asked is None:  # too late: the push went on the hash's lane; free what was reserved
             if lease_id and self.notifier is not None:
                 self.notifier.release(lease_id)
@@ -81,9 +81,9 @@ class WriteLoop:
     def _stop_asking(self: "PushSender") -> None:
         """A push waits ASK_TIMEOUT_S at most for its lane, then goes on the hash's lane."""
         now = time.monotonic()
-        for tid, (m, at) in list(self._asking.items()):
+        for key, (m, at) in list(self._asking.items()):
             if now - at > ASK_TIMEOUT_S:
-                del self._asking[tid]
+                del self._asking[key]
                 self.stats.inc("lanes_reserve_fallback")
                 self._start_write(m)
 
@@ -148,7 +148,7 @@ class WriteLoop:
         if state == "ERR":
             self._failed_write(f, "NIXL refused the WRITE")
             return
-        self._inflight[fp.transfer_id] = f
+        self._inflight[fp.key] = f
         if state == "DONE":
             self._progress()
 
@@ -181,7 +181,7 @@ class WriteLoop:
 
     def _progress(self: "PushSender") -> None:
         now = time.monotonic()
-        for tid, f in list(self._inflight.items()):
+        for key, f in list(self._inflight.items()):
             try:
                 state = f.agent.check_xfer_state(f.handle)
             except Exception as e:  # the peer vanished under the transfer
@@ -193,9 +193,9 @@ class WriteLoop:
                     f.slow = True
                     self.stats.inc("pushes_slow")
                     logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
-                                   tid, self.cfg.transfer_timeout_s)
+                                   f.match.prefill.transfer_id, self.cfg.transfer_timeout_s)
                 continue
-            del self._inflight[tid]
+            del self._inflight[key]
             if state == "DONE":
                 self._release_handle(f)
                 f.record.completed_at = time.time()
@@ -212,7 +212,7 @@ class WriteLoop:
     def _failed_write(self: "PushSender", f: InFlight, why: str) -> None:
         """UCX reported the WRITE failed: it no longer reads the source blocks, and its
         connection is broken. The lane is reopened on its next use."""
-        self._inflight.pop(f.match.prefill.transfer_id, None)
+        self._inflight.pop(f.match.prefill.key, None)
         self._release_handle(f)
         peer = self._peers.get(f.match.registration.reg.agent_name)
         # the lane it was posted on, not one reopened under the same index since
@@ -222,9 +222,10 @@ class WriteLoop:
         self._fail(f.match, why, f.record, posted=True)
 
     def _succeed(self: "PushSender", m: Match, rec: TransferRecord) -> None:
-        if self.kv_dump is not None:  # before the blocks are freed
+        share = m.prefill.share
+        if self.kv_dump is not None and (share is None or share.left == 1):  # once, before the blocks are freed
             self.kv_dump.write(m.prefill.transfer_id, self.layout, self.compat, m.prefill.block_ids)
-        self.state.complete(m.prefill.transfer_id, "ok")
+        self.state.complete(m.prefill.key, "ok")
         self._release(m.prefill)
         self.stats.inc("pushes_ok")
         self.stats.observe_transfer(rec)
@@ -233,8 +234,8 @@ class WriteLoop:
 
     def _fail(self: "PushSender", m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
         tid = m.prefill.transfer_id
-        self.state.active.setdefault(tid, m)
-        self.state.complete(tid, "failed", posted)  # what a later Cancel is answered with
+        self.state.active.setdefault(m.prefill.key, m)
+        self.state.complete(m.prefill.key, "failed", posted)  # what a later Cancel is answered with
         self._release(m.prefill)
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)
@@ -270,7 +271,16 @@ class WriteLoop:
                 logger.exception("answering the expiry of %s failed", pr.reg.transfer_id)
 
     def _release(self: "PushSender", fp: FinishedPrefill) -> None:
-        """The push of ``fp`` ended (any way): free its blocks, end its reservation."""
+        """The push of flow ``fp`` ended (any way): end the reservation asked for it; at
+        the prefill's last flow free its blocks and end the reservation it came with."""
+        last = self.state.flow_ended(fp)
+        if fp.lane_asked and fp.lease_id and self.notifier is not None:  # this flow's own
+            try:
+                self.notifier.release(fp.lease_id)
+            except Exception:
+                logger.exception("releasing the reservation of %s failed", fp.transfer_id)
+        if not last:
+            return
         request_id = fp.request_id
         # Report each request once: vLLM frees (and forgets) it on the first report.
         if request_id not in self._released:
@@ -280,7 +290,7 @@ class WriteLoop:
             with self._finished_lock:
                 self._finished.add(request_id)
             self.results_ready.set()
-        if fp.lease_id and self.notifier is not None:  # after the blocks: it must not keep them
+        if fp.lease_id and not fp.lane_asked and self.notifier is not None:  # after the blocks: it must not keep them
             try:
                 self.notifier.release(fp.lease_id)
             except Exception:

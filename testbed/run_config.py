@@ -144,6 +144,3 @@ class RunConfig:
             # vLLM's own connectors are not tried at unequal TP here
             raise RunConfigError(f"--tp {self.tp}: --connector {self.connector} needs equal TP sizes here "
                                  f"(P {p_tp}, D {d_tp})")
-        if d_tp > p_tp:
-            # the handshake would refuse every pair (docs/connector.md)
-            raise RunConfigError(f"--tp {self.tp}: D's TP size above P's is not pushed yet (P {p_tp}, D {d_tp})")

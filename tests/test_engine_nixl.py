@@ -483,18 +483,65 @@ def test_d_ranks_chosen_for_another_p_tp_size_are_refused_by_p(caplog):
             side.sender.close()
 
 
-def test_d_tp_above_p_tp_is_refused_at_the_handshake_naming_both_sizes_and_the_head_count(caplog):
+@pytest.mark.parametrize("heads", [4, 1], ids=["split-heads", "gqa-one-head"])
+def test_p_at_tp1_pushes_into_d_at_tp2_one_flow_per_d_rank(heads):
+    """One P rank, two D ranks (D's TP size above P's): P pushes its prefill once per D
+    rank, each flow the heads that rank holds (4 heads: 2 each; one KV head: the same
+    head to both replicas, its bytes counted twice); D ranks release on their own flow;
+    P frees its blocks only when both flows have landed."""
+    c = cfg(lanes=2)
+    ps = _p_ranks(c, 1, heads=heads)
+    d_spec = _d_spec(SPEC.block_len // 2 if heads == 4 else SPEC.block_len)
+    try:
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2, 0, heads)) as d0, \
+                PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2, 1, heads)) as d1:
+            d0.call("register", "d1", "tp12", [ps[0].sender.address], [3, 4, 9], 0, None, "", 1)
+            ps[0].sender.submit_finished("p1", "tp12", [7, 8, 20])
+            assert d0.call("wait", ["d1"], 20)[1:] == (["d1"], [])
+            assert ps[0].wait_released(["p1"], timeout=1.0) == set()  # rank 1's flow still holds them
+            d1.call("register", "d1", "tp12", [ps[0].sender.address], [5, 6, 2], 0, None, "", 1)
+            assert d1.call("wait", ["d1"], 20)[1:] == (["d1"], [])
+            assert ps[0].wait_released(["p1"]) == {"p1"}
+            src = ps[0].expect([7, 8, 20])
+            half = d_spec.block_len
+            for d, blocks in ((d0, [3, 4, 9]), (d1, [5, 6, 2])):
+                got = d.call("read", blocks)[1]
+                rank = 0 if d is d0 else 1
+                for region, data in enumerate(got):
+                    for i in range(3):
+                        block = src[region][i * SPEC.block_len:(i + 1) * SPEC.block_len]
+                        want = block[rank * half:(rank + 1) * half] if heads == 4 else block
+                        assert data[i * half:(i + 1) * half] == want
+            win = ps[0].sender.stats.take_window()
+            per_flow = 3 * SPEC.regions * d_spec.block_len  # 2 heads each, or the one head twice
+            assert win.bytes == [per_flow, per_flow] and ps[0].sender.stats.snapshot()["pushes_ok"] == 2
+    finally:
+        ps[0].sender.close()
+
+
+def test_a_d_rank_that_cancels_fails_its_flow_and_p_frees_after_the_other_lands():
+    from kvpath.connector.push_state import flow_key
+
     c = cfg(lanes=1)
     ps = _p_ranks(c, 1)
     d_spec = _d_spec(SPEC.block_len // 2)
     try:
-        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2)) as d:
-            d.call("register", "d1", "tp12", ps[0].sender.address, [1], 0, None, "", 1)
-            _, done, failed = d.call("wait", ["d1"], 5)
-            assert failed == ["d1"]  # released, as failed
-            assert ps[0].sender.stats.snapshot()["handshakes_refused"] == 1 and not ps[0].sender.lanes()
-        assert any("D's TP size is above P's (P has TP=1 and block size" in r.getMessage()
-                   and "D has TP=2" in r.getMessage() and "4 KV heads" in r.getMessage() for r in caplog.records)
+        with PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2, 0)) as d0, \
+                PeerProcess(c, d_spec, compat=_d_compat(d_spec, 2, 1)) as d1:
+            for d in (d0, d1):
+                d.call("register", "dx", "tpc", [ps[0].sender.address], [3], 0, None, "", 1)
+            deadline = time.monotonic() + 20
+            while flow_key("tpc", 1, 2) not in dict(ps[0].sender.state.registrations):  # P holds it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            d1.call("cancel", "dx")
+            assert d1.call("wait", ["dx"], 10)[1:] == (["dx"], [])  # released at once (P had posted nothing)
+            ps[0].sender.submit_finished("px", "tpc", [7])
+            assert d0.call("wait", ["dx"], 20)[1:] == (["dx"], [])
+            assert ps[0].wait_released(["px"]) == {"px"}
+            snap = ps[0].sender.stats.snapshot()
+            assert snap["pushes_ok"] == 1  # one flow written, the cancelled one never posted
+            assert ps[0].sender.state.final(flow_key("tpc", 1, 2)) == ("cancelled", False)
     finally:
         ps[0].sender.close()
 

@@ -120,6 +120,7 @@ def sender(instance: str) -> PushSender:
     snd._router = FakeRouter()
     snd._record = lambda rec: None
     snd._parked = {}
+    snd._peers = {}
     return snd
 
 

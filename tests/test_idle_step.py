@@ -115,8 +115,10 @@ def test_the_writer_sets_the_event_when_a_push_ends():
     from collections import OrderedDict
 
     ev = threading.Event()
+    from kvpath.connector.push_state import WriterState
+
     writer = SimpleNamespace(_released=OrderedDict(), _finished_lock=threading.Lock(), _finished=set(),
-                             results_ready=ev, notifier=None)
+                             results_ready=ev, notifier=None, state=WriterState(lease_s=5))
     WriteLoop._release(writer, FinishedPrefill("r3", "t3", [4], None, None))
     assert writer._finished == {"r3"} and ev.is_set()
 

@@ -1,7 +1,7 @@
 """The writer's state machine: both orders, duplicates, leases, cancels, aborts."""
 
 from kvpath.connector.messages import Register
-from kvpath.connector.push_state import FinishedPrefill, WriterState
+from kvpath.connector.push_state import FinishedPrefill, WriterState, flow_key
 from kvpath.connector.recv_state import ReceiverState
 
 
@@ -28,7 +28,7 @@ def fp(tid, rid=None):
 def test_registration_first_then_prefill_matches_once():
     s = WriterState(lease_s=5)
     assert add_reg(s, "t1") == ("waiting", None)
-    status, m = s.add_prefill(fp("t1"))
+    status, (m,) = s.add_prefill(fp("t1"))
     assert status == "matched" and m.prefill.transfer_id == "t1" and m.registration.reg.transfer_id == "t1"
     assert s.complete("t1").prefill.request_id == "p-t1"
     assert s.idle()
@@ -36,7 +36,7 @@ def test_registration_first_then_prefill_matches_once():
 
 def test_prefill_first_then_registration_matches_once():
     s = WriterState(lease_s=5)
-    assert s.add_prefill(fp("t1")) == ("waiting", None)
+    assert s.add_prefill(fp("t1")) == ("waiting", [])
     status, m = add_reg(s, "t1")
     assert status == "matched" and m.registration.reply_to == b"id"
 
@@ -90,8 +90,8 @@ def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
 def test_aborted_prefill_rejects_registration_in_either_order():
     s = WriterState(lease_s=5)
     add_reg(s, "a")
-    assert s.abort_prefill("a").reg.transfer_id == "a"
-    assert s.abort_prefill("b") is None
+    assert [pr.reg.transfer_id for pr in s.abort_prefill("a")] == ["a"]
+    assert s.abort_prefill("b") == []
     assert add_reg(s, "b")[0] == "aborted"
 
 
@@ -102,7 +102,7 @@ def test_cancel_keeps_the_record_of_an_ended_transfer_and_records_unseen_ones():
     s.add_prefill(fp("a"))
     s.complete("a", "failed", posted=True)
     assert s.cancel("a") == ("done", None, None) and s.final("a") == ("failed", True)
-    assert s.abort_prefill("a") is None and s.final("a") == ("failed", True)  # nor an abort
+    assert s.abort_prefill("a") == [] and s.final("a") == ("failed", True)  # nor an abort
     add_reg(s, "b")
     s.add_prefill(fp("b"))
     s.complete("b", "failed", posted=False)  # failed before the post
@@ -290,7 +290,7 @@ def test_a_registration_without_the_transfer_key_is_refused_in_either_order():
     assert status == "matched" and m.registration.reply_to == b"owner"
     # registration first
     s.add_registration(Register("b", "d", "agent", [1], transfer_key="wrong" * 5), b"mallory", 5.0)
-    status, m = s.add_prefill(FinishedPrefill("p-b", "b", [2], transfer_key=key))
+    status, (m,) = s.add_prefill(FinishedPrefill("p-b", "b", [2], transfer_key=key))
     assert status == "key_mismatch" and m.registration.reply_to == b"mallory"
     assert s.holder("b") == "p-b" and s.registered_by("b") is None
     assert s.add_registration(Register("b", "d", "agent", [1], transfer_key=key), b"owner", 5.0)[0] == "matched"
@@ -360,3 +360,88 @@ def test_a_second_registration_of_a_live_request_never_releases_it():
     assert r.take() == (set(), set()) and r.pending() == 2
     r.reject_new("d2")  # a request with nothing waiting is failed and freed at once
     assert r.take() == ({"d2"}, {"d2"})
+
+
+# -- one prefill, several flows (D's TP size above P's) -------------------------
+FAN = (flow_key("t", 0, 2), flow_key("t", 1, 2))
+
+
+def fan_reg(s, d_rank, ident=None, post_by=5.0, tid="t"):
+    keys = (flow_key(tid, 0, 2), flow_key(tid, 1, 2))
+    return s.add_registration(Register(tid, f"d{d_rank}", f"agent{d_rank}", [1, 2]), ident or b"d%d" % d_rank,
+                              post_by, keys[d_rank], keys)
+
+
+def test_flow_keys_are_the_transfer_id_for_one_flow_and_distinct_for_several():
+    assert flow_key("t", 0, 1) == "t" and flow_key("t", 3, 1) == "t"
+    assert len({flow_key("t", d, 2) for d in range(2)} | {"t"}) == 3
+
+
+def test_both_d_ranks_first_then_the_prefill_starts_both_flows_and_frees_the_blocks_at_the_last():
+    s = WriterState(lease_s=5)
+    assert fan_reg(s, 0) == ("waiting", None) and fan_reg(s, 1) == ("waiting", None)
+    status, ms = s.add_prefill(fp("t"))
+    assert status == "matched" and sorted(m.prefill.key for m in ms) == sorted(FAN)
+    assert {m.registration.reply_to for m in ms} == {b"d0", b"d1"}
+    assert ms[0].prefill.block_ids == ms[1].prefill.block_ids == [3, 4]
+    assert s.holder("t") == "p-t" and s.add_prefill(fp("t", rid="other"))[0] == "duplicate"
+    s.complete(ms[0].prefill.key)
+    assert s.flow_ended(ms[0].prefill) is False  # the other flow still reads the blocks
+    s.complete(ms[1].prefill.key)
+    assert s.flow_ended(ms[1].prefill) is True
+    assert s.idle() and s.add_prefill(fp("t", rid="late"))[0] == "dead"  # the id is spent
+    assert fan_reg(s, 0)[0] == "duplicate"
+
+
+def test_the_prefill_first_is_split_at_the_first_registration():
+    s = WriterState(lease_s=5)
+    assert s.add_prefill(fp("t")) == ("waiting", [])
+    status, m0 = fan_reg(s, 0)
+    assert status == "matched" and m0.prefill.key == FAN[0]
+    status, m1 = fan_reg(s, 1)
+    assert status == "matched" and m1.prefill.key == FAN[1] and m1.prefill.share is m0.prefill.share
+    assert fan_reg(s, 1)[0] == "duplicate"
+
+
+def test_a_d_rank_that_never_registers_expires_alone_and_the_blocks_wait_for_the_other_flow():
+    c = Clock()
+    s = WriterState(lease_s=2, clock=c)
+    s.add_prefill(fp("t"))
+    _, m0 = fan_reg(s, 0)
+    c.t = 3
+    ex = s.expire()
+    assert [p.key for p in ex.prefills] == [FAN[1]] and s.status_of(FAN[1]) == "expired"
+    assert s.flow_ended(ex.prefills[0]) is False  # flow 0 is being written
+    s.complete(FAN[0])
+    assert s.flow_ended(m0.prefill) is True
+
+
+def test_a_flow_cancelled_before_the_prefill_counts_as_ended_and_all_cancelled_makes_it_dead():
+    s = WriterState(lease_s=5)
+    fan_reg(s, 0)
+    fan_reg(s, 1)
+    status, fp0, pr = s.cancel(FAN[0])
+    assert status == "cancelled" and fp0 is None and pr.key == FAN[0]
+    status, ms = s.add_prefill(fp("t"))
+    assert status == "matched" and [m.prefill.key for m in ms] == [FAN[1]]
+    s.complete(FAN[1])
+    assert s.flow_ended(ms[0].prefill) is True  # the only flow left: the blocks go with it
+    # every flow gone before the prefill: it is freed at once, not held for its lease
+    fan_reg(s, 0, tid="u")
+    s.cancel(flow_key("u", 0, 2))
+    assert s.add_prefill(fp("u"))[0] == "dead" and s.idle()
+
+
+def test_another_shape_of_the_same_transfer_id_is_a_duplicate_and_an_abort_refuses_every_flow():
+    s = WriterState(lease_s=5)
+    fan_reg(s, 0)
+    three = tuple(flow_key("t", d, 3) for d in range(3))
+    assert s.add_registration(Register("t", "x", "agentx", [1]), b"x", 5.0, three[2], three)[0] == "duplicate"
+    assert s.add_registration(Register("t", "x", "agentx", [1]), b"x", 5.0)[0] == "duplicate"
+    assert s.add_registration(Register("t", "x", "agentx", [1]), b"x", 5.0, "t\x009", FAN)[0] == "duplicate"
+    prs = s.abort_prefill("t")
+    assert [pr.key for pr in prs] == [FAN[0]]
+    assert fan_reg(s, 1)[0] == "aborted"  # the rank whose registration comes later, too
+    s2 = WriterState(lease_s=5)
+    assert s2.abort_prefill("v") == []
+    assert fan_reg(s2, 0, tid="v")[0] == "aborted" and fan_reg(s2, 1, tid="v")[0] == "aborted"

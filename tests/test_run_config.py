@@ -16,7 +16,6 @@ from kvpath.testbed.run_config import ENGINE_DEFAULTS, RunConfig, RunConfigError
     (dict(engine="emulated", connector="nixl"), "--connector"),
     (dict(engine="gpu"), "--engine"),
     (dict(min_prompt=500, max_prompt=100), "--min-prompt"),
-    (dict(engine="vllm", tp="1:2"), r"--tp 1:2: D's TP size above P's is not pushed yet \(P 1, D 2\)"),
     (dict(engine="vllm", tp="2:1", connector="nixl", mode="ecmp"),
      r"--tp 2:1: --connector nixl needs equal TP sizes here \(P 2, D 1\)"),
     (dict(engine="vllm", tp="2x2"), "--tp: give P:D TP sizes such as 2:2"),
@@ -70,3 +69,10 @@ def test_explicit_values_win_over_the_engine_defaults(tmp_path):
 def test_only_the_kvpath_connector_pushes(tmp_path):
     assert RunConfig(out=str(tmp_path)).pushes
     assert not RunConfig(out=str(tmp_path), engine="vllm", connector="nixl", mode="ecmp").pushes
+
+
+@pytest.mark.parametrize("tp", ["2:1", "1:2", "2:2"])
+def test_kvpath_takes_unequal_tp_sizes_either_way(tmp_path, tp):
+    cfg = RunConfig(out=str(tmp_path), engine="vllm", tp=tp)
+    cfg.validate()
+    assert cfg.tp_sizes == tuple(int(x) for x in tp.split(":"))

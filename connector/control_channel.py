@@ -166,8 +166,9 @@ class ControlChannel:
             self._ack(ident, tid, "rejected", f"P rank {self.compat.tp_rank} writes nothing to D rank {d_rank} "
                                               f"(P TP={self.compat.tp_size}, D TP={peer.hello.compat.tp_size})")
             return
-        key = flow_key(tid, d_rank, len(fan))
-        siblings = tuple(flow_key(tid, d, len(fan)) for d in fan)
+        d_tp = peer.hello.compat.tp_size
+        key = flow_key(tid, d_rank, len(fan), d_tp)
+        siblings = tuple(flow_key(tid, d, len(fan), d_tp) for d in fan)
         status, m = self.state.add_registration(reg, ident, post_by, key, siblings)
         if status == "duplicate":
             self.stats.inc("registrations_duplicate")
@@ -196,7 +197,7 @@ class ControlChannel:
             fan = d_ranks_of(self.compat.tp_size, self.compat.tp_rank, c.tp_size, self.compat.kv_heads)
         except ValueError:  # sizes the handshake refused
             return tid
-        return flow_key(tid, c.tp_rank, len(fan)) if c.tp_rank in fan else tid
+        return flow_key(tid, c.tp_rank, len(fan), c.tp_size) if c.tp_rank in fan else tid
 
     def _on_cancel(self: "PushSender", ident: bytes, tid: str) -> None:
         key = self._flow_of(ident, tid)

@@ -59,7 +59,7 @@ def parse_decode(params: Mapping[str, Any] | None) -> DecodeParams | None:
     kp = _kvpath(params)
     tid = kp.get("transfer_id")
     if not _valid_id(tid):
-        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string of at most 256 "
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string without NUL of at most 256 "
                                 "characters")
     peer = kp.get("peer")
     try:
@@ -85,10 +85,10 @@ def _transfer_key(kp: Mapping[str, Any]) -> str:
 
 
 def _valid_id(tid: object) -> bool:
-    """A non-empty string of at most 256 characters that encodes as UTF-8: a lone surrogate
+    """A non-empty string of at most 256 characters without NUL that encodes as UTF-8: a lone surrogate
     passes ``json.loads`` but can be neither logged to the trace nor sent to a peer."""
-    if not isinstance(tid, str) or not tid or len(tid) > 256:
-        return False
+    if not isinstance(tid, str) or not tid or len(tid) > 256 or "\x00" in tid:
+        return False  # (a NUL: P keys the flows of one transfer by "<id>\x00<D TP>.<D rank>")
     try:
         tid.encode("utf-8")
     except UnicodeEncodeError:
@@ -103,7 +103,7 @@ def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillP
     kp = _kvpath(params)
     tid = kp.get("transfer_id", request_id)
     if not _valid_id(tid):
-        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string of at most 256 "
+        raise BadTransferParams("kv_transfer_params.kvpath.transfer_id must be a non-empty UTF-8 string without NUL of at most 256 "
                                 "characters")
     lane = kp.get("lane")
     if lane is not None and (isinstance(lane, bool) or not isinstance(lane, int) or lane < 0):

@@ -30,10 +30,11 @@ from kvpath.connector.messages import Register
 FLOW_SEP = "\x00"  # never in a transfer id (messages.validate_register refuses it)
 
 
-def flow_key(transfer_id: str, d_rank: int, fanout: int) -> str:
+def flow_key(transfer_id: str, d_rank: int, fanout: int, d_tp: int = 0) -> str:
     """The key of one flow of a transfer at this P rank: the transfer id itself when the
-    prefill has one flow (equal TP sizes, P's TP size above D's)."""
-    return transfer_id if fanout <= 1 else f"{transfer_id}{FLOW_SEP}{d_rank}"
+    prefill has one flow (equal TP sizes, P's TP size above D's); else it names D's TP
+    size and rank, so a D of another TP size never takes another shape's flow."""
+    return transfer_id if fanout <= 1 else f"{transfer_id}{FLOW_SEP}{d_tp}.{d_rank}"
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Share:
     """The flows of one finished prefill still holding its blocks."""
 
     left: int
+    keys: tuple[str, ...] = ()  # every flow of it
+    ended: set[str] = field(default_factory=set)  # flows counted out: each once
 
 
 @dataclass
@@ -114,8 +117,8 @@ class WriterState:
         self.forgotten = 0  # records dropped to stay bounded
         # transfer id -> its flows' keys, while fanned-out registrations wait for the prefill
         self._fan: dict[str, tuple[str, ...]] = {}
-        # transfer id -> the split prefill, while any of its flows holds its blocks
-        self._shares: dict[str, FinishedPrefill] = {}
+        # transfer id -> the split prefill (whole), while any of its flows holds its blocks
+        self._shares: dict[str, tuple[FinishedPrefill, Share]] = {}
 
     # -- inputs -----------------------------------------------------------
     def add_registration(self, reg: Register, reply_to: bytes, post_by: float, key: str = "",
@@ -130,7 +133,7 @@ class WriterState:
         key, fanned = pr.key, len(pr.siblings) > 1
         if key in self.registrations or key in self.active or key in self._done or key not in pr.siblings:
             return "duplicate", None
-        if fanned and (self._fan.get(tid, pr.siblings) != pr.siblings or tid in self.registrations
+        if fanned and (self._shape(tid, pr.siblings) != pr.siblings or tid in self.registrations
                        or tid in self.active or tid in self._done):
             return "duplicate", None  # the id is taken by a transfer of another shape
         if not fanned and (tid in self._fan or tid in self._shares):
@@ -170,8 +173,8 @@ class WriterState:
         flows waiting, "matched" lists every flow that can start.
         """
         tid = fp.transfer_id
-        if tid in self.prefills or tid in self.active or tid in self._shares:
-            return "duplicate", []
+        if tid in self.prefills or tid in self.active or tid in self._shares or FLOW_SEP in tid:
+            return "duplicate", []  # (params refuse a NUL in a transfer id: never a flow's key)
         if tid in self._done:
             return "dead", []
         fp.deadline = self.clock() + self.lease_s
@@ -192,14 +195,15 @@ class WriterState:
     def _split(self, fp: FinishedPrefill, keys: tuple[str, ...]) -> tuple[str, list[Match]]:
         """Turn ``fp`` into one flow per key sharing its blocks; each matches its waiting
         registration, counts as ended if it already ended (a Cancel, an expiry), or waits."""
-        share = Share(len(keys))
-        self._shares[fp.transfer_id] = fp
+        share = Share(len(keys), keys)
+        self._shares[fp.transfer_id] = (fp, share)
         matched, refused = [], []
         for k in keys:
             flow = dataclasses.replace(fp, key=k, share=share)
             pr = self.registrations.pop(k, None)
-            if k in self._done:
+            if k in self._done or k in self.prefills or k in self.active:  # ended (or, never, taken)
                 share.left -= 1
+                share.ended.add(k)
             elif pr is None:
                 self.prefills[k] = flow
             elif not _keys_fit(flow, pr.reg):
@@ -221,6 +225,9 @@ class WriterState:
         flow, or a prefill of one flow). Called once per ended flow."""
         if fp.share is None:
             return True
+        if fp.key in fp.share.ended:  # counted already: a second end of one flow frees nothing
+            return False
+        fp.share.ended.add(fp.key)
         fp.share.left -= 1
         if fp.share.left > 0:
             return False
@@ -240,6 +247,10 @@ class WriterState:
             return "in_flight", None, None
         if key in self._done:
             return "done", None, None
+        if key in self._fan or key in self._shares:
+            # a transfer id whose flows are keyed per D rank: a Cancel that names no flow
+            # (its sender registered none of them) touches nothing
+            return "unregistered", None, None
         if key in self.prefills and key not in self.registrations:
             # nobody registered it (a Cancel's sender is bound to its own registrations):
             # the prefill keeps waiting for its registration or its lease
@@ -288,6 +299,15 @@ class WriterState:
             self._unfan(pr.reg.transfer_id, "expired")
         return out
 
+    def _shape(self, transfer_id: str, siblings: tuple[str, ...]) -> tuple[str, ...]:
+        """The flows a fanned-out transfer has here (waiting registrations' or the split
+        prefill's); ``siblings`` when it has none yet."""
+        if transfer_id in self._fan:
+            return self._fan[transfer_id]
+        if transfer_id in self._shares:
+            return self._shares[transfer_id][1].keys
+        return siblings
+
     def _unfan(self, transfer_id: str, status: str) -> None:
         """A fanned-out registration ended before its prefill came: when none of its
         siblings waits any more, the transfer is over (its D request has ended on
@@ -300,7 +320,9 @@ class WriterState:
     # -- queries ----------------------------------------------------------
     def holder(self, transfer_id: str) -> str | None:
         """P request id whose finished prefill holds ``transfer_id`` now, if any."""
-        fp = self.prefills.get(transfer_id) or self._shares.get(transfer_id)
+        fp = self.prefills.get(transfer_id)
+        if fp is None and transfer_id in self._shares:
+            fp = self._shares[transfer_id][0]
         if fp is None and transfer_id in self.active:
             fp = self.active[transfer_id].prefill
         return fp.request_id if fp is not None else None

@@ -124,17 +124,20 @@ class WriteLoop:
             loc, rem, nbytes = self._descs(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
             rec.submit_at = time.time()
-            if len(loc) == 0:
+            h = None
+            if len(loc) == 0:  # this rank writes no head of D's: the notification alone
                 self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", instance=self.instance))
                 agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
-                rec.completed_at = time.time()
-                self._succeed(m, rec)
-                return
-            l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
-            r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
-            h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, M.make_notif(fp.transfer_id))
+            else:
+                l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
+                r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
+                h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, M.make_notif(fp.transfer_id))
         except Exception as e:  # nothing was posted
             self._fail(m, f"preparing the WRITE failed: {e}", rec)
+            return
+        if h is None:  # outside the try: an error in it must not fail a push that ended
+            rec.completed_at = time.time()
+            self._succeed(m, rec)
             return
         # D: progress fast now (and a WRITE is posted: no "never posted" answer ends it)
         self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes, instance=self.instance))

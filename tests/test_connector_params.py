@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LONE_SURROGATE = "t-\ud800"  # valid in json.loads, refused by every UTF-8 encoder
 
 
-@pytest.mark.parametrize("tid", [LONE_SURROGATE, "", "x" * 257, 7])
+@pytest.mark.parametrize("tid", [LONE_SURROGATE, "", "x" * 257, 7, "t\x001"])
 def test_prefill_and_decode_params_refuse_ids_that_cannot_be_written(tid):
     with pytest.raises(BadTransferParams, match="transfer_id"):
         parse_prefill({"do_remote_decode": True, "kvpath": {"transfer_id": tid}}, "req-1")

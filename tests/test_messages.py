@@ -72,6 +72,8 @@ def test_ack_and_welcome_name_the_p_process_and_its_agents_and_old_ones_decode_a
         M.encode(hello(compat=M.Compat(kv_heads=-1))),
         M.encode(hello(compat=M.Compat(kv_heads=M.MAX_KV_HEADS + 1))),
         M.encode(M.Cancel("")),
+        M.encode(M.Cancel("t\x001")),  # P keys a transfer's flows with a NUL
+        M.encode(good(transfer_id="t\x001")),
     ],
 )
 def test_malformed_is_rejected_with_a_reason(data):

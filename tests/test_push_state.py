@@ -445,3 +445,43 @@ def test_another_shape_of_the_same_transfer_id_is_a_duplicate_and_an_abort_refus
     s2 = WriterState(lease_s=5)
     assert s2.abort_prefill("v") == []
     assert fan_reg(s2, 0, tid="v")[0] == "aborted" and fan_reg(s2, 1, tid="v")[0] == "aborted"
+
+
+def test_a_cancel_naming_no_flow_of_a_fanned_transfer_touches_nothing():
+    s = WriterState(lease_s=5)
+    fan_reg(s, 0)
+    assert s.cancel("t")[0] == "unregistered" and s.status_of("t") is None  # e.g. a D without a Hello
+    status, ms = s.add_prefill(fp("t"))
+    assert status == "matched" and len(ms) == 1  # rank 0's flow starts; rank 1's waits for it
+    assert s.cancel("t")[0] == "unregistered"  # after the split, too
+    assert fan_reg(s, 1)[0] == "matched"
+
+
+def test_a_d_of_another_tp_size_never_takes_a_flow_after_the_split():
+    s = WriterState(lease_s=5)
+    s.add_prefill(fp("t"))
+    two = tuple(flow_key("t", d, 2, 2) for d in range(2))
+    four = tuple(flow_key("t", d, 4, 4) for d in range(4))
+    assert s.add_registration(Register("t", "a", "a0", [1]), b"a0", 5.0, two[0], two)[0] == "matched"
+    assert four[1] != two[1]
+    assert s.add_registration(Register("t", "b", "b1", [1]), b"b1", 5.0, four[1], four)[0] == "duplicate"
+    assert s.add_registration(Register("t", "b", "b2", [1]), b"b2", 5.0, four[2], four)[0] == "duplicate"
+    assert s.add_registration(Register("t", "a", "a1", [1]), b"a1", 5.0, two[1], two)[0] == "matched"
+
+
+def test_one_flow_ended_twice_frees_the_blocks_only_at_the_last_flow():
+    s = WriterState(lease_s=5)
+    fan_reg(s, 0)
+    fan_reg(s, 1)
+    _, (m0, m1) = s.add_prefill(fp("t"))
+    s.complete(m0.prefill.key)
+    assert s.flow_ended(m0.prefill) is False
+    assert s.flow_ended(m0.prefill) is False  # a second release of flow 0: m1 still writes
+    s.complete(m1.prefill.key)
+    assert s.flow_ended(m1.prefill) is True
+
+
+def test_a_transfer_id_with_a_nul_is_never_a_prefill():
+    s = WriterState(lease_s=5)
+    assert s.add_prefill(fp(flow_key("t", 1, 2)))[0] == "duplicate"  # the caller frees it at once
+    assert s.idle()

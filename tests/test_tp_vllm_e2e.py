@@ -78,12 +78,13 @@ def tp2(model, tmp_path_factory):
         d.kill()
 
 
-def flow_records(logs, d_log: str, tids: set[str], n: int, timeout_s: float = 30.0) -> tuple[list, list]:
+def flow_records(logs, d_log: str, tids: set[str], n: int, timeout_s: float = 30.0,
+                 p_log: str = "p_trace.jsonl") -> tuple[list, list]:
     """P's transfer records and D's receipts of ``tids``, once ``n`` of each are written
     (both logs are written by other processes, a moment after the answer)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        recs = [r for r in read_transfers(logs / "p_trace.jsonl") if r.transfer_id in tids]
+        recs = [r for r in read_transfers(logs / p_log) if r.transfer_id in tids]
         got_d = [r for r in read_connector_log(logs / d_log).received if r.transfer_id in tids]
         if (len(recs) >= n and len(got_d) >= n) or time.monotonic() > deadline:
             return recs, got_d
@@ -198,47 +199,60 @@ def head_tokens(dump, n: int) -> dict[int, np.ndarray]:
     return out
 
 
+def assert_heads_landed(dump, p_url: str, got: list[PDResult], p_ranks: int, d_ranks: int) -> None:
+    """Both sides' kv_dump files of each request: every KV head D's ranks hold equals
+    P's, token by token, for every prompt token but the last (which D computes itself)."""
+    for g in got:
+        n = tokens_of(p_url, g.prompt) - 1
+        heads = {}
+        for side, ranks in (("p", p_ranks), ("d", d_ranks)):
+            heads[side] = {}
+            for r in range(ranks):
+                heads[side].update(head_tokens(np.load(dump_path(dump, side, g.transfer_id, r)), n))
+        assert sorted(heads["d"]) == sorted(heads["p"]) == [0, 1]  # the tiny model's 2 KV heads
+        for h, d_kv in heads["d"].items():
+            assert d_kv.shape == heads["p"][h].shape and d_kv.shape[2] == n
+            assert np.array_equal(d_kv, heads["p"][h]), f"head {h} of {g.transfer_id}"
+
+
+def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, logs, d_log: str, p_log: str,
+                    mode: str, seed: int) -> None:
+    """Three requests P -> D at unequal TP sizes (the checks of both directions): each
+    answered with a whole completion (greedy tokens may differ from a decode-only run:
+    KV computed at one TP size rounds unlike another's); one flow per (P rank, D rank)
+    pair, each landed, with one descriptor per block per layer (a block's heads are
+    split on one side, so that side does not continue); a receipt per D rank per flow
+    into it; and the landed KV equal to P's (``assert_heads_landed``)."""
+    prompts = make_prompts(3, seed=seed)
+
+    async def run():
+        async with engine_client() as c:
+            # references on P: D must not see the prompts before their pushes
+            return await pd_and_decode_only(c, p_url, d_url, f"127.0.0.1:{p_side}", prompts, 8, mode=mode,
+                                            p_tp_size=p_tp)
+
+    _, got = asyncio.run(run())
+    assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
+    assert all(g.text.strip() for g in got)
+    tids = {g.transfer_id for g in got}
+    pairs = sorted((p, d) for p in range(p_tp) for d in range(d_tp))  # every pair shares a head here
+    recs, got_d = flow_records(logs, d_log, tids, 3 * len(pairs), p_log=p_log)
+    assert sorted((r.rank, r.peer_rank) for r in recs) == sorted(pairs * 3)
+    assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+    assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
+    assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, d) for t in tids for _, d in pairs)
+    assert_heads_landed(logs / "dump", p_url, got, p_ranks=p_tp, d_ranks=d_tp)
+
+
 class TestPTp2IntoDTp1:
     @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
     def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(self, tp2, d_tp1, mode):
         """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
         pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
-        equal P's, head by head and token by token (both caches dumped by kv_dump_dir).
-        Greedy tokens may differ from a decode-only run (KV computed at TP=2 rounds unlike
-        TP=1's), so the output is only checked to be a whole completion."""
+        equal P's, head by head and token by token (both caches dumped by kv_dump_dir)."""
         p, _, logs = tp2
-        prompts = make_prompts(3, seed=21 if mode == "sequential" else 22)
-
-        async def run():
-            async with engine_client() as c:
-                # references on P: D must not see the prompts before their pushes
-                return await pd_and_decode_only(c, p.url, d_tp1.url, f"127.0.0.1:{P_SIDE}", prompts, 8, mode=mode,
-                                                p_tp_size=2)
-
-        _, got = asyncio.run(run())
-        assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
-        assert all(g.text.strip() for g in got)
-        tids = {g.transfer_id for g in got}
-        recs, got_d = flow_records(logs, "d1_trace.jsonl", tids, 6)
-        # one flow per (P rank, D rank) pair: both P ranks into D rank 0, each landed
-        assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(1, 0)] * 3
-        assert all(r.status == "ok" and r.bytes > 0 for r in recs)
-        # one descriptor per block per layer (the tiny model's 2): a P rank's one head lands
-        # at its offset in each of D's two-head blocks, so D's side does not continue
-        assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
-        assert sorted(r.transfer_id for r in got_d) == sorted(t for t in tids for _ in range(2))
-        dump = logs / "dump"
-        for g in got:
-            n = tokens_of(p.url, g.prompt) - 1  # D computes the last prompt token itself
-            d_heads = head_tokens(np.load(dump_path(dump, "d", g.transfer_id, 0)), n)
-            p_heads = {}
-            for r in range(2):
-                p_heads.update(head_tokens(np.load(dump_path(dump, "p", g.transfer_id, r)), n))
-            assert sorted(d_heads) == sorted(p_heads) == [0, 1]  # the tiny model's 2 KV heads, one per P rank
-            for h in d_heads:
-                assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
-                assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
-
+        unequal_tp_case(p.url, d_tp1.url, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
+                        21 if mode == "sequential" else 22)
 
     def test_kv_usage_returns_to_zero_after_unequal_tp(self, tp2, d_tp1):
         p, _, _ = tp2
@@ -273,41 +287,8 @@ class TestPTp1IntoDTp2:
         holds), frees its blocks when both have landed, and the bytes in each D rank's
         blocks equal P's, head by head and token by token."""
         _, d, logs = tp2
-        prompts = make_prompts(3, seed=31 if mode == "sequential" else 32)
-
-        async def run():
-            async with engine_client() as c:
-                return await pd_and_decode_only(c, p_tp1.url, d.url, f"127.0.0.1:{P1_SIDE}", prompts, 8, mode=mode,
-                                                p_tp_size=1)
-
-        _, got = asyncio.run(run())
-        assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
-        assert all(g.text.strip() for g in got)
-        tids = {g.transfer_id for g in got}
-        deadline = time.monotonic() + 30
-        while True:
-            recs = [r for r in read_transfers(logs / "p1_trace.jsonl") if r.transfer_id in tids]
-            got_d = [r for r in read_connector_log(logs / "d_trace.jsonl").received if r.transfer_id in tids]
-            if (len(recs) >= 6 and len(got_d) >= 6) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        # one flow per (P rank, D rank) pair: P rank 0 into each D rank, each landed
-        assert sorted((r.rank, r.peer_rank) for r in recs) == [(0, 0)] * 3 + [(0, 1)] * 3
-        assert all(r.status == "ok" and r.bytes > 0 for r in recs)
-        # one descriptor per block per layer: P's block holds both heads, a flow reads one
-        assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
-        assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, r) for t in tids for r in (0, 1))
-        dump = logs / "dump"
-        for g in got:
-            n = tokens_of(p_tp1.url, g.prompt) - 1  # D computes the last prompt token itself
-            p_heads = head_tokens(np.load(dump_path(dump, "p", g.transfer_id, 0)), n)
-            d_heads = {}
-            for r in range(2):
-                d_heads.update(head_tokens(np.load(dump_path(dump, "d", g.transfer_id, r)), n))
-            assert sorted(d_heads) == sorted(p_heads) == [0, 1]
-            for h in d_heads:
-                assert d_heads[h].shape == p_heads[h].shape and d_heads[h].shape[2] == n
-                assert np.array_equal(d_heads[h], p_heads[h]), f"head {h} of {g.transfer_id}"
+        unequal_tp_case(p_tp1.url, d.url, P1_SIDE, 1, 2, logs, "d_trace.jsonl", "p1_trace.jsonl", mode,
+                        31 if mode == "sequential" else 32)
 
     def test_kv_usage_returns_to_zero_after_p_tp1_into_d_tp2(self, tp2, p_tp1):
         _, d, _ = tp2

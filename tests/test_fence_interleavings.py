@@ -436,3 +436,36 @@ def test_a_register_left_queued_by_an_ended_request_is_never_sent_for_the_next_o
     link.queued.append(M.Register("t1", "d2", "d-agent", [5, 6]))
     rcv._flush(link)
     assert [(m.request_id, m.block_ids) for m in link.sock.out] == [("d2", [5, 6])]
+
+
+def test_a_flow_whose_start_raises_fails_alone_and_its_sibling_still_starts():
+    """D TP 2 above P TP 1: one prefill, two flows. Starting the first raises (a bug, a
+    NIXL error outside its own handling): that flow fails (D hears it, nothing was
+    posted), the second still starts, and the blocks wait for the second flow."""
+    from collections import OrderedDict
+
+    from kvpath.connector.push_state import flow_key
+    from kvpath.connector.write_loop import WriteLoop
+
+    snd = sender("pA")
+    snd._inflight, snd._asking = {}, {}
+    snd._released, snd._finished_lock, snd._finished = OrderedDict(), threading.Lock(), set()
+    snd.results_ready, snd.notifier = threading.Event(), None
+    keys = tuple(flow_key("t1", d, 2, 2) for d in range(2))
+    for d in range(2):
+        snd.state.add_registration(M.Register("t1", "d1", f"agent{d}", [1]), b"d%d" % d, 1e9, keys[d], keys)
+    started = []
+
+    def start(m):
+        if m.prefill.key == keys[0]:
+            raise RuntimeError("boom")
+        started.append(m)
+
+    snd._start_write = start
+    PushSender._on_finished(snd, FinishedPrefill("p1", "t1", [3, 4]))
+    assert [m.prefill.key for m in started] == [keys[1]] and snd.state.final(keys[0]) == ("failed", False)
+    assert [(ident, msg.status) for ident, msg in snd._router.out] == [(b"d0", "failed")]
+    assert snd._finished == set()  # the second flow still reads the blocks
+    snd.state.complete(keys[1])  # the second flow's WRITE landed
+    WriteLoop._release(snd, started[0].prefill)
+    assert snd._finished == {"p1"}

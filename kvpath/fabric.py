@@ -128,7 +128,7 @@ class FabricSpec:
 
     @classmethod
     def resolve(cls, name_or_path: str) -> "FabricSpec":
-        """A preset's name (``small``, ``rack4``, ``rack8``) or a spec file."""
+        """A preset's name (``small``, ``rack4``, ``rack4-os2``, ``rack8``) or a spec file."""
         if name_or_path in PRESETS:
             return PRESETS[name_or_path]
         if not pathlib.Path(name_or_path).exists():
@@ -252,6 +252,9 @@ PRESETS: dict[str, FabricSpec] = {
     "small": FabricSpec(leaves=2, spines=2, hosts_per_leaf=2),
     "rack4": FabricSpec(leaves=4, spines=4, hosts_per_leaf=4),
     "rack8": FabricSpec(leaves=8, spines=4, hosts_per_leaf=2),
+    # rack4 with spine links at half the hosts' rate: a leaf's 4 hosts (400 Gbit/s) share
+    # 4 uplinks of 50 (200): oversubscribed 2:1
+    "rack4-os2": FabricSpec(leaves=4, spines=4, hosts_per_leaf=4, spine_link_gbps=50.0),
 }
 
 

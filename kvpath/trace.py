@@ -57,7 +57,8 @@ class Header(msgspec.Struct, tag="header", kw_only=True):
     fabric: dict[str, Any] = {}  # kvpath.fabric.FabricSpec.to_dict()
     scale_b: float = 1.0  # link rates divided by B
     scale_s: float = 1.0  # KV bytes divided by S
-    link_mbit: float | None = None  # the testbed's link rate
+    link_mbit: float | None = None  # the testbed's spine-link rate (every link's in older traces)
+    host_link_mbit: float | None = None  # the testbed's host-link rate; None: link_mbit x the spec's ratio
     meta: dict[str, Any] = {}
 
 

@@ -43,12 +43,17 @@ DEFAULT_ITERATION_TIME = ("llama-3-8b", "h100")  # (model, accelerator) when the
 
 
 def header_fabric(header: Header) -> FabricSpec:
-    """The header's fabric spec at the rates the run had: the testbed's ``link_mbit`` on
-    every link when the header has it (the scale model), else the spec's own."""
+    """The header's fabric spec at the rates the run had, tier by tier: when the header
+    has the testbed's rates (the scale model), ``link_mbit`` on the spine links and
+    ``host_link_mbit`` on the host links (a trace without the latter: the spine rate
+    times the spec's host/spine ratio, as the testbed scales every tier by one factor);
+    else the spec's own."""
     spec = FabricSpec.from_dict(header.fabric)
     if header.link_mbit:
-        gbps = header.link_mbit / 1000
-        spec = dataclasses.replace(spec, host_link_gbps=gbps, spine_link_gbps=gbps)
+        spine = header.link_mbit / 1000
+        host = (header.host_link_mbit / 1000 if header.host_link_mbit
+                else spine * spec.host_link_gbps / spec.spine_link_gbps)
+        spec = dataclasses.replace(spec, host_link_gbps=host, spine_link_gbps=spine)
     return spec
 
 

@@ -236,8 +236,8 @@ class Ns3Backend:
             raise Ns3Error(f"ns-3 run exceeded timeout_s={self.params.timeout_s} and was stopped")
         if rc != 0:
             raise Ns3Error(f"ns-3 exited with {rc}: {''.join(tail)[-2000:]}")
-        if drops:
-            log.warning("ns-3 run dropped %d packets: queues were not deep enough to stay lossless", drops)
+        if drops:  # expected where the queues are the testbed's own (its drops are the trace's)
+            log.info("ns-3 dropped %d packets at its %d-byte drop-tail egress queues", drops, self.params.queue_bytes)
         return drops, uplinks, "".join(tail)
 
 

@@ -63,7 +63,7 @@ class RunData:
     prefix: str
     p_hosts: list[str]
     d_hosts: list[str]
-    link_mbit: float
+    link_mbit: float  # the spine links'
     client: list[dict[str, Any]] = field(default_factory=list)
     engine_records: dict[str, dict[str, Any]] = field(default_factory=dict)
     transfers: list[Push] = field(default_factory=list)
@@ -75,6 +75,7 @@ class RunData:
     lone_flow_ratio: float | None = None  # a lone flow's rate / the link rate, before the run
     burst_bytes: int = 0  # tbf burst of the links
     queue_bytes: int = 0  # tbf limit of the links: the buffer of each egress port
+    host_link_mbit: float | None = None  # the host links' rate (link_mbit: the spine links')
     decode_only: dict[str, Any] | None = None  # vllm engines: P/D output against P alone
     kv_loss: dict[str, int] | None = None  # vllm engines: vLLM's own count of lost KV transfers
     started: float = 0.0
@@ -101,7 +102,8 @@ class Serving:
         """An empty :class:`RunData` of this run (configuration, hosts, link rate, the lone flow)."""
         site, sh = self.site, self.shaping
         return RunData(asdict(site.cfg), site.fabric.prefix, site.p_hosts, site.d_hosts, sh.spine_mbit,
-                       lone_flow_ratio=self.lone_flow_ratio, burst_bytes=sh.burst_bytes, queue_bytes=sh.queue_bytes)
+                       lone_flow_ratio=self.lone_flow_ratio, burst_bytes=sh.burst_bytes, queue_bytes=sh.queue_bytes,
+                       host_link_mbit=sh.host_mbit)
 
     def counters(self) -> Counters:
         """The spines' per-5-tuple counters and the links' byte counters now."""

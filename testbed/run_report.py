@@ -128,7 +128,9 @@ def join(data: RunData, ip_of: Any) -> Joined:
         for f in flows:
             if f["start"] and f["end"] and f["status"] == "ok":
                 fct = f["end"] - f["start"]
-                standalone = standalone_fct(f["bytes"], data.link_mbit, data.burst_bytes)
+                # pushes cross the spines (pd_placement): the slower tier is the bottleneck
+                standalone = standalone_fct(f["bytes"], min(data.link_mbit, data.host_link_mbit or data.link_mbit),
+                                            data.burst_bytes)
                 j.flows.append({k: f[k] for k in ("flow_id", "request_id", "src_ip", "dst_ip", "src_port", "dst_port",
                                                   "bytes", "start", "end", "path", "lane", "path_predicted")}
                                | {"fct": fct, "wire_fct": standalone,

@@ -68,7 +68,7 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
         return None if x is None else x - t0
 
     header = Header(t0_unix=t0, mode=data.config["mode"], fabric=spec.to_dict(), scale_b=data.config["scale_b"],
-                    scale_s=data.config["scale_s"], link_mbit=data.link_mbit,
+                    scale_s=data.config["scale_s"], link_mbit=data.link_mbit, host_link_mbit=data.host_link_mbit,
                     meta={META_POOLS: data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
                           "seed": data.config["seed"], "engine": data.config["engine"], "connector": data.config["connector"],
                           "netns_prefix": data.prefix, META_BURST: data.burst_bytes,

@@ -90,3 +90,34 @@ def test_compare_takes_the_links_token_bucket_and_buffer_from_the_header(tmp_pat
     assert ns3_params(args, "compare").queue_bytes == 16 << 20  # no trace: deep, lossless
     args.ns3_queue_bytes = 1 << 20  # the command line wins
     assert ns3_params(args, "compare", read_trace(path)).queue_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("host_mbit,spine_mbit", [(800.0, 400.0), (400.0, 800.0)],
+                         ids=["spine-bottleneck", "host-bottleneck"])
+def test_each_tier_runs_at_its_own_rate_in_every_backend(tmp_path, ns3_wheel, host_mbit, spine_mbit):
+    """A testbed trace whose host and spine links ran at different rates (the header's
+    host_link_mbit and link_mbit): a lone push across the spines ends at the slower
+    tier's rate, and every backend replays it so, whichever tier is the slower. With
+    one rate for both tiers (the spine's, as before) the host-bottleneck case is off by
+    half."""
+    import dataclasses
+
+    from kvpath.trace_header import header_fabric
+
+    burst = 1 << 20
+    rate = min(host_mbit, spine_mbit) * 1e6 / 8
+    path = tmp_path / "trace.jsonl"
+    spec = dataclasses.replace(SPEC, host_link_gbps=100.0 * host_mbit / spine_mbit, spine_link_gbps=100.0)
+    header = Header(t0_unix=0.0, mode="ecmp", fabric=spec.to_dict(), link_mbit=spine_mbit, host_link_mbit=host_mbit,
+                    meta={"burst_bytes": burst, "queue_bytes": 4 << 20})
+    assert (header_fabric(header).host_link_gbps, header_fabric(header).spine_link_gbps) == \
+        pytest.approx((host_mbit / 1000, spine_mbit / 1000))
+    with TraceWriter(path, header) as w:
+        w.write(FlowRecord(flow_id="f0", request_id=None, five_tuple=FiveTuple("10.0.2.1", "10.1.2.1", 40000, KV_SIDE_CHANNEL_PORT),
+                           bytes=SIZE, start_s=0.0, end_s=(SIZE - burst) / rate, path="spine1"))
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "compare", str(path), "--backend",
+                        "flow,trivial,ns3", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert abs(out["flow"]["fct"]["mean"]) < 1e-9 and abs(out["trivial"]["fct"]["mean"]) < 1e-9
+    assert abs(out["ns3"]["fct"]["mean"]) < 0.05

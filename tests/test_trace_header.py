@@ -101,3 +101,18 @@ def test_the_shared_cdf_steps_to_one() -> None:
     assert list(line.get_xdata()) == [1.0, 2.0, 3.0] and list(line.get_ydata()) == pytest.approx([1 / 3, 2 / 3, 1])
     assert line.get_label() == "x (n=3)"
     plt.close(fig)
+
+
+def test_header_fabric_runs_each_tier_at_the_testbed_rate_it_had():
+    from kvpath.trace_header import header_fabric
+
+    os2 = FabricSpec(leaves=4, spines=4, hosts_per_leaf=4, spine_link_gbps=50.0)  # rack4-os2
+    h = Header(t0_unix=0.0, fabric=os2.to_dict(), link_mbit=100.0, host_link_mbit=200.0)
+    assert (header_fabric(h).host_link_gbps, header_fabric(h).spine_link_gbps) == (0.2, 0.1)
+    # a trace without host_link_mbit: the testbed scaled every tier by one factor
+    old = Header(t0_unix=0.0, fabric=os2.to_dict(), link_mbit=100.0)
+    assert (header_fabric(old).host_link_gbps, header_fabric(old).spine_link_gbps) == (0.2, 0.1)
+    # no testbed rates: the spec's own
+    sim = Header(t0_unix=0.0, fabric=os2.to_dict())
+    assert (header_fabric(sim).host_link_gbps, header_fabric(sim).spine_link_gbps) == (100.0, 50.0)
+    assert FabricSpec.resolve("rack4-os2") == os2

@@ -25,13 +25,15 @@ from kvpath.reservation_wire import RESERVE_AT
 from kvpath.trace import Header, Trace
 
 __all__ = [
-    "META_POOLS", "META_BURST", "META_QUEUE", "META_NET", "META_ITERATION_TIME", "META_RESERVE_AT", "META_TIME_SCALE",
+    "META_POOLS", "META_BURST", "META_QUEUE", "META_DROPS", "META_RETRANS", "META_NET", "META_ITERATION_TIME", "META_RESERVE_AT", "META_TIME_SCALE",
     "META_SOURCE", "META_BACKEND", "NET_FIELDS", "DEFAULT_ITERATION_TIME", "header_fabric", "TraceSetup",
 ]
 
 META_POOLS = "pools"  # NPmD (kvpath.deployment), both writers
 META_BURST = "burst_bytes"  # the testbed links' token-bucket burst
 META_QUEUE = "queue_bytes"  # the testbed links' buffer per egress port
+META_DROPS = "drops"  # packets the testbed's egress ports dropped during the run (tbf over its limit)
+META_RETRANS = "tcp_retrans_segs"  # TCP segments the P and D hosts retransmitted during the run
 META_NET = "net"  # the simulation's network constants: NET_FIELDS
 META_ITERATION_TIME = "iteration_time"  # IterationTimeModel.to_dict() of the simulation
 META_RESERVE_AT = "reserve_at"  # when lanes were reserved (kvpath.reservation_wire.RESERVE_AT)
@@ -152,6 +154,16 @@ class TraceSetup:
     def burst_bytes(self) -> int | None:
         """The testbed links' token-bucket burst (``meta.burst_bytes``); None when not recorded."""
         return _byte_count(self.meta, META_BURST)
+
+    @cached_property
+    def drops(self) -> int | None:
+        """Packets the testbed's ports dropped in the run (``meta.drops``); None when not recorded."""
+        return _byte_count(self.meta, META_DROPS)
+
+    @cached_property
+    def retransmits(self) -> int | None:
+        """TCP segments the engine hosts retransmitted (``meta.tcp_retrans_segs``); None when not recorded."""
+        return _byte_count(self.meta, META_RETRANS)
 
     @cached_property
     def queue_bytes(self) -> int | None:

@@ -28,9 +28,10 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpath.bridge.compare import Errors, simulate, trace_flows
-from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.flow_model import FlowSpec, NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
+from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
 from kvpath.trace_header import TraceSetup
 
@@ -108,71 +109,127 @@ def _finite(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray,
     return a[ok], b[ok]
 
 
-def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Params | None = None,
-              progress: Callable[[str], None] | None = None, burst_bytes: int | None = None) -> Calibration:
-    """``burst_bytes``: the links' token-bucket burst if known (default: the trace
-    header's ``meta.burst_bytes``, ``TraceSetup.burst_bytes``; fitted when neither gives it)."""
-    setup = TraceSetup(trace)
-    spec = setup.fabric
-    flows, measured = trace_flows(trace)
-    inp = ReplayInput.of(trace)
-    req_train, flow_train, _ = _split(trace, inp, train_frac)
+@dataclass
+class FitSet:
+    """One trace as a fit sees it: every flow is simulated (flows share links), but only
+    the training flows and requests (the masks) steer the fit."""
+
+    spec: FabricSpec
+    flows: list[FlowSpec]
+    measured: np.ndarray  # per flow
+    inp: ReplayInput
+    flow_train: np.ndarray  # bool per flow
+    req_train: np.ndarray  # bool per request
+
+    @classmethod
+    def whole(cls, trace: Trace) -> "FitSet":
+        """All of a trace trains (calibration across traces)."""
+        flows, measured = trace_flows(trace)
+        inp = ReplayInput.of(trace)
+        return cls(TraceSetup(trace).fabric, flows, measured, inp, np.ones(len(flows), dtype=bool),
+                   np.ones(len(inp.reqs), dtype=bool))
+
+
+def known_burst_of(setups: list[TraceSetup], burst_bytes: int | None) -> int | None:
     if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
                                     or burst_bytes < 0):
         raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
-    known_burst = burst_bytes if burst_bytes is not None else setup.burst_bytes
+    if burst_bytes is not None:
+        return burst_bytes
+    found = {s.burst_bytes for s in setups}
+    return found.pop() if len(found) == 1 else None  # traces that disagree: fitted
+
+
+def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: Ns3Params | None,
+                net_run: Callable[[FitSet, NetParams], np.ndarray]
+                ) -> tuple[NetParams, list[np.ndarray], list[np.ndarray]]:
+    """(fitted constants, each set's FCTs with the defaults, each set's with the fit).
+    One offset for all sets (the median residual of their training flows together): the
+    constants belong to the fabric and the stack, not to one trace; the loss adds each
+    set's |mean| + |p99| FCT error on its training flows."""
+    spec = sets[0].spec
     mtu = ((ns3.mtu if ns3 else None) or spec.mtu) if backend == "ns3" else 0
     if backend == "ns3" and known_burst and known_burst <= mtu:
         raise ValueError(f"burst_bytes {known_burst} must exceed the ns3 MTU {mtu}: a token bucket holds a packet")
-    held_f = ~flow_train
-    runs = 0
-
-    def net_run(p: NetParams) -> np.ndarray:
-        nonlocal runs
-        runs += 1
-        if progress:
-            progress(f"{backend}: network run {runs}")
-        return simulate(backend, spec, flows, p, ns3)
-
-    # -- network ---------------------------------------------------------------------
     default_net = NetParams(burst_bytes=int(known_burst or 0))
-    fct0 = net_run(default_net)
+    fct0 = [net_run(fs, default_net) for fs in sets]
     bursts = BURST_GRID if known_burst is None else (int(known_burst),)
     if backend == "ns3":  # ns-3 models headers itself: no efficiency; a bucket holds a packet
         grid = [(1.0, b) for b in bursts if b == 0 or b > mtu]
     else:
         grid = list(itertools.product(EFFICIENCY_GRID, bursts))
-    best: tuple[float, NetParams, np.ndarray] | None = None
+    best: tuple[float, NetParams, list[np.ndarray]] | None = None
     for eff, burst in grid:
         p = dataclasses.replace(default_net, efficiency=eff, burst_bytes=burst)
-        sim = fct0 if p == default_net else net_run(p)
-        over = offset_of(measured[flow_train], sim[flow_train])
-        loss = _loss(Errors.of(measured[flow_train], sim[flow_train] + over))
+        sims = fct0 if p == default_net else [net_run(fs, p) for fs in sets]
+        over = offset_of(np.concatenate([fs.measured[fs.flow_train] for fs in sets]),
+                         np.concatenate([sim[fs.flow_train] for fs, sim in zip(sets, sims)]))
+        loss = sum(_loss(Errors.of(fs.measured[fs.flow_train], sim[fs.flow_train] + over))
+                   for fs, sim in zip(sets, sims))
         if best is None or loss < best[0]:
-            best = (loss, dataclasses.replace(p, overhead_s=over), sim + over)
+            best = (loss, dataclasses.replace(p, overhead_s=over), [sim + over for sim in sims])
     assert best is not None
-    _, net, fct1 = best
-    fct = Held(Errors.of(measured[held_f], fct0[held_f]), Errors.of(measured[held_f], fct1[held_f]))
+    return best[1], fct0, best[2]
 
-    # -- compute (on the fitted network's FCTs) ----------------------------------------
-    def req_errors(c: ComputeParams, fct_s: np.ndarray, mask: np.ndarray) -> tuple[Errors, Errors]:
-        ttft, tpot = replay(inp, fct_s, c)
-        return (Errors.of(*_finite(inp.ttft, ttft, mask)), Errors.of(*_finite(inp.tpot, tpot, mask)))
 
-    before_c = ComputeParams(iteration_overhead_s=inp.base.overhead_s)
+def request_errors(fs: FitSet, c: ComputeParams, fct_s: np.ndarray, mask: np.ndarray) -> tuple[Errors, Errors]:
+    ttft, tpot = replay(fs.inp, fct_s, c)
+    return Errors.of(*_finite(fs.inp.ttft, ttft, mask)), Errors.of(*_finite(fs.inp.tpot, tpot, mask))
+
+
+def fit_compute(sets: list[FitSet], fcts: list[np.ndarray]) -> ComputeParams:
+    """The compute constants on the fitted network's FCTs: one per-request offset for all
+    sets (their training requests' median TTFT residual), the loss summed over sets."""
     best_c: tuple[float, ComputeParams] | None = None
     for ov, speed in itertools.product(ITER_OVERHEAD_GRID, SPEED_GRID):
         c = ComputeParams(iteration_overhead_s=ov, speed=speed)
-        ttft, _ = replay(inp, fct1, c)
-        c = dataclasses.replace(c, request_overhead_s=offset_of(*_finite(inp.ttft, ttft, req_train)))
-        e_ttft, e_tpot = req_errors(c, fct1, req_train)
-        loss = _loss(e_ttft) + abs(e_tpot.mean)
+        meas, sim = [], []
+        for fs, fct in zip(sets, fcts):
+            ttft, _ = replay(fs.inp, fct, c)
+            m, t = _finite(fs.inp.ttft, ttft, fs.req_train)
+            meas.append(m)
+            sim.append(t)
+        c = dataclasses.replace(c, request_overhead_s=offset_of(np.concatenate(meas), np.concatenate(sim)))
+        loss = 0.0
+        for fs, fct in zip(sets, fcts):
+            e_ttft, e_tpot = request_errors(fs, c, fct, fs.req_train)
+            loss += _loss(e_ttft) + abs(e_tpot.mean)
         if best_c is None or loss < best_c[0]:
             best_c = (loss, c)
     assert best_c is not None
-    compute = best_c[1]
+    return best_c[1]
+
+
+def counting_run(backend: str, ns3: Ns3Params | None, progress: Callable[[str], None] | None
+                  ) -> tuple[Callable[[FitSet, NetParams], np.ndarray], list[int]]:
+    runs = [0]
+
+    def net_run(fs: FitSet, p: NetParams) -> np.ndarray:
+        runs[0] += 1
+        if progress:
+            progress(f"{backend}: network run {runs[0]}")
+        return simulate(backend, fs.spec, fs.flows, p, ns3)
+
+    return net_run, runs
+
+
+def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Params | None = None,
+              progress: Callable[[str], None] | None = None, burst_bytes: int | None = None) -> Calibration:
+    """``burst_bytes``: the links' token-bucket burst if known (default: the trace
+    header's ``meta.burst_bytes``, ``TraceSetup.burst_bytes``; fitted when neither gives it)."""
+    setup = TraceSetup(trace)
+    flows, measured = trace_flows(trace)
+    inp = ReplayInput.of(trace)
+    req_train, flow_train, _ = _split(trace, inp, train_frac)
+    fs = FitSet(setup.fabric, flows, measured, inp, flow_train, req_train)
+    net_run, runs = counting_run(backend, ns3, progress)
+    net, (fct0,), (fct1,) = fit_network([fs], backend, known_burst_of([setup], burst_bytes), ns3, net_run)
+    held_f = ~flow_train
+    fct = Held(Errors.of(measured[held_f], fct0[held_f]), Errors.of(measured[held_f], fct1[held_f]))
+    compute = fit_compute([fs], [fct1])
     held_r = ~req_train
-    t0, p0 = req_errors(before_c, fct0, held_r)
-    t1, p1 = req_errors(compute, fct1, held_r)
+    before_c = ComputeParams(iteration_overhead_s=inp.base.overhead_s)
+    t0, p0 = request_errors(fs, before_c, fct0, held_r)
+    t1, p1 = request_errors(fs, compute, fct1, held_r)
     return Calibration(backend, net, compute, int(req_train.sum()), int(held_r.sum()), fct, Held(t0, t1), Held(p0, p1),
-                       runs)
+                       runs[0])

@@ -34,9 +34,12 @@ def _add_compare(br: argparse._SubParsersAction) -> None:
 
 
 def _add_calibrate(br: argparse._SubParsersAction) -> None:
-    k = br.add_parser("calibrate", help="fit the network and compute constants on part of a trace; "
-                                        "held-out errors before and after")
-    k.add_argument("trace", help="a kvpath trace (trace.jsonl, docs/trace.md)")
+    k = br.add_parser("calibrate", help="fit the network and compute constants on part of a trace, or on whole "
+                                        "traces of a fabric (--evaluate); held-out errors before and after")
+    k.add_argument("trace", nargs="+", help="kvpath traces (trace.jsonl, docs/trace.md): one, split by time; or, "
+                                            "with --evaluate, the traces to fit on, whole")
+    k.add_argument("--evaluate", default=None,
+                   help="comma-separated traces of the same fabric to report the errors on (never fitted on)")
     k.add_argument("--backend", default="flow", help=f"comma-separated: {_BACKENDS}")
     k.add_argument("--train-frac", type=float, default=0.5,
                    help="the first share of requests by arrival that the fit sees (the rest is held out)")

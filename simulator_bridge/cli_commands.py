@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -21,7 +22,7 @@ def _pct(v: float) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kvpath.bridge.compare import compare
+    from kvpath.bridge.compare import compare_replays
     from kvpath.bridge.flow_model import NetParams
     from kvpath.bridge.ns3_backend import Ns3Error
     from kvpath.trace_header import TraceSetup
@@ -32,11 +33,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         # the testbed links' token bucket from the header; the other constants are the ones under test
         burst = args.burst_bytes if args.burst_bytes is not None else TraceSetup(trace).burst_bytes or 0
         params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
-        errors = compare(trace, names, params, ns3_params(args, "compare", trace))
+        replays = compare_replays(trace, names, params, ns3_params(args, "compare", trace))
+        measured_drops = TraceSetup(trace).drops  # the testbed's, when the trace recorded them
     except (ValueError, Ns3Error) as e:
         raise fail("compare", str(e)) from None
+    errors = {b: r.errors() for b, r in replays.items()}
     if args.json:
-        sys.stdout.write(json.dumps({b: {q: (e.to_dict() if e else None) for q, e in row.items()}
+        sys.stdout.write(json.dumps({b: {**{q: (e.to_dict() if e else None) for q, e in row.items()},
+                                         "drops": {"measured": measured_drops, "simulated": replays[b].drops}}
                                      for b, row in errors.items()}) + "\n")
         return 0
     t = Table(title=f"simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error")
@@ -48,30 +52,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 t.add_row(b, q.upper(), str(e.n), *(_pct(v) for v in (e.mean, e.p50, e.p99, e.bias)),
                           f"{100 * e.mean_abs:.1f}%")
     Console().print(t)
+    sim = ", ".join(f"{b} {r.drops}" for b, r in replays.items() if r.drops is not None)
+    Console().print(f"packets dropped: testbed {'not recorded' if measured_drops is None else measured_drops}"
+                    + (f"; {sim}" if sim else ""))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from kvpath.bridge.calibrate import calibrate
-    from kvpath.bridge.ns3_backend import Ns3Error
 
     names = backends(args.backend, "calibrate")
-    trace = load_trace(args.trace, "calibrate")
     if args.burst_bytes is not None and args.burst_bytes < 0:
         raise fail("calibrate", f"--burst-bytes must be >= 0, got {args.burst_bytes}")
+    if args.evaluate is not None:
+        return _calibrate_across(args, names)
+    if len(args.trace) != 1:
+        raise fail("calibrate", f"give one trace to split by time, or the traces to fit on with --evaluate "
+                                f"(got {len(args.trace)} and no --evaluate)")
+    trace = load_trace(args.trace[0], "calibrate")
     ns3 = ns3_params(args, "calibrate", trace)
-    results = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  disable=args.json, transient=True) as prog:
-        task = prog.add_task("calibrating", total=None)
-        for b in names:
-            try:
-                results.append(calibrate(trace, b, args.train_frac, ns3, burst_bytes=args.burst_bytes,
-                                         progress=lambda msg: prog.update(task, description=msg)))
-            except (ValueError, Ns3Error) as e:
-                raise fail("calibrate", str(e)) from None
+    results = _per_backend(args, names, lambda b, progress: calibrate(
+        trace, b, args.train_frac, ns3, burst_bytes=args.burst_bytes, progress=progress))
     if args.json:
         sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
         return 0
@@ -86,10 +87,63 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             t.add_row(q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99), _pct(h.after.p99),
                       _pct(h.after.bias))
         c.print(t)
-        n, k = r.net, r.compute
-        c.print(f"  network: overhead_s={n.overhead_s:.6f} efficiency={n.efficiency} burst_bytes={n.burst_bytes}; "
-                f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
-                f"request_overhead_s={k.request_overhead_s:.6f}")
+        _print_constants(c, r.net, r.compute)
+    return 0
+
+
+def _print_constants(c: Console, n: Any, k: Any) -> None:
+    c.print(f"  network: overhead_s={n.overhead_s:.6f} efficiency={n.efficiency} burst_bytes={n.burst_bytes}; "
+            f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
+            f"request_overhead_s={k.request_overhead_s:.6f}")
+
+
+def _per_backend(args: argparse.Namespace, names: list[str], run: Any) -> list[Any]:
+    """``run(backend, progress)`` for each backend under one spinner (none with --json);
+    a ValueError or an ns-3 failure ends the command naming it."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kvpath.bridge.ns3_backend import Ns3Error
+
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  disable=args.json, transient=True) as prog:
+        task = prog.add_task("calibrating", total=None)
+        for b in names:
+            try:
+                results.append(run(b, lambda msg: prog.update(task, description=msg)))
+            except (ValueError, Ns3Error) as e:
+                raise fail("calibrate", str(e)) from None
+    return results
+
+
+def _calibrate_across(args: argparse.Namespace, names: list[str]) -> int:
+    """``calibrate FIT... --evaluate A,B``: fit on whole traces, report every evaluated one."""
+    from kvpath.bridge.calibrate_across import calibrate_across
+
+    evaluate = [p for p in args.evaluate.split(",") if p]
+    if not evaluate:
+        raise fail("calibrate", "--evaluate: give at least one trace")
+    fit = [(p, load_trace(p, "calibrate")) for p in args.trace]
+    ev = [(p, load_trace(p, "calibrate")) for p in evaluate]
+    ns3 = ns3_params(args, "calibrate", fit[0][1])
+    results = _per_backend(args, names, lambda b, progress: calibrate_across(
+        fit, ev, b, ns3, burst_bytes=args.burst_bytes, progress=progress))
+    if args.json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
+        return 0
+    c = Console()
+    for r in results:
+        t = Table(title=f"{r.backend}: fitted on {len(r.fit_traces)} trace(s), {r.runs} network runs; "
+                        "error on each evaluated trace")
+        for col in ("trace", "quantity", "mean before", "mean after", "p99 before", "p99 after"):
+            t.add_column(col)
+        for e in r.evaluated:
+            for q in ("fct", "ttft", "tpot"):
+                h = getattr(e, q)
+                t.add_row(e.name, q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99),
+                          _pct(h.after.p99))
+        c.print(t)
+        _print_constants(c, r.net, r.compute)
     return 0
 
 

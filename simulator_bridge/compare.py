@@ -2,7 +2,7 @@
 the trace's own fabric, each flow on the spine it was measured on.
 
 The fabric is the trace header's spec at the rates the run had (``TraceSetup.fabric``:
-the testbed's ``link_mbit`` when it is there), so times compare in the trace's own
+the testbed's tier rates when they are there), so times compare in the trace's own
 clock (testbed time for a testbed trace).
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from kvpath.bridge.ns3_backend import Ns3Params, ns3_fct
+from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 from kvpath.bridge.serving_sim import BACKENDS
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
@@ -24,8 +24,8 @@ from kvpath.trace_header import TraceSetup
 if TYPE_CHECKING:
     from kvpath.bridge.request_replay import ComputeParams
 
-__all__ = ["BACKENDS", "Errors", "Replayed", "compare", "compare_fct", "header_net_params", "replay_trace", "simulate",
-           "trace_flows"]
+__all__ = ["BACKENDS", "Errors", "Replayed", "compare", "compare_fct", "compare_replays", "header_net_params",
+           "replay_trace", "simulate", "simulate_run", "trace_flows"]
 
 
 def header_net_params(setup: TraceSetup) -> NetParams:
@@ -53,12 +53,20 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
 
 def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams,
              ns3: Ns3Params | None = None) -> np.ndarray:
+    return simulate_run(backend, spec, flows, params, ns3)[0]
+
+
+def simulate_run(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams,
+                 ns3: Ns3Params | None = None) -> tuple[np.ndarray, int | None]:
+    """(FCT per flow, packets dropped): drops only from a packet-level backend (ns3),
+    None from the others, which model no queue."""
     if backend == "flow":
-        return FlowModel(spec, params).run(flows)
+        return FlowModel(spec, params).run(flows), None
     if backend == "trivial":
-        return trivial_fct(spec, flows, params)
+        return trivial_fct(spec, flows, params), None
     if backend == "ns3":
-        return ns3_fct(spec, flows, params, ns3)
+        res = Ns3Backend(spec, params, ns3).run(flows)
+        return res.fct_s, res.drops
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -114,6 +122,7 @@ class Replayed:
     fct: tuple[np.ndarray, np.ndarray]  # (measured, simulated), per flow
     ttft: tuple[np.ndarray, np.ndarray] | None  # per replayed request
     tpot: tuple[np.ndarray, np.ndarray] | None  # requests with two or more output tokens
+    drops: int | None = None  # packets the backend dropped (ns3); None: it models no queue
 
     def errors(self) -> dict[str, Errors | None]:
         return {k: None if v is None else Errors.of(*v)
@@ -130,14 +139,15 @@ def replay_trace(trace: Trace, backend: str, params: NetParams, ns3: Ns3Params |
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
     flows, measured = trace_flows(trace)
-    fct = simulate(backend, TraceSetup(trace).fabric, flows, params, ns3)
+    fct, drops = simulate_run(backend, TraceSetup(trace).fabric, flows, params, ns3)
     try:
         inp = ReplayInput.of(trace)
     except ValueError:
-        return Replayed(backend, (measured, fct), None, None)
+        return Replayed(backend, (measured, fct), None, None, drops)
     ttft, tpot = replay(inp, fct, compute or ComputeParams(iteration_overhead_s=inp.base.overhead_s))
     ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
-    return Replayed(backend, (measured, fct), (inp.ttft, ttft), (inp.tpot[ok], tpot[ok]) if ok.any() else None)
+    return Replayed(backend, (measured, fct), (inp.ttft, ttft), (inp.tpot[ok], tpot[ok]) if ok.any() else None,
+                    drops)
 
 
 def compare(trace: Trace, backends: list[str], params: NetParams,
@@ -145,4 +155,10 @@ def compare(trace: Trace, backends: list[str], params: NetParams,
     """Per backend: FCT errors per flow, and TTFT and TPOT errors per request (None when
     the trace has no completed request with a flow: a flows-only trace) from the
     request replay (``request_replay.py``) with the default compute constants."""
-    return {b: replay_trace(trace, b, params, ns3).errors() for b in backends}
+    return {b: r.errors() for b, r in compare_replays(trace, backends, params, ns3).items()}
+
+
+def compare_replays(trace: Trace, backends: list[str], params: NetParams,
+                    ns3: Ns3Params | None = None) -> dict[str, Replayed]:
+    """Per backend, the trace replayed (``replay_trace``): errors and drops."""
+    return {b: replay_trace(trace, b, params, ns3) for b in backends}

@@ -8,7 +8,7 @@ import json
 import subprocess
 
 from kvpath.five_tuple import FiveTuple
-from kvpath.testbed.netns_fabric import NetnsFabric
+from kvpath.testbed.netns_fabric import NetnsFabric, Port
 
 PROTO = {"tcp": "tcp", "udp": "udp", 6: "tcp", 17: "udp"}
 
@@ -38,16 +38,20 @@ def measured_spine(counts: dict[FiveTuple, dict[str, int]], flow: FiveTuple, min
     return best[0] if best is not None and best[1] >= min_bytes else None
 
 
+def _ports_by_ns(fabric: NetnsFabric) -> dict[str, list[Port]]:
+    by_ns: dict[str, list[Port]] = {}
+    for port in fabric.ports():
+        by_ns.setdefault(port.ns, []).append(port)
+    return by_ns
+
+
 def link_bytes(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
     """(node, interface) -> bytes sent on that end of its link."""
     # `ip -s -j link` rather than pyroute2's IPRoute(netns=...): that forks this process
     # once per namespace, and a fork of the orchestrator while vLLM engines run beside
     # it lost them their API server (seen twice in a row, never with this).
     out: dict[tuple[str, str], int] = {}
-    by_ns: dict[str, list] = {}
-    for port in fabric.ports():
-        by_ns.setdefault(port.ns, []).append(port)
-    for ns, ports in by_ns.items():
+    for ns, ports in _ports_by_ns(fabric).items():
         r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True, text=True, timeout=30)
         if r.returncode != 0:
             raise RuntimeError(f"reading the link counters of {ns} failed: {r.stderr.strip()}")
@@ -55,3 +59,41 @@ def link_bytes(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
         for port in ports:
             out[(port.node, port.ifname)] = tx.get(port.ifname, 0)
     return out
+
+
+def port_drops(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
+    """(node, interface) -> packets its egress qdisc dropped (tbf over its limit: the
+    port's buffer was full) since the fabric was built."""
+    out: dict[tuple[str, str], int] = {}
+    for ns, ports in _ports_by_ns(fabric).items():
+        r = subprocess.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show"], capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"reading the qdisc counters of {ns} failed: {r.stderr.strip()}")
+        drops: dict[str, int] = {}
+        for q in json.loads(r.stdout or "[]"):
+            drops[q.get("dev", "")] = drops.get(q.get("dev", ""), 0) + int(q.get("drops", 0))
+        for port in ports:
+            out[(port.node, port.ifname)] = drops.get(port.ifname, 0)
+    return out
+
+
+def tcp_retransmits(fabric: NetnsFabric, hosts: list[str]) -> dict[str, int]:
+    """host -> TCP segments its namespace retransmitted (``RetransSegs`` of its own
+    ``/proc/net/snmp``: each network namespace keeps its own) since it was built."""
+    out: dict[str, int] = {}
+    for host in hosts:
+        r = subprocess.run(["ip", "netns", "exec", fabric.ns(host), "cat", "/proc/net/snmp"], capture_output=True,
+                           text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"reading the TCP counters of {host} failed: {r.stderr.strip()}")
+        out[host] = retrans_segs(r.stdout)
+    return out
+
+
+def retrans_segs(snmp: str) -> int:
+    """``RetransSegs`` from the text of ``/proc/net/snmp`` (a header line of names, then
+    one of values, for each protocol)."""
+    rows = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
+    if len(rows) < 2 or "RetransSegs" not in rows[0]:
+        raise ValueError("no Tcp RetransSegs in /proc/net/snmp")
+    return int(rows[1][rows[0].index("RetransSegs")])

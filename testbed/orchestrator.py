@@ -29,7 +29,7 @@ from rich.console import Console
 
 from kvpath.fabric import pd_placement as placement
 from kvpath.trace import ReceivedRecord, TransferRecord, read_connector_log, received_by_flow
-from kvpath.testbed.counters import link_bytes, spine_flow_bytes
+from kvpath.testbed.counters import link_bytes, port_drops, spine_flow_bytes, tcp_retransmits
 from kvpath.testbed.driver import drive
 from kvpath.testbed.engines import Engines, RunSite, engines_for
 from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric
@@ -71,6 +71,8 @@ class RunData:
     lanes_known: dict[str, Any] = field(default_factory=dict)
     flow_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     link_bytes: dict[str, int] = field(default_factory=dict)
+    port_drops: dict[str, int] = field(default_factory=dict)  # "node:ifname" -> packets its qdisc dropped
+    tcp_retrans: dict[str, int] = field(default_factory=dict)  # P/D host -> TCP segments it retransmitted
     cpu_idle: list[float] = field(default_factory=list)
     lone_flow_ratio: float | None = None  # a lone flow's rate / the link rate, before the run
     burst_bytes: int = 0  # tbf burst of the links
@@ -106,14 +108,19 @@ class Serving:
                        host_link_mbit=sh.host_mbit)
 
     def counters(self) -> Counters:
-        """The spines' per-5-tuple counters and the links' byte counters now."""
-        return Counters(spine_flow_bytes(self.fabric), link_bytes(self.fabric))
+        """The spines' per-5-tuple counters, the links' byte and drop counters and the
+        engine hosts' TCP retransmissions now."""
+        return Counters(spine_flow_bytes(self.fabric), link_bytes(self.fabric), port_drops(self.fabric),
+                        tcp_retransmits(self.fabric, self.site.p_hosts + self.site.d_hosts))
 
     def count_since(self, data: RunData, base: Counters) -> None:
-        """Fill ``data.flow_bytes`` and ``data.link_bytes`` with what moved since ``base``."""
+        """Fill ``data.flow_bytes``, ``data.link_bytes``, ``data.port_drops`` and
+        ``data.tcp_retrans`` with what moved since ``base``."""
         now = self.counters()
         data.flow_bytes = {json.dumps(k.to_dict()): v for k, v in _minus(now.flows, base.flows).items()}
         data.link_bytes = {f"{n}:{i}": b - base.links.get((n, i), 0) for (n, i), b in now.links.items()}
+        data.port_drops = {f"{n}:{i}": d - base.drops.get((n, i), 0) for (n, i), d in now.drops.items()}
+        data.tcp_retrans = {h: r - base.retrans.get(h, 0) for h, r in now.retrans.items()}
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,8 @@ class Counters:
 
     flows: dict[Any, dict[str, int]]
     links: dict[tuple[str, str], int]
+    drops: dict[tuple[str, str], int]
+    retrans: dict[str, int]
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from rich.table import Table
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
-from kvpath.trace_header import META_BURST, META_POOLS, META_QUEUE
+from kvpath.trace_header import META_BURST, META_DROPS, META_POOLS, META_QUEUE, META_RETRANS
 from kvpath.testbed.orchestrator import RunData, run
 from kvpath.testbed.run_config import RunConfig
 from kvpath.decision_replay import ReplayError, replay
@@ -39,7 +39,8 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     to_fct_txt(trace, out / "fct.txt")
     to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    collected = ("decisions", "lanes_known", "flow_bytes", "link_bytes", "cpu_idle", "lone_flow_ratio", "config")
+    collected = ("decisions", "lanes_known", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
+                 "lone_flow_ratio", "config")
     (out / "collected.json").write_text(json.dumps({k: getattr(data, k) for k in collected}, indent=1))
     return summary
 
@@ -72,7 +73,8 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
                     meta={META_POOLS: data.config["pools"], "workload": data.config["workload"], "qps": data.config["qps"],
                           "seed": data.config["seed"], "engine": data.config["engine"], "connector": data.config["connector"],
                           "netns_prefix": data.prefix, META_BURST: data.burst_bytes,
-                          META_QUEUE: data.queue_bytes})
+                          META_QUEUE: data.queue_bytes, META_DROPS: sum(data.port_drops.values()),
+                          META_RETRANS: sum(data.tcp_retrans.values())})
     with TraceWriter(path, header) as w:
         for r in j.requests:
             ft = (FiveTuple(r["src_ip"], r["dst_ip"], r["src_port"], r["dst_port"] or 0)

@@ -134,3 +134,27 @@ def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_o
             ft = FiveTuple(spec.host_ip("l0h0"), spec.host_ip("l1h0"), r.src_port, KV_SIDE_CHANNEL_PORT)
             assert measured_spine(counts, ft) == r.path.spine
         assert all(x.bytes == 200_000 for x in results)
+
+
+def test_a_shallow_port_under_incast_drops_and_the_counters_see_drops_and_retransmissions():
+    """Eight flows from three hosts into one, through ports of one burst's buffer: the
+    receiver's leaf port (and its uplinks) overflow. The qdisc drop counters and the
+    senders' TCP retransmissions, which a testbed trace records, both count them; the
+    receiver's own host link is the one that cannot keep up, so its leaf's port drops."""
+    from kvpath.testbed.counters import port_drops, retrans_segs, tcp_retransmits
+
+    spec = FabricSpec.resolve("small")
+    shaping = LinkShaping(host_mbit=50.0, spine_mbit=50.0, burst_bytes=16 * 1024, queue_bytes=16 * 1024)
+    with NetnsFabric(spec, shaping, run_id=f"t{uuid.uuid4().hex[:4]}") as fabric:
+        hosts = spec.hosts()
+        before_drops, before_rt = port_drops(fabric), tcp_retransmits(fabric, hosts)
+        assert set(before_drops) == {(p.node, p.ifname) for p in fabric.ports()}
+        flows = [Flow(src, "l1h1", 42000 + i, 5100) for i, src in enumerate(["l0h0", "l0h1", "l1h0"] * 3)][:8]
+        results = run_flows(fabric, flows, 2_000_000, timeout_s=120)
+        assert all(r.bytes == 2_000_000 for r in results)
+        drops = {k: v - before_drops[k] for k, v in port_drops(fabric).items()}
+        rt = {h: v - before_rt[h] for h, v in tcp_retransmits(fabric, hosts).items()}
+        assert drops[("leaf1", "h1")] > 0, drops  # leaf1 to l1h1, the receiver's downlink: the bottleneck
+        assert sum(rt[h] for h in ("l0h0", "l0h1", "l1h0")) > 0 and rt["l1h1"] == 0, rt
+    with pytest.raises(ValueError, match="RetransSegs"):
+        retrans_segs("Ip: Forwarding\nIp: 1\n")

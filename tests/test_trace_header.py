@@ -116,3 +116,12 @@ def test_header_fabric_runs_each_tier_at_the_testbed_rate_it_had():
     sim = Header(t0_unix=0.0, fabric=os2.to_dict())
     assert (header_fabric(sim).host_link_gbps, header_fabric(sim).spine_link_gbps) == (100.0, 50.0)
     assert FabricSpec.resolve("rack4-os2") == os2
+
+
+def test_the_testbeds_drops_and_retransmissions_are_read_from_the_header():
+    t = Trace(Header(t0_unix=0.0, link_mbit=100.0, meta={"drops": 45, "tcp_retrans_segs": 51}), [], [])
+    assert (TraceSetup(t).drops, TraceSetup(t).retransmits) == (45, 51)
+    t = Trace(Header(t0_unix=0.0), [], [])
+    assert (TraceSetup(t).drops, TraceSetup(t).retransmits) == (None, None)
+    with pytest.raises(ValueError, match="meta.drops"):
+        TraceSetup(Trace(Header(t0_unix=0.0, meta={"drops": -1}), [], [])).drops

@@ -1,0 +1,91 @@
+"""Calibration across traces: fitted on whole traces of one fabric, evaluated on other
+traces of it. Simulated traces whose constants are known (the serving simulation with a
+given per-flow overhead and link efficiency): fitted on one workload, the constants are
+recovered and a different workload's error falls to zero; the evaluated trace never
+steers the fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from kvpath.bridge.calibrate_across import calibrate_across
+from kvpath.bridge.flow_model import NetParams
+from kvpath.bridge.serving_sim import ServingConfig, simulate
+from kvpath.fabric import FabricSpec
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.trace import TraceWriter
+from kvpath.workloads import load_workload
+
+SPEC = dataclasses.replace(FabricSpec.resolve("rack4"), host_link_gbps=2.0, spine_link_gbps=2.0)
+TRUE_NET = NetParams(overhead_s=0.004, efficiency=0.9)
+
+
+def _trace(qps: float, seed: int, spec: FabricSpec = SPEC, workload: str = "zipf"):
+    itm = IterationTimeModel.preset("llama-3-8b", "h100")
+    w = load_workload(workload, n=80, qps=qps, seed=seed, min_prompt=1024, max_prompt=4096, pd_ratio=20)
+    return simulate(spec, list(w.requests), ServingConfig(mode="ecmp", scale_s=100, net=TRUE_NET), itm)[0]
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {"light": _trace(10, 1), "heavy": _trace(40, 2), "other": _trace(25, 3)}
+
+
+def test_fitted_on_one_workload_the_constants_carry_to_another(traces):
+    # the links' burst known, as a testbed trace's header gives it: lone flows cannot tell
+    # a burst from a per-flow overhead (both shift every FCT by a constant)
+    c = calibrate_across([("light", traces["light"])], [("heavy", traces["heavy"]), ("other", traces["other"])],
+                         "flow", burst_bytes=0)
+    assert c.net.efficiency == pytest.approx(TRUE_NET.efficiency)
+    assert c.net.overhead_s == pytest.approx(TRUE_NET.overhead_s, abs=1e-9)
+    assert [e.name for e in c.evaluated] == ["heavy", "other"]
+    for e in c.evaluated:
+        assert abs(e.fct.after.mean) < 1e-6 and abs(e.fct.after.p99) < 1e-6
+        assert abs(e.fct.before.mean) > 0.01  # the defaults were off: the fit did something
+
+
+def test_the_evaluated_trace_never_steers_the_fit(traces):
+    """Scaling the evaluated trace's measured FCTs changes its errors, never the constants."""
+    heavy = traces["heavy"]
+    slowed = msgspec.structs.replace(heavy, flows=[msgspec.structs.replace(f, end_s=f.start_s + 2 * f.fct_s)
+                                                   for f in heavy.flows])
+    a = calibrate_across([("light", traces["light"])], [("heavy", heavy)], "flow")
+    b = calibrate_across([("light", traces["light"])], [("slowed", slowed)], "flow")
+    assert (a.net, a.compute) == (b.net, b.compute)
+    assert a.evaluated[0].fct.after.mean != pytest.approx(b.evaluated[0].fct.after.mean)
+
+
+def test_a_fit_trace_given_again_to_evaluate_and_another_fabric_are_refused(traces):
+    with pytest.raises(ValueError, match="also a fit trace"):
+        calibrate_across([("a", traces["light"])], [("b", traces["heavy"]), ("c", traces["light"])], "flow")
+    other = _trace(10, 1, spec=dataclasses.replace(SPEC, spine_link_gbps=1.0))
+    with pytest.raises(ValueError, match="x: its fabric"):
+        calibrate_across([("a", traces["light"])], [("x", other)], "flow")
+    with pytest.raises(ValueError, match="at least one trace to fit on and one to evaluate"):
+        calibrate_across([("a", traces["light"])], [], "flow")
+
+
+def test_the_cli_fits_on_the_positional_traces_and_evaluates_the_others(tmp_path, traces):
+    paths = {}
+    for name, t in traces.items():
+        paths[name] = tmp_path / f"{name}.jsonl"
+        with TraceWriter(paths[name], t.header) as w:
+            for r in t.requests + t.flows:
+                w.write(r)
+    cmd = [sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(paths["light"]), "--evaluate",
+           f"{paths['heavy']},{paths['other']}", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (out,) = json.loads(r.stdout)
+    assert out["fit_traces"] == [str(paths["light"])]
+    assert [e["trace"] for e in out["evaluated"]] == [str(paths["heavy"]), str(paths["other"])]
+    assert out["net"]["efficiency"] == pytest.approx(0.9)
+    bad = subprocess.run(cmd[:7] + [f"{paths['heavy']},{paths['light']}"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "also a fit trace" in bad.stderr and "Traceback" not in bad.stderr

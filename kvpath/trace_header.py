@@ -54,7 +54,7 @@ def header_fabric(header: Header) -> FabricSpec:
     if header.link_mbit:
         spine = header.link_mbit / 1000
         host = (header.host_link_mbit / 1000 if header.host_link_mbit
-                else spine * spec.host_link_gbps / spec.spine_link_gbps)
+                else spine * (spec.host_link_gbps / spec.spine_link_gbps))  # ratio first: exact at 1
         spec = dataclasses.replace(spec, host_link_gbps=host, spine_link_gbps=spine)
     return spec
 

@@ -130,14 +130,13 @@ class FitSet:
                    np.ones(len(inp.reqs), dtype=bool))
 
 
-def known_burst_of(setups: list[TraceSetup], burst_bytes: int | None) -> int | None:
+def known_burst(setup: TraceSetup, burst_bytes: int | None) -> int | None:
+    """The links' burst: ``burst_bytes`` when given (checked), else the trace header's
+    (None: fitted)."""
     if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
                                     or burst_bytes < 0):
         raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
-    if burst_bytes is not None:
-        return burst_bytes
-    found = {s.burst_bytes for s in setups}
-    return found.pop() if len(found) == 1 else None  # traces that disagree: fitted
+    return burst_bytes if burst_bytes is not None else setup.burst_bytes
 
 
 def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: Ns3Params | None,
@@ -218,12 +217,13 @@ def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Param
     """``burst_bytes``: the links' token-bucket burst if known (default: the trace
     header's ``meta.burst_bytes``, ``TraceSetup.burst_bytes``; fitted when neither gives it)."""
     setup = TraceSetup(trace)
+    spec = setup.fabric  # first: a bad fabric is named before anything else
     flows, measured = trace_flows(trace)
     inp = ReplayInput.of(trace)
     req_train, flow_train, _ = _split(trace, inp, train_frac)
-    fs = FitSet(setup.fabric, flows, measured, inp, flow_train, req_train)
+    fs = FitSet(spec, flows, measured, inp, flow_train, req_train)
     net_run, runs = counting_run(backend, ns3, progress)
-    net, (fct0,), (fct1,) = fit_network([fs], backend, known_burst_of([setup], burst_bytes), ns3, net_run)
+    net, (fct0,), (fct1,) = fit_network([fs], backend, known_burst(setup, burst_bytes), ns3, net_run)
     held_f = ~flow_train
     fct = Held(Errors.of(measured[held_f], fct0[held_f]), Errors.of(measured[held_f], fct1[held_f]))
     compute = fit_compute([fs], [fct1])

@@ -9,18 +9,21 @@ trace whose records equal a fit trace's (the same run given twice).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
 import numpy as np
 
-from kvpath.bridge.calibrate import FitSet, Held, counting_run, known_burst_of, request_errors, fit_compute, fit_network
+from kvpath.bridge.calibrate import FitSet, Held, counting_run, fit_compute, fit_network, request_errors
 from kvpath.bridge.compare import Errors
 from kvpath.bridge.flow_model import NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.bridge.request_replay import ComputeParams
+from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
 from kvpath.trace_header import TraceSetup
 
@@ -54,8 +57,6 @@ class CrossCalibration:
     runs: int = 0  # network runs the fit took
 
     def to_dict(self) -> dict[str, Any]:
-        import dataclasses
-
         return {"backend": self.backend, "net": dataclasses.asdict(self.net),
                 "compute": dataclasses.asdict(self.compute), "fit_traces": self.fit_traces,
                 "network_runs": self.runs, "evaluated": [e.to_dict() for e in self.evaluated]}
@@ -66,39 +67,71 @@ def trace_digest(trace: Trace) -> str:
     return hashlib.sha256(msgspec.json.encode(trace)).hexdigest()
 
 
-def check_sets(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]]) -> None:
+def _same_fabric(a: FabricSpec, b: FabricSpec) -> bool:
+    """Equal specs, the link rates compared to float precision (a rate derived from a
+    header's ratio may differ in its last bit)."""
+    rates = ("host_link_gbps", "spine_link_gbps")
+    if dataclasses.replace(a, **{r: 1.0 for r in rates}) != dataclasses.replace(b, **{r: 1.0 for r in rates}):
+        return False
+    return all(math.isclose(getattr(a, r), getattr(b, r), rel_tol=1e-9) for r in rates)
+
+
+def _named(name: str, what: Callable[[], Any]) -> Any:
+    """``what()``, a ValueError from it naming the trace."""
+    try:
+        return what()
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def check_sets(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], burst_bytes: int | None = None
+               ) -> int | None:
     """ValueError naming the trace: no fit trace, no evaluated trace, a fabric that is not
-    the first fit trace's (the constants are per fabric), an evaluated trace that is a fit
-    trace."""
+    the first fit trace's (the constants are per fabric), links whose recorded burst or
+    buffer differ from the first fit trace's (unless ``burst_bytes`` is given), an
+    evaluated trace that is a fit trace. Returns the links' burst: ``burst_bytes``, else the
+    traces' recorded one (None when they record none: it is fitted)."""
     if not fit or not evaluate:
         raise ValueError("calibration across traces needs at least one trace to fit on and one to evaluate")
-    spec = TraceSetup(fit[0][1]).fabric
+    first = fit[0][0]
+    ref = _named(first, lambda: TraceSetup(fit[0][1]))
+    spec, burst, queue = _named(first, lambda: (ref.fabric, ref.burst_bytes, ref.queue_bytes))
     for name, t in fit + evaluate:
-        if TraceSetup(t).fabric != spec:
-            raise ValueError(f"{name}: its fabric (at the rates its run had) is not {fit[0][0]}'s; "
-                             "calibrate per fabric")
+        setup = TraceSetup(t)
+        if not _same_fabric(_named(name, lambda: setup.fabric), spec):
+            raise ValueError(f"{name}: its fabric (at the rates its run had) is not {first}'s; calibrate per fabric")
+        if burst_bytes is None and _named(name, lambda: setup.burst_bytes) != burst:
+            raise ValueError(f"{name}: its links' burst ({setup.burst_bytes}) is not {first}'s ({burst}); "
+                             "give --burst-bytes or calibrate per testbed setting")
+        if _named(name, lambda: setup.queue_bytes) != queue:
+            raise ValueError(f"{name}: its links' buffer ({setup.queue_bytes}) is not {first}'s ({queue})")
     fitted = {trace_digest(t): name for name, t in fit}
     for name, t in evaluate:
-        if trace_digest(t) in fitted:
-            raise ValueError(f"{name} is also a fit trace ({fitted[trace_digest(t)]}): evaluate on other runs")
+        twin = fitted.get(trace_digest(t))
+        if twin is not None:
+            raise ValueError(f"{name} is also a fit trace ({twin}): evaluate on other runs")
+    return burst_bytes if burst_bytes is not None else burst
 
 
 def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], backend: str,
                      ns3: Ns3Params | None = None, progress: Callable[[str], None] | None = None,
                      burst_bytes: int | None = None) -> CrossCalibration:
     """Fit on every flow and request of the ``fit`` traces (name, trace); then evaluate on
-    each of ``evaluate``, every flow and request, with the defaults and with the fit."""
-    check_sets(fit, evaluate)
-    sets = [FitSet.whole(t) for _, t in fit]
+    each of ``evaluate``, every flow and request, with the defaults and with the fit, both
+    at the links' burst (given, or the one every trace recorded)."""
+    if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
+                                    or burst_bytes < 0):
+        raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
+    known = check_sets(fit, evaluate, burst_bytes)
+    sets = [_named(name, lambda: FitSet.whole(t)) for name, t in fit]
     net_run, runs = counting_run(backend, ns3, progress)
-    known = known_burst_of([TraceSetup(t) for _, t in fit], burst_bytes)
     net, _, fcts = fit_network(sets, backend, known, ns3, net_run)
     compute = fit_compute(sets, fcts)
     out = CrossCalibration(backend, net, compute, [name for name, _ in fit], runs=runs[0])
     for name, t in evaluate:  # the fit is done: nothing below changes it
-        fs = FitSet.whole(t)
-        default_net = NetParams(burst_bytes=int(TraceSetup(t).burst_bytes or known or 0))
-        fct0, fct1 = net_run(fs, default_net), net_run(fs, net)
+        fs = _named(name, lambda: FitSet.whole(t))
+        fct0 = _named(name, lambda: net_run(fs, NetParams(burst_bytes=net.burst_bytes)))  # same bucket as after
+        fct1 = _named(name, lambda: net_run(fs, net))
         every = np.ones(len(fs.inp.reqs), dtype=bool)
         t0, p0 = request_errors(fs, ComputeParams(iteration_overhead_s=fs.inp.base.overhead_s), fct0, every)
         t1, p1 = request_errors(fs, compute, fct1, every)

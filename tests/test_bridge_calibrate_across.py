@@ -89,3 +89,23 @@ def test_the_cli_fits_on_the_positional_traces_and_evaluates_the_others(tmp_path
     bad = subprocess.run(cmd[:7] + [f"{paths['heavy']},{paths['light']}"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "also a fit trace" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_traces_whose_links_had_another_burst_or_buffer_are_refused_unless_the_burst_is_given(traces):
+    import msgspec as ms
+
+    def with_meta(t, **meta):
+        return ms.structs.replace(t, header=ms.structs.replace(t.header, meta={**t.header.meta, **meta}))
+
+    a = with_meta(traces["light"], burst_bytes=65536, queue_bytes=1 << 20)
+    b = with_meta(traces["heavy"], burst_bytes=131072, queue_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"b: its links' burst \(131072\) is not a's \(65536\)"):
+        calibrate_across([("a", a)], [("b", b)], "flow")
+    c = calibrate_across([("a", a)], [("b", b)], "flow", burst_bytes=0)  # given: one bucket for all
+    assert c.net.burst_bytes == 0
+    deep = with_meta(traces["heavy"], burst_bytes=65536, queue_bytes=4 << 20)
+    with pytest.raises(ValueError, match="b: its links' buffer"):
+        calibrate_across([("a", a)], [("b", deep)], "flow")
+    bad = with_meta(traces["heavy"], burst_bytes=-1)
+    with pytest.raises(ValueError, match="^bad: header meta.burst_bytes"):
+        calibrate_across([("a", a)], [("bad", bad)], "flow")

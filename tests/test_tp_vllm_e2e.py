@@ -165,24 +165,35 @@ def d_tp1(model, tp2):
     d.start()
     try:
         d.wait_ready()
-        p = tp2[0]
-        t0, tries = time.monotonic(), 0
-
-        async def warm() -> PDResult:
-            async with engine_client() as c:
-                return await pd_request(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", "warm up " * 20, 2)
-
-        while True:  # first contact: both P ranks open their lanes into D
-            tries += 1
-            r = asyncio.run(warm())
-            if r.status == 200 or time.monotonic() - t0 > WARMUP_S:
-                break
-            time.sleep(1.0)
-        assert r.status == 200, f"no request served in {WARMUP_S:.0f}s of warm-up ({tries} tries): {r.error[:300]}"
-        print(f"D TP=1 warm-up: served after {time.monotonic() - t0:.1f}s, {tries} tries")
+        warm_up(tp2[0].url, d.url, P_SIDE, "D TP=1")
         yield d
     finally:
         d.kill()
+
+
+def warm_up(p_url: str, d_url: str, p_side: int, label: str) -> None:
+    """First contact between a new engine and the TP=2 pair's: P's ranks open their lanes
+    into D's. On these two busy cores that took 0.6-32 s; a request sent before it is done
+    can outlast D's liveness clock, so requests are retried until one is served."""
+    t0, tries = time.monotonic(), 0
+
+    async def warm() -> PDResult:
+        async with engine_client() as c:
+            return await pd_request(c, p_url, d_url, f"127.0.0.1:{p_side}", "warm up " * 20, 2)
+
+    why = ""
+    while True:
+        tries += 1
+        try:
+            r = asyncio.run(warm())
+            ok, why = r.status == 200, r.error[:300]
+        except httpx.HTTPError as e:  # a request that outlasted the client's timeout: try again
+            ok, why = False, repr(e)
+        if ok or time.monotonic() - t0 > WARMUP_S:
+            break
+        time.sleep(1.0)
+    assert ok, f"no request served in {WARMUP_S:.0f}s of warm-up ({tries} tries): {why}"
+    print(f"{label} warm-up: served after {time.monotonic() - t0:.1f}s, {tries} tries")
 
 
 def tokens_of(url: str, prompt: str) -> int:
@@ -324,6 +335,7 @@ def p_tp1(model, tp2):
     p.start()
     try:
         p.wait_ready()
+        warm_up(p.url, tp2[1].url, P1_SIDE, "P TP=1")
         yield p
     finally:
         p.kill()
@@ -351,8 +363,8 @@ class TestPTp1IntoDTp2:
         """Last in the module: it kills D (P at TP=2 is gone already). D's two ranks
         register a request with P's one rank (the D leg alone), then one of D's TP
         workers is killed, which takes D's engine down; P's leg then finishes its
-        prefill, whose two flows go into the dead D: each fails or expires, and P frees
-        the request's blocks after the last of them, serving on."""
+        prefill, whose two flows go into the dying D: the one into the killed rank fails
+        (or expires), and P frees the request's blocks after the last of them, serving on."""
         _, d, logs = tp2
 
         def d_leg():
@@ -384,9 +396,12 @@ class TestPTp1IntoDTp2:
         assert kv_usage(p_tp1.url) == 0.0
         print(f"P TP=1 freed the blocks of a push into a killed D TP=2 {time.monotonic() - t0:.1f}s after its leg")
         recs = [x for x in read_transfers(logs / "p1_trace.jsonl") if x.transfer_id == "orphan-d"]
-        # two flows when both registrations reached P before the kill (failed: the WRITE
-        # into the dead rank; expired: no registration); one record if none had
-        assert recs and {x.status for x in recs} <= {"failed", "expired"}, [(x.status, x.detail) for x in recs]
+        # two flows when both registrations reached P before the kill: the one into the
+        # killed rank fails (or expires, had its registration not come), the other may
+        # still land (the engine's other worker can outlive the kill by a moment); one
+        # record if no registration had come
+        assert recs and {x.status for x in recs} <= {"ok", "failed", "expired"}, [(x.status, x.detail) for x in recs]
+        assert any(x.status != "ok" for x in recs), [(x.peer_rank, x.status) for x in recs]
         print("flows of the push into the killed D:", [(x.peer_rank, x.status, x.detail[:60]) for x in recs])
         plain = httpx.post(p_tp1.url + "/v1/completions", timeout=60,
                            json={"model": "tiny", "prompt": "still", "max_tokens": 2})

@@ -130,12 +130,17 @@ class FitSet:
                    np.ones(len(inp.reqs), dtype=bool))
 
 
-def known_burst(setup: TraceSetup, burst_bytes: int | None) -> int | None:
-    """The links' burst: ``burst_bytes`` when given (checked), else the trace header's
-    (None: fitted)."""
+def check_burst(burst_bytes: int | None) -> None:
+    """A given links' burst must be an integer >= 0 (None: not given)."""
     if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
                                     or burst_bytes < 0):
         raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
+
+
+def known_burst(setup: TraceSetup, burst_bytes: int | None) -> int | None:
+    """The links' burst: ``burst_bytes`` when given (checked), else the trace header's
+    (None: fitted)."""
+    check_burst(burst_bytes)
     return burst_bytes if burst_bytes is not None else setup.burst_bytes
 
 

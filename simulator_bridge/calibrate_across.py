@@ -18,7 +18,8 @@ from typing import Any, Callable
 import msgspec
 import numpy as np
 
-from kvpath.bridge.calibrate import FitSet, Held, counting_run, fit_compute, fit_network, request_errors
+from kvpath.bridge.calibrate import (FitSet, Held, check_burst, counting_run, fit_compute, fit_network,
+                                     request_errors)
 from kvpath.bridge.compare import Errors
 from kvpath.bridge.flow_model import NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
@@ -119,9 +120,7 @@ def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Tra
     """Fit on every flow and request of the ``fit`` traces (name, trace); then evaluate on
     each of ``evaluate``, every flow and request, with the defaults and with the fit, both
     at the links' burst (given, or the one every trace recorded)."""
-    if burst_bytes is not None and (isinstance(burst_bytes, bool) or not isinstance(burst_bytes, int)
-                                    or burst_bytes < 0):
-        raise ValueError(f"burst_bytes must be an integer >= 0, got {burst_bytes!r}")
+    check_burst(burst_bytes)
     known = check_sets(fit, evaluate, burst_bytes)
     sets = [_named(name, lambda: FitSet.whole(t)) for name, t in fit]
     net_run, runs = counting_run(backend, ns3, progress)

@@ -240,8 +240,3 @@ class Ns3Backend:
             log.info("ns-3 dropped %d packets at its %d-byte drop-tail egress queues", drops, self.params.queue_bytes)
         return drops, uplinks, "".join(tail)
 
-
-def ns3_fct(spec: FabricSpec, flows: list[FlowSpec], net: NetParams | None = None,
-            params: Ns3Params | None = None) -> np.ndarray:
-    return Ns3Backend(spec, net, params).run(flows).fct_s
-

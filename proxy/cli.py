@@ -54,7 +54,7 @@ class DeprecatedAlias(argparse.Action):
 
 
 def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
-    p.add_argument("--fabric", help="fabric preset (small, rack4, rack4-os2, rack8) or spec file, JSON or YAML "
+    p.add_argument("--fabric", help="fabric preset (small, rack3, rack4, rack4-os2, rack8) or spec file, JSON or YAML "
                                     "(default: 4 leaves x 4 spines x 4 hosts)")
     p.add_argument("--kernel-oracle", metavar="NETNS_PREFIX", default="",
                    help="ask a running testbed's kernel which spine a lane takes (its namespaces are named "

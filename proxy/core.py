@@ -40,8 +40,22 @@ from kvpath.reservation_wire import AsyncReserver, FlowScope, LaneGrant
 
 logger = logging.getLogger(__name__)
 
-IDLE_KEEPALIVE_S = 4.0  # below uvicorn's (so vLLM's) default keep-alive timeout of 5 s
-POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection was found closed before writing
+# below uvicorn's (so vLLM's) default keep-alive timeout of 5 s, with room for this
+# proxy's loop being late to read an answer (the idle clock starts when it does)
+IDLE_KEEPALIVE_S = 2.0
+POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection turned out closed (below)
+
+
+async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    """aiohttp trace hook: the request went out on a pooled connection."""
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
+def _reuse_tracer() -> aiohttp.TraceConfig:
+    tc = aiohttp.TraceConfig()
+    tc.on_connection_reuseconn.append(_mark_reused)
+    return tc
 
 
 class ClientGone(Exception):
@@ -79,6 +93,7 @@ class Proxy:
             connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
                                            keepalive_timeout=IDLE_KEEPALIVE_S),
             auto_decompress=False,
+            trace_configs=[_reuse_tracer()],
         )
         self.health.start(self.session)
 
@@ -327,13 +342,22 @@ class Proxy:
         return resp, first
 
     async def _post(self, url: str, body: dict, headers: dict, **kw: Any) -> aiohttp.ClientResponse:
-        """POST a leg, once more on a fresh connection when the pooled one turned out to
-        be closed before the request was written (the engine closed an idle keep-alive
-        connection): the engine has not seen that request, so sending it again is safe."""
+        """POST a leg, once more on a fresh connection when a pooled one turned out closed:
+        the request could not be written, or the engine closed the connection before
+        any answer. The second is an idle keep-alive connection the engine closed as the
+        request went out: uvicorn closes one only while no request is in it, and a
+        proxy loop that reads an answer late starts its idle clock late. The engine
+        has not seen that request, so sending it again is safe. A request that failed
+        on a connection opened for it is never sent again: the engine may be gone."""
         assert self.session is not None
         for attempt in range(POST_ATTEMPTS):
+            ctx: dict[str, bool] = {"reused": False}
             try:
-                return await self.session.post(url, json=body, headers=headers, **kw)
+                return await self.session.post(url, json=body, headers=headers, trace_request_ctx=ctx, **kw)
+            except aiohttp.ServerDisconnectedError:
+                if not ctx["reused"] or attempt == POST_ATTEMPTS - 1:
+                    raise
+                logger.info("a pooled connection to %s was closed before any answer: sent again", url)
             except aiohttp.ClientOSError as e:
                 # several pooled connections may have been closed at once (a burst's)
                 if "write request body" not in str(e) or attempt == POST_ATTEMPTS - 1:

@@ -1,5 +1,6 @@
 """A leg whose pooled connection the engine had closed is sent again (the engine never
-saw it); anything else is not, and the pool lets idle connections go before the engine does."""
+saw it: the request could not be written, or the connection was closed before any
+answer); anything else is not, and the pool lets idle connections go before the engine does."""
 
 import asyncio
 
@@ -67,3 +68,91 @@ def test_the_proxy_keeps_its_clients_idle_connections_longer_than_their_pools_do
     from kvpath.proxy import cli
 
     assert cli.CLIENT_KEEPALIVE_S > 15  # httpx keeps an idle connection 5 s, aiohttp 15 s
+
+
+class DisconnectingSession:
+    """Closes the connection before answering; ``reused`` says whether aiohttp would
+    have sent the request on a pooled connection."""
+
+    def __init__(self, reused: list[bool]):
+        self.reused, self.calls = list(reused), 0
+
+    async def post(self, url, *, trace_request_ctx, **kw):
+        self.calls += 1
+        if self.reused:
+            trace_request_ctx["reused"] = self.reused.pop(0)
+            raise aiohttp.ServerDisconnectedError()
+        return "answer"
+
+
+def test_a_pooled_connection_closed_before_any_answer_is_sent_again_a_fresh_one_never():
+    s = DisconnectingSession([True, True])
+    assert asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {})) == "answer"
+    assert s.calls == 3
+    s = DisconnectingSession([True, False])  # the second went out on a new connection: the engine may be gone
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {}))
+    assert s.calls == 2
+
+
+class KeepAliveCloser:
+    """A real HTTP/1.1 server: it answers the first request on each connection and
+    keeps the connection open, then closes it when the next request comes, as an
+    engine whose keep-alive timer fired as that request went out does."""
+
+    def __init__(self, answer_first: bool = True):
+        self.answer_first, self.requests, self.connections = answer_first, 0, 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                if served or not self.answer_first:
+                    break
+                served += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+
+async def _post_twice(server: KeepAliveCloser) -> list:
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/completions"
+    px = proxy_with(None)
+    await px.start()
+    out = []
+    try:
+        for _ in range(2):
+            try:
+                async with await px._post(url, {"prompt": "x"}, {}) as r:
+                    await r.read()  # read whole, the connection goes back to the pool
+                    out.append(r.status)
+            except aiohttp.ServerDisconnectedError as e:
+                out.append(type(e).__name__)
+    finally:
+        await px.stop()
+        srv.close()
+        await srv.wait_closed()
+    return out
+
+
+def test_through_aiohttp_a_leg_on_a_pooled_connection_the_engine_closed_is_answered():
+    server = KeepAliveCloser()
+    assert asyncio.run(_post_twice(server)) == [200, 200]
+    # the second leg went out on the first (pooled) connection, was cut, and was sent
+    # once more on a second connection
+    assert (server.requests, server.connections) == (3, 2)
+
+
+def test_through_aiohttp_a_leg_cut_on_a_new_connection_is_not_sent_again():
+    server = KeepAliveCloser(answer_first=False)
+    assert asyncio.run(_post_twice(server)) == ["ServerDisconnectedError"] * 2
+    assert (server.requests, server.connections) == (2, 2)

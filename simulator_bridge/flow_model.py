@@ -9,8 +9,14 @@ completion times out.
 
 Both take the same two calibration constants: ``overhead_s``, a fixed cost per flow
 (posting the transfer, the receiver noticing it), and ``efficiency``, the share of a
-link's rate a flow's payload gets (headers, the transport). ``burst_bytes`` lets the
-first bytes of a flow through at once, as the testbed's token buckets do.
+link's rate a flow's payload gets (headers, the transport). ``burst_bytes`` is the depth
+of the token bucket every directed link has, as the testbed's tbf qdiscs do: in
+:class:`FlowModel` a link whose bucket holds tokens passes bytes at ``LINE_X`` times
+its rate, the bucket drains by what exceeds the rate and refills at the rate while the
+link carries less. So a lone flow gets one burst (it ends at (size - burst) / rate),
+while flows that share a link share its one bucket, and a flow that follows another
+on a link finds the bucket only as full as the gap between them let it refill.
+``trivial`` gives every flow a full bucket (each alone).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Callable
 import numpy as np
 
 from kvpath.fabric import FabricSpec
+
+LINE_X = 100.0  # a link's speed while its bucket holds tokens, over its rate (veth: ~line rate)
 
 
 @dataclass(frozen=True)
@@ -148,10 +156,12 @@ class FlowModel:
             return np.zeros(0)
         p = self.params
         cap = self.index.capacity * p.efficiency
+        depth = float(p.burst_bytes)
+        tokens = np.full(cap.size, depth)  # every bucket full when the trace starts
         start = np.array([f.start_s for f in flows], dtype=float)
         links = np.full((n, 4), -1, dtype=np.int64) if decide else self.index.links(flows)
         at = start if decide_at is None else np.minimum(np.asarray(decide_at, dtype=float), start)
-        left = np.array([max(f.bytes - p.burst_bytes, 0) for f in flows], dtype=float)
+        left = np.array([f.bytes for f in flows], dtype=float)
         end = np.full(n, np.nan)
         arrivals, decisions = np.argsort(start, kind="stable"), np.argsort(at, kind="stable")
         ai, di = 0, (0 if decide else n)  # without decide every flow is decided already
@@ -186,11 +196,22 @@ class FlowModel:
                 if math.isinf(t_next):
                     break
                 now += t_next
+                tokens = np.minimum(tokens + cap * t_next, depth)  # idle links refill
                 continue
-            rate = max_min_rates(links[act], cap)
+            burst = tokens >= 1.0  # a byte's hysteresis: float dust on a saturated link is no burst
+            rate = max_min_rates(links[act], np.where(burst, cap * LINE_X, cap))
+            lk = links[act]
+            ok = lk >= 0
+            load = np.bincount(lk[ok], weights=np.broadcast_to(rate[:, None], lk.shape)[ok], minlength=cap.size)
             t_done = left[act] / rate
-            dt = min(t_done.min(), t_next)
+            # a bucket that drains runs out: the link falls back to its rate then
+            draining = burst & (load > cap * (1 + 1e-12))
+            with np.errstate(divide="ignore"):
+                t_empty = np.where(draining, tokens / np.where(draining, load - cap, 1.0), math.inf).min()
+            dt = min(t_done.min(), t_next, t_empty)
             left[act] -= rate * dt
+            tokens = np.clip(tokens + (cap - load) * dt, 0.0, depth)
+            tokens[draining & (tokens < 1.0)] = 0.0
             now += dt
             # finished: its bytes ran out in this step (the float remainder is dust)
             finish(act[(left[act] <= 1e-3) | (t_done <= dt * (1 + 1e-12))])

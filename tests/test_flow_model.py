@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvpath.fabric import FabricSpec
+from kvpath.bridge import flow_model as fm
 from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, max_min_rates, trivial_fct
 
 SPEC = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2, host_link_gbps=100.0, spine_link_gbps=100.0)
@@ -132,3 +133,38 @@ def test_max_min_matches_textbook_progressive_filling():
             mine = links[i][links[i] >= 0]
             assert any(got[(links == l).any(axis=1)].sum() >= capacity[l] * (1 - 1e-9)
                        and got[i] >= got[(links == l).any(axis=1)].max() * (1 - 1e-9) for l in mine), trial
+
+
+# ---- token buckets: one per directed link, as the testbed's tbf qdiscs -------------
+B = 1_000_000  # bucket depth (bytes)
+S = 10_000_000
+
+
+def bucket_model() -> FlowModel:
+    return FlowModel(SPEC, NetParams(burst_bytes=B))
+
+
+def test_flows_that_share_a_link_share_its_one_bucket():
+    # two flows leave l0h0 together: its uplink's bucket lets B through once, not once
+    # per flow (a per-flow burst would end both at (2S - 2B) / rate)
+    fct = bucket_model().run([FlowSpec("l0h0", "l1h0", S, 0.0, 0), FlowSpec("l0h0", "l1h1", S, 0.0, 1)])
+    assert fct == pytest.approx([(2 * S - B) / RATE] * 2, rel=1e-9)
+
+
+def test_a_flow_right_behind_another_finds_the_bucket_empty_and_one_after_a_gap_finds_the_gap_refilled():
+    t1 = (S - B) / RATE  # the first flow alone
+    back_to_back = bucket_model().run([FlowSpec("l0h0", "l1h0", S, 0.0, 0), FlowSpec("l0h0", "l1h0", S, t1, 0)])
+    assert back_to_back == pytest.approx([t1, S / RATE], rel=1e-9)
+    gap = 0.4 * B / RATE  # refills 0.4 B
+    later = bucket_model().run([FlowSpec("l0h0", "l1h0", S, 0.0, 0), FlowSpec("l0h0", "l1h0", S, t1 + gap, 0)])
+    assert later[1] == pytest.approx((S - 0.4 * B) / RATE, rel=1e-9)
+    apart = bucket_model().run([FlowSpec("l0h0", "l1h0", S, 0.0, 0), FlowSpec("l0h0", "l1h0", S, t1 + 2 * B / RATE, 0)])
+    assert apart[1] == pytest.approx(t1, rel=1e-9)  # a full bucket again, never more
+
+
+def test_a_bucket_is_per_link_flows_on_disjoint_links_each_get_one():
+    fct = bucket_model().run([FlowSpec("l0h0", "l1h0", S, 0.0, 0), FlowSpec("l0h1", "l1h1", S, 0.0, 1)])
+    assert fct == pytest.approx([(S - B) / RATE] * 2, rel=1e-9)
+    # a flow smaller than the bucket passes at the burst speed, LINE_X times the rate
+    small = bucket_model().run([FlowSpec("l0h0", "l1h0", B // 2, 0.0, 0)])
+    assert small[0] == pytest.approx(B / 2 / (RATE * fm.LINE_X), rel=1e-9)

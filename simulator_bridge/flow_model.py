@@ -39,6 +39,7 @@ class FlowSpec:
     bytes: int
     start_s: float
     spine: int | None = None  # the spine it crosses (None within a leaf)
+    cold: bool = False  # the first flow on its connection (lane): pays NetParams.cold_s
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,21 @@ class NetParams:
     overhead_s: float = 0.0
     efficiency: float = 1.0
     burst_bytes: int = 0
+    # what a lane's first push costs on top (measured: 1-7 ms here; the connection's
+    # first transfer: TCP's slow start without a cached ssthresh, UCX's first use)
+    cold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.overhead_s) or not 0 < self.efficiency <= 1 or self.burst_bytes < 0:
             raise ValueError("overhead_s must be finite, efficiency in (0, 1], burst_bytes >= 0")
+        if not math.isfinite(self.cold_s) or self.cold_s < 0:
+            raise ValueError("cold_s must be finite and >= 0")
+
+
+def fixed_costs(flows: list[FlowSpec], p: NetParams) -> np.ndarray:
+    """What every backend adds to a flow's time on the wire: the per-flow overhead, and
+    ``cold_s`` for a lane's first flow."""
+    return p.overhead_s + p.cold_s * np.array([f.cold for f in flows], dtype=float)
 
 
 class LinkIndex:
@@ -215,7 +227,7 @@ class FlowModel:
             now += dt
             # finished: its bytes ran out in this step (the float remainder is dust)
             finish(act[(left[act] <= 1e-3) | (t_done <= dt * (1 + 1e-12))])
-        return end - start + p.overhead_s
+        return end - start + fixed_costs(flows, p)
 
 
 def trivial_fct(spec: FabricSpec, flows: list[FlowSpec], params: NetParams | None = None) -> np.ndarray:
@@ -228,4 +240,4 @@ def trivial_fct(spec: FabricSpec, flows: list[FlowSpec], params: NetParams | Non
         ids = links[i][links[i] >= 0]
         if ids.size:
             out[i] = max(f.bytes - p.burst_bytes, 0) / (index.capacity[ids].min() * p.efficiency)
-    return out + p.overhead_s
+    return out + fixed_costs(flows, p)

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from kvpath.fabric import FabricSpec
-from kvpath.bridge.flow_model import FlowSpec, NetParams
+from kvpath.bridge.flow_model import FlowSpec, NetParams, fixed_costs
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,9 @@ class Ns3Result:
 
 
 class Ns3Backend:
-    """Replays flows, each on its spine, in ns-3; FCTs in seconds (+ ``net.overhead_s``).
+    """Replays flows, each on its spine, in ns-3; FCTs in seconds (+ ``flow_model.fixed_costs``).
 
-    Of :class:`NetParams`, ``overhead_s`` and ``burst_bytes`` apply (a token bucket
+    Of :class:`NetParams`, ``overhead_s``, ``cold_s`` and ``burst_bytes`` apply (a token bucket
     per port; it must hold a packet, so it exceeds the MTU); ns-3 models the headers
     and the transport itself, so ``efficiency`` does not."""
 
@@ -168,7 +168,7 @@ class Ns3Backend:
                 raise ValueError(f"flow {i} ({f.src} -> {f.dst}) crosses the spines: give its spine")
             lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r}\n")
         if not lines:
-            return Ns3Result(fct + self.net.overhead_s, 0, time.perf_counter() - t0, {})
+            return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {})
         p = self.params
         mtu = p.mtu or self.spec.mtu
         burst = self.net.burst_bytes
@@ -202,7 +202,7 @@ class Ns3Backend:
             raise Ns3Error(f"{int((vals < 0).sum())} flows did not finish within horizon_s={p.horizon_s} "
                            f"of simulated time ({drops} drops)")
         fct[ids] = vals
-        return Ns3Result(fct + self.net.overhead_s, drops, time.perf_counter() - t0, uplinks)
+        return Ns3Result(fct + fixed_costs(flows, self.net), drops, time.perf_counter() - t0, uplinks)
 
     def _execute(self, cmd: list[str], n: int,
                  progress: Callable[[int, int], None] | None) -> tuple[int, dict[tuple[int, int], int], str]:

@@ -109,3 +109,28 @@ def test_traces_whose_links_had_another_burst_or_buffer_are_refused_unless_the_b
     bad = with_meta(traces["heavy"], burst_bytes=-1)
     with pytest.raises(ValueError, match="^bad: header meta.burst_bytes"):
         calibrate_across([("a", a)], [("bad", bad)], "flow")
+
+
+def _with_cold_cost(trace, cold_s: float):
+    """The trace with ``cold_s`` more on each lane's first flow, as a testbed run has."""
+    from kvpath.bridge.compare import first_on_connection
+
+    cold = first_on_connection(trace)
+    return msgspec.structs.replace(trace, flows=[
+        msgspec.structs.replace(f, end_s=f.end_s + cold_s) if c else f for f, c in zip(trace.flows, cold)])
+
+
+def test_a_lanes_first_push_cost_is_fitted_apart_from_the_overhead_and_carries_to_another_workload(traces):
+    from kvpath.bridge.compare import first_on_connection
+
+    light, heavy = _with_cold_cost(traces["light"], 0.003), _with_cold_cost(traces["heavy"], 0.003)
+    cold = first_on_connection(light)
+    assert 0 < sum(cold) < len(cold)  # both kinds are there to tell apart
+    c = calibrate_across([("light", light)], [("heavy", heavy)], "flow", burst_bytes=0)
+    assert c.net.cold_s == pytest.approx(0.003, abs=1e-9)
+    assert c.net.overhead_s == pytest.approx(TRUE_NET.overhead_s, abs=1e-9)
+    (e,) = c.evaluated
+    assert abs(e.fct.after.mean) < 1e-6 and abs(e.fct.after.p99) < 1e-6
+    # without the cost on the fitted trace, none is found, and the evaluated one is off
+    plain = calibrate_across([("light", traces["light"])], [("heavy", heavy)], "flow", burst_bytes=0)
+    assert plain.net.cold_s == pytest.approx(0.0, abs=1e-12) and plain.evaluated[0].fct.after.mean < -1e-4

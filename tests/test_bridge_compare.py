@@ -8,7 +8,7 @@ import pytest
 
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
-from kvpath.trace import FiveTuple, FlowRecord, Header, TraceWriter, read_trace
+from kvpath.trace import FiveTuple, FlowRecord, Header, Trace, TraceWriter, read_trace
 from kvpath.bridge.compare import compare_fct
 from kvpath.bridge.flow_model import NetParams
 
@@ -124,3 +124,16 @@ def test_each_tier_runs_at_its_own_rate_in_every_backend(tmp_path, ns3_wheel, ho
     # drops side by side: the trace recorded none here; ns-3 counts its own, the flow model none
     assert out["ns3"]["drops"] == {"measured": None, "simulated": 0}
     assert out["flow"]["drops"] == {"measured": None, "simulated": None}
+
+
+def test_the_first_flow_on_each_five_tuple_by_start_time_is_the_cold_one():
+    from kvpath.bridge.compare import first_on_connection, trace_flows
+
+    def flow(i, sport, start):
+        return FlowRecord(flow_id=f"f{i}", request_id=f"r{i}", five_tuple=FiveTuple("10.0.0.1", "10.1.0.1", sport, 5000),
+                          bytes=1000, start_s=start, end_s=start + 0.01, path="spine0")
+
+    # written out of start order: the later flow on port 41000 comes first in the file
+    t = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict()), [], [flow(0, 41000, 2.0), flow(1, 41000, 1.0), flow(2, 41001, 3.0)])
+    assert first_on_connection(t) == [False, True, True]
+    assert [f.cold for f in trace_flows(t)[0]] == [False, True, True]

@@ -168,3 +168,12 @@ def test_a_bucket_is_per_link_flows_on_disjoint_links_each_get_one():
     # a flow smaller than the bucket passes at the burst speed, LINE_X times the rate
     small = bucket_model().run([FlowSpec("l0h0", "l1h0", B // 2, 0.0, 0)])
     assert small[0] == pytest.approx(B / 2 / (RATE * fm.LINE_X), rel=1e-9)
+
+
+def test_a_lanes_first_flow_pays_cold_s_on_top_in_every_backend():
+    p = NetParams(overhead_s=0.002, cold_s=0.005)
+    warm, cold = FlowSpec("l0h0", "l1h0", MB100, 0.0, 0), FlowSpec("l0h1", "l1h1", MB100, 0.0, 1, cold=True)
+    for fct in (FlowModel(SPEC, p).run([warm, cold]), trivial_fct(SPEC, [warm, cold], p)):
+        assert fct == pytest.approx([0.002 + MB100 / RATE, 0.007 + MB100 / RATE], rel=1e-9)
+    with pytest.raises(ValueError, match="cold_s"):
+        NetParams(cold_s=-0.001)

@@ -1,0 +1,67 @@
+"""benchmarks/bridge_suite.py: its Azure-format trace reads back through the importer,
+its goal counts are right, and one configuration runs end to end on a real fabric with
+every trace evaluated on constants fitted on the others. No error bound is asserted:
+those depend on this machine's load (the suite's table in docs/bridge.md has them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpath.testbed.netns_fabric import netns_problem
+from kvpath.workloads import load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bridge_suite  # noqa: E402
+
+
+def test_its_azure_format_trace_is_read_by_the_importer_and_is_bursty(tmp_path: Path) -> None:
+    p = tmp_path / "a.csv"
+    bridge_suite.write_azure(p, 200, seed=1)
+    w = load_workload(str(p), n=200, qps=10)
+    assert len(w) == 200
+    gaps = np.diff([r.arrival_s for r in w])
+    assert gaps.std() / gaps.mean() > 1.2  # burstier than Poisson (CV 1)
+    assert 256 <= min(r.prompt_tokens for r in w) and max(r.prompt_tokens for r in w) <= 4096
+
+
+def test_goals_count_the_traces_within_each_backends_bounds() -> None:
+    def row(fm, fp, tm):
+        return {"fct": {"mean": fm, "p99": fp}, "ttft": {"mean": tm}}
+
+    rows = {"a": {"calibrated": {"flow": row(0.09, 0.14, 0.04), "ns3": row(0.09, 0.05, 0.01)}},
+            "b": {"calibrated": {"flow": row(-0.11, 0.0, 0.0), "ns3": row(0.01, -0.02, -0.06)}}}
+    out = bridge_suite.goals(rows)
+    assert "flow: FCT within 10% mean / 15% p99 on 1 of 2 traces; TTFT mean within 5% on 2; all three on 1" in out
+    assert "ns3: FCT within 5% mean / 10% p99 on 1 of 2 traces; TTFT mean within 5% on 1; all three on 0" in out
+
+
+def test_an_unknown_configuration_is_refused_by_name(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bridge_suite.py"), "--out", str(tmp_path),
+                        "--configs", "nope"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no configuration named nope" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(netns_problem() is not None, reason=netns_problem() or "")
+def test_one_configuration_end_to_end_each_trace_evaluated_on_the_others(tmp_path: Path) -> None:
+    # two modes of one run: two traces of one fabric, each fitted on the other
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bridge_suite.py"), "--out", str(tmp_path),
+                        "--configs", "rack3-azure-heavy", "--requests", "12"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "suite.json").read_text())
+    assert set(rows) == {"rack3-azure-heavy/ecmp", "rack3-azure-heavy/cc"}
+    for name, row in rows.items():
+        assert row["flows"] == 12 and row["fidelity"]
+        assert set(row["raw"]) == {"flow", "ns3", "trivial"} and all(row["raw"].values())
+        assert row["drops_testbed"] is not None and row["drops_ns3"] is not None
+        for b in ("flow", "ns3"):
+            assert row["calibrated"][b]["fit_on"] == [n for n in rows if n != name]
+    md = (tmp_path / "suite.md").read_text()
+    assert md.count("| rack3-azure-heavy/") == 2 and "flow: FCT within" in md

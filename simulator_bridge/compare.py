@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvpath.bridge.request_replay import ComputeParams
 
 __all__ = ["BACKENDS", "Errors", "Replayed", "compare", "compare_fct", "compare_replays", "header_net_params",
-           "first_on_connection", "replay_trace", "simulate", "simulate_run", "trace_flows"]
+           "connections", "first_on_connection", "replay_trace", "simulate", "simulate_run", "trace_flows"]
 
 
 def header_net_params(setup: TraceSetup) -> NetParams:
@@ -44,23 +44,31 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
     """The trace's flows as backend input, and their measured FCTs. A flow that crossed
     the spines but has no measured path cannot be replayed on its path: it is an error."""
     flows, fct = [], []
-    for f, cold in zip(trace.flows, first_on_connection(trace)):
+    conns = connections(trace)
+    for f, cold, conn in zip(trace.flows, first_on_connection(trace), conns):
         spine = None if f.path is None else int(f.path.removeprefix("spine"))
-        flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold))
+        flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold, conn))
         fct.append(f.fct_s)
     return flows, np.array(fct, dtype=float)
+
+
+def connections(trace: Trace) -> list[int]:
+    """Per flow: a number for its five-tuple (its lane's TCP connection), the same for
+    every flow of that connection (``FlowSpec.conn``)."""
+    ids: dict[tuple, int] = {}
+    return [ids.setdefault((f.five_tuple.src_ip, f.five_tuple.src_port, f.five_tuple.dst_ip, f.five_tuple.dst_port,
+                            f.five_tuple.proto), len(ids)) for f in trace.flows]
 
 
 def first_on_connection(trace: Trace) -> list[bool]:
     """Per flow: is it the first, by start time, on its five-tuple (its lane's TCP
     connection) in this trace? Such a flow pays ``NetParams.cold_s``."""
-    seen: set[tuple] = set()
+    conns = connections(trace)
+    seen: set[int] = set()
     cold = [False] * len(trace.flows)
     for i in sorted(range(len(trace.flows)), key=lambda k: trace.flows[k].start_s):
-        ft = trace.flows[i].five_tuple
-        key = (ft.src_ip, ft.src_port, ft.dst_ip, ft.dst_port, ft.proto)
-        if key not in seen:
-            seen.add(key)
+        if conns[i] not in seen:
+            seen.add(conns[i])
             cold[i] = True
     return cold
 

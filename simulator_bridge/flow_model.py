@@ -16,12 +16,15 @@ its rate, the bucket drains by what exceeds the rate and refills at the rate whi
 link carries less. So a lone flow gets one burst (it ends at (size - burst) / rate),
 while flows that share a link share its one bucket, and a flow that follows another
 on a link finds the bucket only as full as the gap between them let it refill.
-``trivial`` gives every flow a full bucket (each alone).
+``trivial`` gives every flow a full bucket (each alone). Flows on one connection
+(``FlowSpec.conn``: one lane's TCP stream) share one flow's rate and complete in the
+order they started.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +43,10 @@ class FlowSpec:
     start_s: float
     spine: int | None = None  # the spine it crosses (None within a leaf)
     cold: bool = False  # the first flow on its connection (lane): pays NetParams.cold_s
+    # flows with the same conn share one transport connection (a lane's TCP stream):
+    # FlowModel gives the connection one flow's share, splits it among the flows with
+    # bytes left and completes them in the order they started (None: a connection of its own)
+    conn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -175,18 +182,29 @@ class FlowModel:
         at = start if decide_at is None else np.minimum(np.asarray(decide_at, dtype=float), start)
         left = np.array([f.bytes for f in flows], dtype=float)
         end = np.full(n, np.nan)
+        # connection ids (a flow without one is alone on its own) and, per connection, the
+        # flows that started and are not complete, in the order they started
+        conn = np.array([f.conn if f.conn is not None else -1 - i for i, f in enumerate(flows)], dtype=np.int64)
+        pending: dict[int, deque[int]] = {}
+        drained = np.zeros(n, dtype=bool)  # bytes all delivered, completion waits for an earlier flow
         arrivals, decisions = np.argsort(start, kind="stable"), np.argsort(at, kind="stable")
         ai, di = 0, (0 if decide else n)  # without decide every flow is decided already
         active = np.zeros(n, dtype=bool)
         now = min(start.min(), at.min())
 
         def finish(ids: np.ndarray) -> None:
-            end[ids] = now
-            active[ids] = False
+            """Their bytes are delivered; each completes once every flow that started
+            before it on its connection has (a lane's transfers complete in order)."""
+            drained[ids] = True
             left[ids] = 0.0
-            if on_end is not None:
-                for i in ids:
-                    on_end(int(i), now)
+            for c in {int(conn[i]) for i in ids}:
+                q = pending[c]
+                while q and drained[q[0]]:
+                    i = q.popleft()
+                    end[i] = now
+                    active[i] = False
+                    if on_end is not None:
+                        on_end(i, now)
 
         while di < n or ai < n or active.any():
             while di < n and at[decisions[di]] <= now:
@@ -196,14 +214,14 @@ class FlowModel:
                 di += 1
             while ai < n and start[arrivals[ai]] <= now:
                 i = int(arrivals[ai])
+                pending.setdefault(int(conn[i]), deque()).append(i)
+                active[i] = True
                 if left[i] <= 0 or (links[i] < 0).all():
                     finish(np.array([i]))
-                else:
-                    active[i] = True
                 ai += 1
             t_next = min(at[decisions[di]] - now if di < n else math.inf,
                          start[arrivals[ai]] - now if ai < n else math.inf)
-            act = np.flatnonzero(active)
+            act = np.flatnonzero(active & ~drained)  # the flows with bytes to send
             if act.size == 0:
                 if math.isinf(t_next):
                     break
@@ -211,7 +229,10 @@ class FlowModel:
                 tokens = np.minimum(tokens + cap * t_next, depth)  # idle links refill
                 continue
             burst = tokens >= 1.0  # a byte's hysteresis: float dust on a saturated link is no burst
-            rate = max_min_rates(links[act], np.where(burst, cap * LINE_X, cap))
+            # one max-min share per connection, split evenly among its flows with bytes left
+            groups, first, member = np.unique(conn[act], return_index=True, return_inverse=True)
+            share = max_min_rates(links[act[first]], np.where(burst, cap * LINE_X, cap))
+            rate = share[member] / np.bincount(member, minlength=groups.size)[member]
             lk = links[act]
             ok = lk >= 0
             load = np.bincount(lk[ok], weights=np.broadcast_to(rate[:, None], lk.shape)[ok], minlength=cap.size)

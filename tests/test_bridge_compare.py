@@ -137,3 +137,15 @@ def test_the_first_flow_on_each_five_tuple_by_start_time_is_the_cold_one():
     t = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict()), [], [flow(0, 41000, 2.0), flow(1, 41000, 1.0), flow(2, 41001, 3.0)])
     assert first_on_connection(t) == [False, True, True]
     assert [f.cold for f in trace_flows(t)[0]] == [False, True, True]
+
+
+def test_flows_of_one_five_tuple_share_a_connection_number():
+    from kvpath.bridge.compare import connections, trace_flows
+
+    def flow(i, sport):
+        return FlowRecord(flow_id=f"f{i}", request_id=f"r{i}", five_tuple=FiveTuple("10.0.0.1", "10.1.0.1", sport, 5000),
+                          bytes=1000, start_s=float(i), end_s=i + 0.01, path="spine0")
+
+    t = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict()), [], [flow(0, 41000), flow(1, 41001), flow(2, 41000)])
+    assert connections(t) == [0, 1, 0]
+    assert [f.conn for f in trace_flows(t)[0]] == [0, 1, 0]

@@ -177,3 +177,27 @@ def test_a_lanes_first_flow_pays_cold_s_on_top_in_every_backend():
         assert fct == pytest.approx([0.002 + MB100 / RATE, 0.007 + MB100 / RATE], rel=1e-9)
     with pytest.raises(ValueError, match="cold_s"):
         NetParams(cold_s=-0.001)
+
+
+# ---- connections: pushes on one lane share its TCP stream ----------------------------
+def test_flows_on_one_connection_get_one_share_of_the_link_between_them():
+    # a1 and a2 on connection 0, b on connection 1, all through l0h0's uplink: the
+    # connections split the link, a1 and a2 split connection 0's half
+    flows = [FlowSpec("l0h0", "l1h0", MB100, 0.0, 0, conn=0), FlowSpec("l0h0", "l1h0", MB100, 0.0, 0, conn=0),
+             FlowSpec("l0h0", "l1h1", 2 * MB100, 0.0, 1, conn=1)]
+    assert FlowModel(SPEC).run(flows) == pytest.approx([4 * MB100 / RATE] * 3, rel=1e-9)
+    # without connections the three would split the link three ways
+    alone = FlowModel(SPEC).run([FlowSpec(f.src, f.dst, f.bytes, f.start_s, f.spine) for f in flows])
+    assert alone == pytest.approx([3 * MB100 / RATE, 3 * MB100 / RATE, 4 * MB100 / RATE], rel=1e-9)
+
+
+def test_a_small_flow_behind_a_big_one_on_its_connection_completes_with_it_not_before():
+    big, small = 9 * MB100, MB100
+    fct = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", big, 0.0, 0, conn=7),
+                               FlowSpec("l0h0", "l1h0", small, 0.0, 0, conn=7)])
+    # the small one's bytes are through at 2 small / rate, but a lane completes in order
+    assert fct == pytest.approx([(big + small) / RATE] * 2, rel=1e-9)
+    # a flow that starts after the connection went idle is not held
+    later = FlowModel(SPEC).run([FlowSpec("l0h0", "l1h0", small, 0.0, 0, conn=7),
+                                 FlowSpec("l0h0", "l1h0", small, 5 * small / RATE, 0, conn=7)])
+    assert later == pytest.approx([small / RATE] * 2, rel=1e-9)

@@ -14,6 +14,7 @@ rotation (proxy/health.py).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 # proxy's loop being late to read an answer (the idle clock starts when it does)
 IDLE_KEEPALIVE_S = 2.0
 POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection turned out closed (below)
+RESEND_WINDOW_S = 0.5  # ... and only when that showed within this long of writing it
 
 
 async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
@@ -52,10 +54,36 @@ async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) ->
         ctx.trace_request_ctx["reused"] = True
 
 
-def _reuse_tracer() -> aiohttp.TraceConfig:
+async def _mark_sent(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    """aiohttp trace hook: the request's headers were written (when, on the loop's clock)."""
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["sent"] = asyncio.get_running_loop().time()
+
+
+def _leg_tracer() -> aiohttp.TraceConfig:
     tc = aiohttp.TraceConfig()
     tc.on_connection_reuseconn.append(_mark_reused)
+    tc.on_request_headers_sent.append(_mark_sent)
     return tc
+
+
+def closed_before_read(exc: BaseException, ctx: dict[str, Any], now: float) -> bool:
+    """Did the engine close a pooled connection as this request went out, so that it
+    never read the request? A clean close (ServerDisconnectedError) or a reset (the
+    request's bytes unread: ECONNRESET, EPIPE) on a connection taken from the pool,
+    within RESEND_WINDOW_S of the request being written. An engine that read a request
+    answers it (uvicorn closes a keep-alive connection only while no request is in
+    it), so a close after that window may be one that was read: never sent again."""
+    if not ctx.get("reused"):
+        return False
+    if isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc):
+        return True  # could not even be written
+    reset = isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+    if not (isinstance(exc, aiohttp.ServerDisconnectedError) or reset
+            or isinstance(exc, aiohttp.ClientConnectionResetError)):
+        return False
+    sent = ctx.get("sent")
+    return sent is None or now - sent <= RESEND_WINDOW_S
 
 
 class ClientGone(Exception):
@@ -93,7 +121,7 @@ class Proxy:
             connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
                                            keepalive_timeout=IDLE_KEEPALIVE_S),
             auto_decompress=False,
-            trace_configs=[_reuse_tracer()],
+            trace_configs=[_leg_tracer()],
         )
         self.health.start(self.session)
 
@@ -318,7 +346,7 @@ class Proxy:
         KV arrived), or its whole body when not streaming. ``_watch`` bounds the time."""
         assert self.session is not None
         try:
-            resp = await self._post(d.url + endpoint, body, headers)
+            resp = await self._post(d.url + endpoint, body, headers, resend=self.cfg.mode != "pull")
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             self._leg_failed(d, e)
             raise transport_error(d, e, "unreachable") from None
@@ -341,28 +369,28 @@ class Proxy:
             raise
         return resp, first
 
-    async def _post(self, url: str, body: dict, headers: dict, **kw: Any) -> aiohttp.ClientResponse:
-        """POST a leg, once more on a fresh connection when a pooled one turned out closed:
-        the request could not be written, or the engine closed the connection before
-        any answer. The second is an idle keep-alive connection the engine closed as the
-        request went out: uvicorn closes one only while no request is in it, and a
-        proxy loop that reads an answer late starts its idle clock late. The engine
-        has not seen that request, so sending it again is safe. A request that failed
-        on a connection opened for it is never sent again: the engine may be gone."""
+    async def _post(self, url: str, body: dict, headers: dict, resend: bool = True,
+                    **kw: Any) -> aiohttp.ClientResponse:
+        """POST a leg; once more, up to POST_ATTEMPTS tries, when the engine closed the
+        pooled connection it went out on before reading it (:func:`closed_before_read`):
+        an idle keep-alive connection that the engine closed as the request was written.
+        On a busy machine the proxy reads an answer late and so starts that connection's
+        idle clock late (seen in CI: six pull-mode P legs cut at once). ``resend=False``
+        (pull mode's D leg, which reads P's blocks by id) only retries a request that
+        could not be written at all."""
         assert self.session is not None
+        loop = asyncio.get_running_loop()
         for attempt in range(POST_ATTEMPTS):
-            ctx: dict[str, bool] = {"reused": False}
+            ctx: dict[str, Any] = {"reused": False}
             try:
                 return await self.session.post(url, json=body, headers=headers, trace_request_ctx=ctx, **kw)
-            except aiohttp.ServerDisconnectedError:
-                if not ctx["reused"] or attempt == POST_ATTEMPTS - 1:
+            except aiohttp.ClientError as e:
+                unwritten = isinstance(e, aiohttp.ClientOSError) and "write request body" in str(e)
+                if attempt == POST_ATTEMPTS - 1 or not closed_before_read(e, ctx, loop.time()) or not (
+                        resend or unwritten):
                     raise
-                logger.info("a pooled connection to %s was closed before any answer: sent again", url)
-            except aiohttp.ClientOSError as e:
-                # several pooled connections may have been closed at once (a burst's)
-                if "write request body" not in str(e) or attempt == POST_ATTEMPTS - 1:
-                    raise
-                logger.info("a pooled connection to %s was closed before the request was written: sent again", url)
+                logger.info("a pooled connection to %s was closed before the request was read (%r): sent again",
+                            url, e)
         raise AssertionError("unreachable")
 
     def _leg_failed(self, inst: Instance, exc: BaseException) -> None:

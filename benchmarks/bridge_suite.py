@@ -13,10 +13,11 @@ backend's error on each, raw and calibrated on another trace of the same fabric.
    Each configuration gives one trace per mode.
 2. Per trace: the measured mean FCT slowdown, the testbed's drops and retransmitted
    segments, ns-3's drops, and each backend's raw FCT error (`kvpath bridge compare`).
-3. Per trace: `calibrate_across` fits on the other traces of its fabric (leave one
-   out) and evaluates it. No trace is evaluated with constants fitted on itself.
-4. Counts the traces within the goals: flow FCT mean within 10% and p99 within 15%,
-   ns3 within 5% and 10%, TTFT mean within 5% for both.
+3. Per trace: `calibrate_across` fits on the valid traces of its fabric's other
+   configurations and evaluates it: never on itself, nor on its twin of another mode
+   (same arrivals and prompts), nor on a run the fidelity check marked invalid.
+4. Counts the valid traces within the goals: flow FCT mean within 10% and p99 within
+   15%, ns3 within 5% and 10%, TTFT mean within 5% for both.
 
 Writes suite.json and suite.md (the table in docs/bridge.md) under --out. Needs root
 (network namespaces); --skip-runs re-tabulates the traces already under --out.
@@ -28,6 +29,7 @@ import argparse
 import csv
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -121,6 +123,8 @@ def run_config(cfg: Config, out: Path, requests: int, console: Console) -> None:
         p = out / f"{cfg.name}.azure.csv"
         write_azure(p, requests, cfg.seed)
         wl = str(p)
+    if (out / cfg.name).exists():
+        shutil.rmtree(out / cfg.name)  # never tabulate an earlier run's traces as this one's
     cmd = [KVPATH, "testbed", "run", "--engine", "emulated", "--fabric", fabric_arg(cfg, out), "--pools", cfg.pools,
            "--workload", wl, "--qps", str(cfg.qps), "--requests", str(requests), "--mode", cfg.modes,
            "--policy", cfg.policy, "--seed", str(cfg.seed), "--out", str(out / cfg.name)]
@@ -200,12 +204,14 @@ def main() -> int:
         for name, cfg, mode, t in track(ts, description=f"{fab}: raw replays", console=console):
             rows[name] = {"what": cfg.what(mode), "fabric": fab, "fidelity": fidelity(out / cfg.name / mode),
                           **raw_row(t, backends, ns3)}
-        named = [(n, t) for n, _, _, t in ts]
         for b in (x for x in backends if x != "trivial"):
-            for k, ev in enumerate(named):  # leave one out: fit on the fabric's other traces
-                fit = named[:k] + named[k + 1:]
+            for name, cfg, _, t in ts:
+                # fit on the fabric's other configurations' valid traces: never on this
+                # trace, nor on its twin of another mode (same arrivals and prompts)
+                fit = [(n, u) for n, c, _, u in ts if c is not cfg and rows[n]["fidelity"] == "ok"]
                 if not fit:
                     continue
+                ev = (name, t)
                 cc = calibrate_across(fit, [ev], b, ns3 if b == "ns3" else None)
                 e = cc.evaluated[0]
                 rows[e.name].setdefault("calibrated", {})[b] = {
@@ -225,7 +231,7 @@ GOALS = {"flow": (0.10, 0.15, 0.05), "ns3": (0.05, 0.10, 0.05)}  # FCT mean, FCT
 def goals(rows: dict[str, dict]) -> str:
     out = []
     for b, (m, p99, ttft) in GOALS.items():
-        cal = [r["calibrated"][b] for r in rows.values() if b in r.get("calibrated", {})]
+        cal = [r["calibrated"][b] for r in rows.values() if b in r.get("calibrated", {}) and r["fidelity"] == "ok"]
         if not cal:
             continue
         fct_ok = sum(abs(c["fct"]["mean"]) <= m and abs(c["fct"]["p99"]) <= p99 for c in cal)

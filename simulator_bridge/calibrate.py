@@ -40,6 +40,7 @@ EFFICIENCY_GRID = tuple(float(x) for x in np.round(np.linspace(0.80, 1.0, 11), 3
 BURST_GRID = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10)
 ITER_OVERHEAD_GRID = (0.0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.008)
 SPEED_GRID = (0.8, 0.9, 1.0, 1.1, 1.25)
+MIN_GROUP = 3  # first and reused flows each need this many training flows for cold_s
 
 
 @dataclass
@@ -183,17 +184,18 @@ def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: 
 def fixed_offsets(sets: list[FitSet], sims: list[np.ndarray]) -> tuple[float, float]:
     """(overhead_s, cold_s): the median residual of the training flows that reused their
     lane, and what the lanes' first flows' median residual adds to it (never below 0;
-    0 when the training flows are all first or all reused: nothing tells them apart)."""
-    def residual_median(pick: Callable[[FitSet], np.ndarray]) -> float | None:
+    0 when fewer than MIN_GROUP training flows are first, or reused: too few to tell
+    the two apart, so one median of all)."""
+    def residual_median(pick: Callable[[FitSet], np.ndarray], least: int = MIN_GROUP) -> float | None:
         m = np.concatenate([fs.measured[pick(fs)] for fs in sets])
-        if m.size == 0:
+        if m.size < max(least, 1):
             return None
         return offset_of(m, np.concatenate([sim[pick(fs)] for fs, sim in zip(sets, sims)]))
 
     warm = residual_median(lambda fs: fs.flow_train & ~fs.cold)
     cold = residual_median(lambda fs: fs.flow_train & fs.cold)
     if warm is None or cold is None:
-        return residual_median(lambda fs: fs.flow_train) or 0.0, 0.0
+        return residual_median(lambda fs: fs.flow_train, 1) or 0.0, 0.0
     return warm, max(cold - warm, 0.0)
 
 

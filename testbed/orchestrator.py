@@ -78,6 +78,7 @@ class RunData:
     tcp_retrans: dict[str, int] = field(default_factory=dict)  # P/D host -> TCP segments it retransmitted
     cpu_idle: list[float] = field(default_factory=list)
     lone_flow_ratio: float | None = None  # a lone flow's rate / the link rate, before the run
+    lone_flow_tries: list[float] = field(default_factory=list)  # every try's ratio (the pacing check)
     burst_bytes: int = 0  # tbf burst of the links
     queue_bytes: int = 0  # tbf limit of the links: the buffer of each egress port
     host_link_mbit: float | None = None  # the host links' rate (link_mbit: the spine links')
@@ -98,6 +99,7 @@ class Serving:
     proxy_url: str  # on the management network, reachable from the root namespace
     shaping: LinkShaping
     lone_flow_ratio: float  # a lone flow's rate / the link rate, measured before the proxy and engines started
+    lone_flow_tries: list[float] = field(default_factory=list)  # every connection the pacing check tried
 
     @property
     def fabric(self) -> NetnsFabric:
@@ -107,7 +109,8 @@ class Serving:
         """An empty :class:`RunData` of this run (configuration, hosts, link rate, the lone flow)."""
         site, sh = self.site, self.shaping
         return RunData(asdict(site.cfg), site.fabric.prefix, site.p_hosts, site.d_hosts, sh.spine_mbit,
-                       lone_flow_ratio=self.lone_flow_ratio, burst_bytes=sh.burst_bytes, queue_bytes=sh.queue_bytes,
+                       lone_flow_ratio=self.lone_flow_ratio, lone_flow_tries=list(self.lone_flow_tries),
+                       burst_bytes=sh.burst_bytes, queue_bytes=sh.queue_bytes,
                        host_link_mbit=sh.host_mbit)
 
     def counters(self) -> Counters:
@@ -169,7 +172,8 @@ def serving(cfg: RunConfig, console: Console | None = None) -> Iterator[Serving]
             ratios.append(run_flows(fabric, [flow], int(bottleneck * 1e6 / 8 * 0.3))[0].mbit_s / bottleneck)
         if len(ratios) > 1:
             logger.info("pacing check: lone flows at %s of the link rate", ", ".join(f"{r:.2f}" for r in ratios))
-        s = Serving(site, engines, proxy_url, shaping, next((r for r in ratios if 0.9 <= r <= 1.1), max(ratios)))
+        s = Serving(site, engines, proxy_url, shaping, next((r for r in ratios if 0.9 <= r <= 1.1), max(ratios)),
+                    ratios)
         proxy = spawn(proxy_argv(site, engines), site.logs / "proxy.log")
         try:
             engines.start(proxy_url)

@@ -177,7 +177,7 @@ def fidelity(data: RunData, j: Joined, lone_flow_ratio: float | None) -> dict[st
     idle = data.cpu_idle
     checks: dict[str, Any] = {"cpu_idle_min": min(idle) if idle else None,
                               "cpu_idle_median": statistics.median(idle) if idle else None,
-                              "lone_flow_rate_ratio": lone_flow_ratio}
+                              "lone_flow_rate_ratio": lone_flow_ratio, "lone_flow_tries": list(data.lone_flow_tries)}
     pushed = sum(f["bytes"] for f in j.flows)
     lanes_used = {(f["src_ip"], f["src_port"]) for f in j.flows}
     counted = 0

@@ -40,7 +40,7 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     collected = ("decisions", "lanes_known", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
-                 "lone_flow_ratio", "config")
+                 "lone_flow_ratio", "lone_flow_tries", "config")
     (out / "collected.json").write_text(json.dumps({k: getattr(data, k) for k in collected}, indent=1))
     return summary
 

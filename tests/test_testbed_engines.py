@@ -276,8 +276,10 @@ def test_at_tp2_every_rank_pair_is_its_own_flow_on_its_own_reserved_spine(tmp_pa
     assert r["paths"] == [("spine0", "spine0"), ("spine1", "spine0")]
     assert sorted((f["flow_id"], f["src_port"], f["dst_port"], f["path_predicted"], f["path"]) for f in j.flows) == [
         (f"{T1}/r0>r0", 40000, 39000, "spine0", "spine0"), (f"{T1}/r1>r1", 40001, 39001, "spine1", "spine0")]
-    fid = fidelity(data, j, None)
+    data.lone_flow_tries = [0.65, 1.03]  # the pacing check's connections: every one is reported
+    fid = fidelity(data, j, 1.03)
     assert fid["spine_bytes_over_push_bytes"] == pytest.approx(2050 / 2000)  # both flows' bytes, not one
+    assert (fid["lone_flow_rate_ratio"], fid["lone_flow_tries"]) == (1.03, [0.65, 1.03])
     s = summarize(data, j, fid, spec.host_ip)
     assert (s["pushes"], s["pushes_with_path"], s["path_agreement"]) == (1, 2, 0.5)
     write_trace(tmp_path / "trace.jsonl", data, j, spec)

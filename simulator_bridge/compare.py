@@ -44,7 +44,9 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
     """The trace's flows as backend input, and their measured FCTs. A flow that crossed
     the spines but has no measured path cannot be replayed on its path: it is an error."""
     flows, fct = [], []
-    conns = connections(trace)
+    # a testbed run's lanes are TCP connections that its pushes share; the serving
+    # simulation ran every flow on its own, so its traces replay that way
+    conns: list[int | None] = list(connections(trace)) if TraceSetup(trace).is_testbed else [None] * len(trace.flows)
     for f, cold, conn in zip(trace.flows, first_on_connection(trace), conns):
         spine = None if f.path is None else int(f.path.removeprefix("spine"))
         flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold, conn))

@@ -146,6 +146,9 @@ def test_flows_of_one_five_tuple_share_a_connection_number():
         return FlowRecord(flow_id=f"f{i}", request_id=f"r{i}", five_tuple=FiveTuple("10.0.0.1", "10.1.0.1", sport, 5000),
                           bytes=1000, start_s=float(i), end_s=i + 0.01, path="spine0")
 
-    t = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict()), [], [flow(0, 41000), flow(1, 41001), flow(2, 41000)])
+    flows = [flow(0, 41000), flow(1, 41001), flow(2, 41000)]
+    t = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict(), link_mbit=800.0), [], flows)  # a testbed run's
     assert connections(t) == [0, 1, 0]
     assert [f.conn for f in trace_flows(t)[0]] == [0, 1, 0]
+    simulated = Trace(Header(t0_unix=0.0, fabric=SPEC.to_dict()), [], flows)  # the serving simulation's: one each
+    assert [f.conn for f in trace_flows(simulated)[0]] == [None] * 3

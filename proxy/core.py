@@ -67,6 +67,11 @@ def _leg_tracer() -> aiohttp.TraceConfig:
     return tc
 
 
+def unwritten(exc: BaseException) -> bool:
+    """aiohttp could not write the request at all (the connection was already closed)."""
+    return isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc)
+
+
 def closed_before_read(exc: BaseException, ctx: dict[str, Any], now: float) -> bool:
     """Did the engine close a pooled connection as this request went out, so that it
     never read the request? A clean close (ServerDisconnectedError) or a reset (the
@@ -76,8 +81,8 @@ def closed_before_read(exc: BaseException, ctx: dict[str, Any], now: float) -> b
     it), so a close after that window may be one that was read: never sent again."""
     if not ctx.get("reused"):
         return False
-    if isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc):
-        return True  # could not even be written
+    if unwritten(exc):
+        return True
     reset = isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
     if not (isinstance(exc, aiohttp.ServerDisconnectedError) or reset
             or isinstance(exc, aiohttp.ClientConnectionResetError)):
@@ -385,9 +390,8 @@ class Proxy:
             try:
                 return await self.session.post(url, json=body, headers=headers, trace_request_ctx=ctx, **kw)
             except aiohttp.ClientError as e:
-                unwritten = isinstance(e, aiohttp.ClientOSError) and "write request body" in str(e)
                 if attempt == POST_ATTEMPTS - 1 or not closed_before_read(e, ctx, loop.time()) or not (
-                        resend or unwritten):
+                        resend or unwritten(e)):
                     raise
                 logger.info("a pooled connection to %s was closed before the request was read (%r): sent again",
                             url, e)

@@ -46,8 +46,9 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
     flows, fct = [], []
     # a testbed run's lanes are TCP connections that its pushes share; the serving
     # simulation ran every flow on its own, so its traces replay that way
-    conns: list[int | None] = list(connections(trace)) if TraceSetup(trace).is_testbed else [None] * len(trace.flows)
-    for f, cold, conn in zip(trace.flows, first_on_connection(trace), conns):
+    lanes = connections(trace)
+    conns: list[int | None] = list(lanes) if TraceSetup(trace).is_testbed else [None] * len(trace.flows)
+    for f, cold, conn in zip(trace.flows, _firsts(trace, lanes), conns):
         spine = None if f.path is None else int(f.path.removeprefix("spine"))
         flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold, conn))
         fct.append(f.fct_s)
@@ -65,7 +66,10 @@ def connections(trace: Trace) -> list[int]:
 def first_on_connection(trace: Trace) -> list[bool]:
     """Per flow: is it the first, by start time, on its five-tuple (its lane's TCP
     connection) in this trace? Such a flow pays ``NetParams.cold_s``."""
-    conns = connections(trace)
+    return _firsts(trace, connections(trace))
+
+
+def _firsts(trace: Trace, conns: list[int]) -> list[bool]:
     seen: set[int] = set()
     cold = [False] * len(trace.flows)
     for i in sorted(range(len(trace.flows)), key=lambda k: trace.flows[k].start_s):

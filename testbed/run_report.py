@@ -90,6 +90,8 @@ def join(data: RunData, ip_of: Any) -> Joined:
             "first_token": c.get("first_token"), "completion": c.get("completion"),
             "recomputed": bool(d.get("recomputed")),
         }
+        if p.get("arrival") is not None:  # emulated P engines note when their server got it
+            row["front_end"] = p["arrival"] - c["arrival"]
         if row["first_token"] is not None:
             row["ttft"] = row["first_token"] - row["arrival"]
             n = c["tokens"]
@@ -239,6 +241,9 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
             "slowdown": _stats([f["slowdown"] for f in j.flows]),
             "wire_slowdown": _stats([f["wire_slowdown"] for f in j.flows]),
             "ttft_s": _stats([r.get("ttft") for r in ok], k),
+            # the client's send to P's server receiving it: the client, the proxy and
+            # P's HTTP server, none of which the serving model has
+            "front_end_s": _stats([r.get("front_end") for r in ok], k),
             "tpot_s": _stats([r.get("tpot") for r in ok], k),
         }
     return out

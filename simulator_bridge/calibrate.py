@@ -13,7 +13,8 @@ share links), but only the training part's errors steer the fit.
   run; the overhead then is the median residual of the flows that reused their lane,
   and ``cold_s`` what a lane's first flow costs on top (:func:`fixed_offsets`). The
   loss is |mean error| + |p99 error| of FCT on the training flows.
-- **Compute**: the iteration-time model's per-iteration overhead and a speed factor
+- **Compute**: a cost per iteration on the trace's own clock (the engines' loop, not
+  scaled by B/S; the model's own overhead stays the trace's) and a speed factor
   (grid), then the fixed cost per request, the median TTFT residual. The
   loss is |mean TTFT error| + |p99 TTFT error| + |mean TPOT error| on the training
   requests, with the network's FCTs from the fitted network constants.
@@ -38,7 +39,7 @@ from kvpath.trace_header import TraceSetup
 
 EFFICIENCY_GRID = tuple(float(x) for x in np.round(np.linspace(0.80, 1.0, 11), 3))
 BURST_GRID = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10)
-ITER_OVERHEAD_GRID = (0.0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.008)
+ITER_WALL_GRID = (0.0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.008)
 SPEED_GRID = (0.8, 0.9, 1.0, 1.1, 1.25)
 MIN_GROUP = 3  # first and reused flows each need this many training flows for cold_s
 
@@ -208,8 +209,8 @@ def fit_compute(sets: list[FitSet], fcts: list[np.ndarray]) -> ComputeParams:
     """The compute constants on the fitted network's FCTs: one per-request offset for all
     sets (their training requests' median TTFT residual), the loss summed over sets."""
     best_c: tuple[float, ComputeParams] | None = None
-    for ov, speed in itertools.product(ITER_OVERHEAD_GRID, SPEED_GRID):
-        c = ComputeParams(iteration_overhead_s=ov, speed=speed)
+    for wall, speed in itertools.product(ITER_WALL_GRID, SPEED_GRID):
+        c = ComputeParams(iteration_wall_s=wall, speed=speed)
         meas, sim = [], []
         for fs, fct in zip(sets, fcts):
             ttft, _ = replay(fs.inp, fct, c)
@@ -256,7 +257,7 @@ def calibrate(trace: Trace, backend: str, train_frac: float = 0.5, ns3: Ns3Param
     fct = Held(Errors.of(measured[held_f], fct0[held_f]), Errors.of(measured[held_f], fct1[held_f]))
     compute = fit_compute([fs], [fct1])
     held_r = ~req_train
-    before_c = ComputeParams(iteration_overhead_s=inp.base.overhead_s)
+    before_c = ComputeParams()
     t0, p0 = request_errors(fs, before_c, fct0, held_r)
     t1, p1 = request_errors(fs, compute, fct1, held_r)
     return Calibration(backend, net, compute, int(req_train.sum()), int(held_r.sum()), fct, Held(t0, t1), Held(p0, p1),

@@ -132,7 +132,7 @@ def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Tra
         fct0 = _named(name, lambda: net_run(fs, NetParams(burst_bytes=net.burst_bytes)))  # same bucket as after
         fct1 = _named(name, lambda: net_run(fs, net))
         every = np.ones(len(fs.inp.reqs), dtype=bool)
-        t0, p0 = request_errors(fs, ComputeParams(iteration_overhead_s=fs.inp.base.overhead_s), fct0, every)
+        t0, p0 = request_errors(fs, ComputeParams(), fct0, every)
         t1, p1 = request_errors(fs, compute, fct1, every)
         out.evaluated.append(Evaluated(name, len(fs.flows), len(fs.inp.reqs),
                                        Held(Errors.of(fs.measured, fct0), Errors.of(fs.measured, fct1)),

@@ -95,7 +95,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _print_constants(c: Console, n: Any, k: Any) -> None:
     c.print(f"  network: overhead_s={n.overhead_s:.6f} cold_s={n.cold_s:.6f} efficiency={n.efficiency} "
             f"burst_bytes={n.burst_bytes}; "
-            f"compute: iteration_overhead_s={k.iteration_overhead_s} speed={k.speed} "
+            f"compute: iteration_wall_s={k.iteration_wall_s} speed={k.speed} "
             f"request_overhead_s={k.request_overhead_s:.6f}")
 
 

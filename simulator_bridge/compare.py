@@ -172,7 +172,7 @@ def replay_trace(trace: Trace, backend: str, params: NetParams, ns3: Ns3Params |
         inp = ReplayInput.of(trace)
     except ValueError:
         return Replayed(backend, (measured, fct), None, None, drops)
-    ttft, tpot = replay(inp, fct, compute or ComputeParams(iteration_overhead_s=inp.base.overhead_s))
+    ttft, tpot = replay(inp, fct, compute or ComputeParams())
     ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
     return Replayed(backend, (measured, fct), (inp.ttft, ttft), (inp.tpot[ok], tpot[ok]) if ok.any() else None,
                     drops)

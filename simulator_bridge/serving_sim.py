@@ -61,6 +61,9 @@ class ServingConfig:
     cc_metric: str = "flows"
     scale_s: float = 1.0  # KV bytes divided by S (1: the datacenter's)
     time_scale: float = 1.0  # compute times multiplied by this (B/S in the testbed)
+    # a cost per iteration on the trace's own clock, not scaled by time_scale: the
+    # engine's own loop (an emulated engine sleeps the scaled model, then runs Python)
+    iteration_wall_s: float = 0.0
     max_batch_tokens: int = 8192  # prefill tokens per iteration
     max_num_seqs: int = 256  # decode sequences per iteration
     net: NetParams = field(default_factory=NetParams)
@@ -79,8 +82,8 @@ class ServingConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reserve_at not in RESERVE_AT:
             raise ValueError(f"reserve_at must be {' or '.join(RESERVE_AT)}, got {self.reserve_at!r}")
-        if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0:
-            raise ValueError("lanes must be >= 1, scale_s and time_scale > 0")
+        if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0 or self.iteration_wall_s < 0:
+            raise ValueError("lanes must be >= 1, scale_s and time_scale > 0, iteration_wall_s >= 0")
 
 
 def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: IterationTimeModel,
@@ -98,7 +101,7 @@ def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: Iteration
                 batch.append(i)
                 budget -= reqs[i].prompt_tokens
             start[batch] = now
-            now += itm.prefill_time([reqs[i].prompt_tokens for i in batch]) * cfg.time_scale
+            now += itm.prefill_time([reqs[i].prompt_tokens for i in batch]) * cfg.time_scale + cfg.iteration_wall_s
             end[batch] = now
     return start, end
 
@@ -121,7 +124,8 @@ def decode_drain(reqs: list[Request], d_of: list[int], n_d: int, ready: np.ndarr
                 running.append(i)
                 made[i] = 0
                 dstart[i] = now
-            now += itm.decode_time([reqs[i].prompt_tokens + made[i] for i in running]) * cfg.time_scale
+            now += (itm.decode_time([reqs[i].prompt_tokens + made[i] for i in running]) * cfg.time_scale
+                    + cfg.iteration_wall_s)
             still = []
             for i in running:
                 if made[i] == 0:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -44,6 +45,32 @@ def test_the_replay_reproduces_a_simulated_trace_exactly(trace):
     # a slower network shows up in TTFT and never makes a request earlier
     ttft2, _ = replay(inp, fct + 0.01, ComputeParams())
     assert (ttft2 >= ttft + 0.01 - 1e-9).all()
+
+
+def test_the_engines_own_cost_per_iteration_is_not_scaled_by_the_trace_s_time_scale():
+    """One request alone: a prefill iteration, then one decode iteration per token. The
+    model's time is scaled by B/S; iteration_wall_s is added once per iteration on the
+    trace's own clock, whatever B/S is."""
+    from kvpath.trace import RequestRecord
+
+    itm = IterationTimeModel.preset("llama-3-8b", "h100")
+    w = load_workload("zipf", n=1, qps=1, seed=0, min_prompt=1000, max_prompt=1000, pd_ratio=200)
+    tr, _ = simulate(SPEC, list(w.requests), ServingConfig(mode="ecmp", scale_s=100, net=TRUE_NET), itm)
+    (q,) = tr.requests
+    q = msgspec.structs.replace(q, output_tokens=4)
+    for scale in (1.0, 2.5):
+        tr_s = msgspec.structs.replace(tr, requests=[q])
+        inp = ReplayInput.of(tr_s)
+        inp.time_scale = scale
+        fct = np.array([f.fct_s for f in tr.flows])
+        ttft0, tpot0 = replay(inp, fct, ComputeParams())
+        ttft1, tpot1 = replay(inp, fct, ComputeParams(iteration_wall_s=0.003))
+        assert ttft1[0] - ttft0[0] == pytest.approx(2 * 0.003, abs=1e-12)  # one prefill, one decode iteration
+        assert tpot1[0] - tpot0[0] == pytest.approx(0.003, abs=1e-12)  # one iteration per later token
+        # the model's own overhead is scaled: 1 ms more per iteration is 2 x 1 ms x B/S more TTFT
+        ttft2, _ = replay(inp, fct, ComputeParams(iteration_overhead_s=itm.overhead_s + 0.001))
+        assert ttft2[0] - ttft0[0] == pytest.approx(2 * 0.001 * scale, abs=1e-12)
+    assert isinstance(q, RequestRecord)
 
 
 def test_at_tp2_a_request_waits_for_its_last_flow(trace):

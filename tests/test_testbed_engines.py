@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import msgspec
 import pytest
 from rich.console import Console
@@ -161,31 +160,62 @@ def _sse(*texts: str, completion_id: str) -> bytes:
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
 
 
+async def _drive_against(answer, wl: Workload, cfg: RunConfig) -> list[dict]:
+    """``drive`` against a real HTTP server on localhost whose handler is ``answer``."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        rows, _ = await drive(f"http://127.0.0.1:{port}", wl, cfg, "m", Console(file=io.StringIO()))
+    finally:
+        await runner.cleanup()
+    return rows
+
+
 @pytest.mark.parametrize("header", [True, False])
 def test_the_client_reads_the_transfer_id_from_the_proxy_s_header(tmp_path, header):
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
         assert body["stream"] is True and body["model"] == "m" and len(body["prompt"]) == 7
         # the completion id holds a transfer id too: it must not be what the client reads
         headers = {TRANSFER_ID_HEADER: T1} if header else {}
-        return httpx.Response(200, headers=headers, content=_sse("a", "b", completion_id=f"cmpl-{T2}-0"))
+        return web.Response(status=200, headers=headers, body=_sse("a", "b", completion_id=f"cmpl-{T2}-0"))
 
     cfg = RunConfig(out=str(tmp_path), max_output=2, qps=100.0)
-    wl = Workload([Request("r0", 0.0, 7, 5)])
-    rows, _ = asyncio.run(drive("http://proxy", wl, cfg, "m", Console(file=io.StringIO()),
-                                transport=httpx.MockTransport(answer)))
-    (row,) = rows
+    (row,) = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 7, 5)]), cfg))
     assert row["transfer_id"] == (T1 if header else "")
     assert (row["status"], row["tokens"], row["text"], row["max_tokens"]) == ("ok", 2, "ab", 2)
     assert row["arrival"] <= row["first_token"] <= row["completion"]
 
 
 def test_a_failed_answer_is_recorded_with_its_status(tmp_path):
-    transport = httpx.MockTransport(lambda r: httpx.Response(503, headers={TRANSFER_ID_HEADER: T1}, content=b""))
-    cfg = RunConfig(out=str(tmp_path))
-    rows, _ = asyncio.run(drive("http://proxy", Workload([Request("r0", 0.0, 3, 2)]), cfg, "m",
-                                Console(file=io.StringIO()), transport=transport))
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={TRANSFER_ID_HEADER: T1}, body=b"")
+
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2)]), RunConfig(out=str(tmp_path))))
     assert rows[0]["status"] == "http 503" and rows[0]["tokens"] == 0 and "first_token" not in rows[0]
+
+
+def test_a_garbled_stream_is_a_client_error_not_a_crash(tmp_path):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=200, body=b"data: {not json\n\n")
+
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2), Request("r1", 0.0, 3, 2)]),
+                                      RunConfig(out=str(tmp_path))))
+    assert sorted(r["request_id"] for r in rows) == ["r0", "r1"]
+    assert all(r["status"].startswith("client error") and r["tokens"] == 0 for r in rows)
 
 
 def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path):
@@ -205,7 +235,8 @@ def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path)
     data.transfers = pushes(site)
     data.client = [{"request_id": "r0", "transfer_id": T1, "status": "ok", "arrival": 99.9, "prompt_tokens": 100,
                     "tokens": 3, "first_token": 100.8, "completion": 101.0}]
-    data.engine_records = {"l0h0": {"role": "prefill", "records": [{"transfer_id": T1, "prefill_end": 100.0}]},
+    data.engine_records = {"l0h0": {"role": "prefill", "records": [{"transfer_id": T1, "prefill_end": 100.0,
+                                                                    "arrival": 99.925}]},
                            "l1h0": {"role": "decode", "records": [{"transfer_id": T1, "kv_ready": 100.7}]}}
     data.decisions = [{"transfer_id": T1, "lane": 1, "spine": "spine1"}]
     data.lanes_known = {"l0h0->l1h0": {"w0": [[1, 48439, 39027]]}}
@@ -214,6 +245,7 @@ def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path)
     (r,) = j.requests
     assert (r["p_host"], r["d_host"], r["kv_bytes"], r["lane"]) == ("l0h0", "l1h0", 285056, 1)
     assert (r["push_start"], r["push_end"]) == (100.5, 100.7)  # the push ends at D's receipt
+    assert r["front_end"] == pytest.approx(0.025)  # the client's send to P's server receiving it
     assert (r["src_port"], r["dst_port"], r["path_predicted"], r["path_measured"]) == (48439, 39027, "spine1", "spine1")
     write_trace(tmp_path / "trace.jsonl", data, j, spec)
     trace = read_trace(tmp_path / "trace.jsonl")

@@ -25,6 +25,7 @@ from kvpath.testbed.run_config import RunConfig
 # ids every tiny tokenizer has: 4 special tokens, then the 256-symbol byte alphabet
 # (its BPE merges depend on the corpus, so the vocabulary's size is not fixed)
 PROMPT_IDS = (4, 260)
+EXTRA_EVENTS = 8  # events past max_tokens a stream may carry before the client gives up on it
 
 
 def prompt_ids(request_index: int, n: int, seed: int) -> list[int]:
@@ -44,7 +45,8 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str,
     idle: list[float] = []
     reqs = list(workload.requests)
     connector = aiohttp.TCPConnector(limit=1024, ttl_dns_cache=None)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    # per wait, as httpx's was: a long streamed answer is not cut off, a silent proxy is
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.timeout_s, sock_read=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         t0 = time.time() + 0.2
         psutil.cpu_times_percent(None)
@@ -62,28 +64,33 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str,
             row: dict[str, Any] = {"request_id": r.request_id, "arrival": time.time(), "prompt_tokens": r.prompt_tokens,
                                    "output_tokens": out, "max_tokens": out, "status": "ok", "tokens": 0, "text": "",
                                    "transfer_id": ""}
+            tid = ""
             try:
                 async with client.post(f"{proxy_url}/v1/completions", json=body) as resp:
                     tid = resp.headers.get(TRANSFER_ID_HEADER, "")
                     if resp.status != 200:
                         row["status"] = f"http {resp.status}"
-                    async for line in resp.content:
+                    async for line in resp.content:  # a line over 512 KiB raises: bounded
                         _event(row, line.decode("utf-8", "replace").rstrip("\r\n"))
-                    # a push happened only if tokens came back (the answer may still end
-                    # in an error event): one that failed before its first token has no
-                    # push record to wait for
-                    if row["tokens"]:
-                        row["transfer_id"] = tid
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                        if row["tokens"] > out + EXTRA_EVENTS:
+                            raise ValueError(f"more than {out} tokens streamed")
+            except Exception as e:  # anything the proxy sends ends this request, never the run
                 row["status"] = f"client error: {e!r}"[:300]
+            # a push happened only if tokens came back (the answer may still end in an
+            # error, or the stream break after them): one that failed before its first
+            # token has no push record to wait for
+            if row["tokens"]:
+                row["transfer_id"] = tid
             rows.append(row)
             progress.advance(task)
 
         sampler = asyncio.create_task(sample_cpu())
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"{cfg.mode}: {len(reqs)} requests at {cfg.qps} QPS", total=len(reqs))
-            await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
-        sampler.cancel()
+        try:
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task(f"{cfg.mode}: {len(reqs)} requests at {cfg.qps} QPS", total=len(reqs))
+                await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+        finally:
+            sampler.cancel()
     return rows, idle
 
 

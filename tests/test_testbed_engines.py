@@ -218,6 +218,40 @@ def test_a_garbled_stream_is_a_client_error_not_a_crash(tmp_path):
     assert all(r["status"].startswith("client error") and r["tokens"] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("body", [b"data: 1\n\n", b'data: {"error": "s"}\n\n', b'data: {"choices": {"a": 1}}\n\n',
+                                  b'data: {"choices": [{"text": null}]}\n\n'])
+def test_an_event_of_the_wrong_shape_is_a_client_error_not_a_crash(tmp_path, body):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=200, body=body)
+
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2)]), RunConfig(out=str(tmp_path))))
+    assert rows[0]["status"].startswith("client error"), rows[0]
+
+
+def test_a_stream_that_does_not_end_is_cut_and_a_broken_one_keeps_its_transfer_id(tmp_path):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={TRANSFER_ID_HEADER: T1})
+        await resp.prepare(request)
+        body = await request.json()
+        if body["max_tokens"] == 2:  # r0: tokens forever
+            while True:
+                await resp.write(_sse("x", completion_id="c")[:-len(b"data: [DONE]\n\n")])
+        await resp.write(_sse("a", completion_id="c")[:-len(b"data: [DONE]\n\n")])  # r1: a token, then a reset
+        request.transport.close()
+        return resp
+
+    cfg = RunConfig(out=str(tmp_path), max_output=64)
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2), Request("r1", 0.0, 3, 3)]), cfg))
+    by = {r["request_id"]: r for r in rows}
+    assert by["r0"]["status"].startswith("client error") and "more than 2 tokens" in by["r0"]["status"]
+    assert by["r1"]["status"].startswith("client error") and by["r1"]["tokens"] == 1
+    assert by["r0"]["transfer_id"] == by["r1"]["transfer_id"] == T1  # tokens came: their push happened
+
+
 def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path):
     from dataclasses import asdict
 

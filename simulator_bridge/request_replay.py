@@ -45,6 +45,18 @@ class ComputeParams:
     request_overhead_s: float = 0.0
     iteration_wall_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        # request_overhead_s is a fitted median residual: it may be negative
+        lows = {"speed": 0.0, "iteration_wall_s": 0.0, "iteration_overhead_s": 0.0, "request_overhead_s": -np.inf}
+        for name, low in lows.items():
+            v = getattr(self, name)
+            if v is None and name == "iteration_overhead_s":
+                continue
+            if (not isinstance(v, (int, float)) or not np.isfinite(v) or v < low
+                    or (name == "speed" and v == 0)):
+                raise ValueError(f"{name} must be a finite number{'' if low < 0 else ' >= 0'}"
+                                 f"{' and > 0' if name == 'speed' else ''}, got {v!r}")
+
     def model(self, base: IterationTimeModel) -> IterationTimeModel:
         # mfu and mbu cap at 1, so the speed factor scales time directly instead
         if self.iteration_overhead_s is None:

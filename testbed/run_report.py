@@ -241,8 +241,9 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
             "slowdown": _stats([f["slowdown"] for f in j.flows]),
             "wire_slowdown": _stats([f["wire_slowdown"] for f in j.flows]),
             "ttft_s": _stats([r.get("ttft") for r in ok], k),
-            # the client's send to P's server receiving it: the client, the proxy and
-            # P's HTTP server, none of which the serving model has
+            # the client's send to P's server receiving it: the client, the proxy (its
+            # reservation included) and P's HTTP server, which the serving model has as
+            # one fitted constant per request
             "front_end_s": _stats([r.get("front_end") for r in ok], k),
             "tpot_s": _stats([r.get("tpot") for r in ok], k),
         }

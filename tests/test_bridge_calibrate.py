@@ -183,3 +183,11 @@ def test_calibrate_cli_rejects_a_bad_burst(tmp_path, trace):
     r = subprocess.run([sys.executable, "-m", "kvpath.cli", "bridge", "calibrate", str(path), "--burst-bytes", "-1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--burst-bytes" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("bad", [dict(speed=0.0), dict(iteration_wall_s=-0.001), dict(iteration_wall_s=float("nan")),
+                                 dict(iteration_overhead_s=-1.0), dict(request_overhead_s=float("inf"))])
+def test_compute_constants_out_of_range_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ComputeParams(**bad)
+    ComputeParams(request_overhead_s=-0.004)  # a fitted residual may be negative

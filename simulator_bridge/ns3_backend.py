@@ -8,7 +8,9 @@ and reads one FCT per flow back.
 
 The model (documented in docs/bridge.md): point-to-point links at the spec's rates with
 a propagation delay per link, drop-tail queues at every egress port, TCP (Cubic by
-default) with one connection per flow, segments of MTU - 52 bytes, and each flow
+default) with one connection per flow, or per ``FlowSpec.conn`` (a lane's flows share
+its stream: written in turns of 64 KiB, done in the order they started, as
+``FlowModel`` shares a connection), segments of MTU - 52 bytes, and each flow
 pinned to its spine by addressing (see the scenario's header comment). Queues are deep
 and windows bounded by default (16 MiB queues, 1 MiB socket buffers): a lossless
 approximation, the way a RoCE fabric with PFC carries KV traffic, which also keeps
@@ -166,7 +168,8 @@ class Ns3Backend:
             spine = -1 if sl == dl else f.spine
             if spine is None or not -1 <= spine < self.spec.spines:
                 raise ValueError(f"flow {i} ({f.src} -> {f.dst}) crosses the spines: give its spine")
-            lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r}\n")
+            conn = -1 if f.conn is None else int(f.conn)  # one lane's flows share a connection in ns-3 too
+            lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r} {conn}\n")
         if not lines:
             return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {})
         p = self.params

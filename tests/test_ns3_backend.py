@@ -167,3 +167,20 @@ def test_drops_behind_a_bucket_are_counted():
     flows = [FlowSpec(H[0], H[4], MB, 0.0, 1), FlowSpec(H[1], H[5], MB, 0.0, 1)]
     res = bucket([], burst=64 << 10, queue_bytes=64 << 10, buf_bytes=8 << 20).run(flows)
     assert res.drops > 0
+
+
+def test_flows_on_one_connection_go_one_after_another_in_start_order():
+    """A lane's pushes share its TCP stream: a small flow that starts behind a big one on
+    the same connection lands after it (its FCT holds the wait), on its own connection
+    it finishes long before; and one connection's two back-to-back flows take the time
+    of their bytes at the link's rate, as one flow would, not two flows' slow starts."""
+    big, small = FlowSpec(H[0], H[4], MB, 0.0, 0, conn=7), FlowSpec(H[0], H[4], 50_000, 0.0001, 0, conn=7)
+    shared = run([big, small])
+    own = run([dataclasses.replace(big, conn=None), dataclasses.replace(small, conn=None)])
+    assert shared[1] + 0.0001 >= shared[0]  # the small one ends after the big one
+    assert own[1] < 0.5 * own[0]  # alone on its connection, it shares the link and is done early
+    # both on one connection: all the bytes at the link's rate
+    assert shared[1] + 0.0001 == pytest.approx((MB + 50_000) * 8 / 10e9, rel=0.06)
+    # the same conn id on another host pair is another connection
+    other = run([big, dataclasses.replace(small, src=H[1], dst=H[5])])
+    assert other[1] < 0.5 * other[0]

@@ -2,7 +2,12 @@
 //
 // Built by simulator_bridge/ns3_backend.py against the PyPI ns3 wheel and cached;
 // run once per replay. Input: one flow per line "id src_host dst_host spine bytes
-// start_s" (spine -1: within a leaf). Output: one line per flow "id fct_s" (fct -1:
+// start_s [conn]" (spine -1: within a leaf). Flows with the same conn (>= 0), source,
+// destination and spine share one TCP connection, as a lane's pushes share its stream:
+// the sender writes their bytes in turns of kSlice (a flow with bytes left each turn),
+// and a flow is done when its last byte is received and every flow that started
+// before it on the connection is done (a lane's transfers complete in order). Without
+// a conn (or -1) a flow has a connection of its own. Output: one line per flow "id fct_s" (fct -1:
 // it did not finish before the horizon). Progress goes to stderr as "progress DONE N",
 // then "stats drops N" and "stats uplink LEAF SPINE BYTES" (bytes sent leaf -> spine,
 // headers included), so a caller can check each flow crossed the spine it was given.
@@ -31,6 +36,8 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <cstdint>
+#include <tuple>
 #include <vector>
 
 using namespace ns3;
@@ -40,6 +47,7 @@ namespace
 
 const uint16_t kPort = 5600;
 const uint32_t kChunk = 1 << 20; // bytes handed to the socket per Send
+const uint32_t kSlice = 64 << 10; // a flow's turn on a connection that others share
 
 struct Flow
 {
@@ -48,13 +56,30 @@ struct Flow
     int32_t spine;
     uint64_t bytes;
     double start;
+    int64_t conn = -1;
     uint64_t sent = 0;
-    uint64_t rcvd = 0;
+    uint64_t stream_end = UINT64_MAX; // its connection's byte count after its last byte
     double end = -1;
 };
 
+// One TCP connection and the flows it carries, in the order they started.
+struct Conn
+{
+    Ptr<Socket> socket;
+    bool connected = false;
+    uint32_t flows = 0;           // how many flows it will carry (known up front)
+    std::vector<uint32_t> order;  // the flows started so far, in start order
+    uint32_t written_flows = 0;   // flows whose every byte is written
+    size_t turn = 0;              // order[turn] writes next
+    uint64_t written = 0;         // payload bytes handed to the socket
+    size_t done = 0;              // order[done] is the first flow not yet done
+    uint64_t rcvd = 0;            // payload bytes received on it
+};
+
 std::vector<Flow> g_flows;
-std::map<std::pair<uint32_t, uint16_t>, uint32_t> g_by_source; // (source ip, port) -> flow
+std::vector<Conn> g_conns;
+std::vector<uint32_t> g_conn_of;                                 // flow -> its connection
+std::map<std::pair<uint32_t, uint16_t>, uint32_t> g_by_source; // (source ip, port) -> connection
 NodeContainer g_hosts;
 uint32_t g_hpl = 1;
 uint32_t g_done = 0;
@@ -90,49 +115,81 @@ DataAddress(uint32_t spine, uint32_t host)
 }
 
 void
-Fill(uint32_t i, Ptr<Socket> s, uint32_t)
+Fill(uint32_t c, Ptr<Socket> s, uint32_t)
 {
-    Flow& f = g_flows[i];
-    while (f.sent < f.bytes)
+    Conn& k = g_conns[c];
+    while (k.written_flows < k.order.size())
     {
+        // the next flow in turn with bytes left (one exists: not every started flow is written)
+        while (g_flows[k.order[k.turn % k.order.size()]].sent == g_flows[k.order[k.turn % k.order.size()]].bytes)
+        {
+            ++k.turn;
+        }
+        k.turn %= k.order.size();
+        Flow& f = g_flows[k.order[k.turn]];
         uint32_t room = s->GetTxAvailable();
         if (room == 0)
         {
             return; // called again when the buffer drains
         }
-        uint32_t n = static_cast<uint32_t>(std::min<uint64_t>({room, f.bytes - f.sent, kChunk}));
+        // alone on its connection a flow goes in large writes; shared, in turns
+        uint64_t most = k.flows == 1 ? kChunk : kSlice;
+        uint32_t n = static_cast<uint32_t>(std::min<uint64_t>({room, f.bytes - f.sent, most}));
         int r = s->Send(Create<Packet>(n));
         if (r <= 0)
         {
             return;
         }
         f.sent += r;
+        k.written += r;
+        if (f.sent == f.bytes)
+        {
+            f.stream_end = k.written;
+            ++k.written_flows;
+        }
+        ++k.turn;
     }
-    s->SetSendCallback(MakeNullCallback<void, Ptr<Socket>, uint32_t>());
-    s->Close(); // the FIN follows the queued data
+    if (k.written_flows == k.flows)
+    {
+        s->SetSendCallback(MakeNullCallback<void, Ptr<Socket>, uint32_t>());
+        s->Close(); // the FIN follows the queued data
+    }
 }
 
 void
-Connected(uint32_t i, Ptr<Socket> s)
+Connected(uint32_t c, Ptr<Socket> s)
 {
-    Fill(i, s, s->GetTxAvailable());
+    g_conns[c].connected = true;
+    Fill(c, s, s->GetTxAvailable());
 }
 
 void
 StartFlow(uint32_t i)
 {
     Flow& f = g_flows[i];
+    uint32_t c = g_conn_of[i];
+    Conn& k = g_conns[c];
+    k.order.push_back(i);
+    if (k.socket)
+    {
+        if (k.connected)
+        {
+            Fill(c, k.socket, k.socket->GetTxAvailable());
+        }
+        return; // a flow behind others on its connection: written when they are
+    }
     uint32_t spine = f.spine < 0 ? 0 : f.spine;
     Ptr<Socket> s = Socket::CreateSocket(g_hosts.Get(f.src), TcpSocketFactory::GetTypeId());
+    k.socket = s;
     s->Bind(InetSocketAddress(DataAddress(spine, f.src), 0));
-    s->SetSendCallback(MakeBoundCallback(&Fill, i));
-    s->SetConnectCallback(MakeBoundCallback(&Connected, i), MakeNullCallback<void, Ptr<Socket>>());
+    s->SetSendCallback(MakeBoundCallback(&Fill, c));
+    s->SetConnectCallback(MakeBoundCallback(&Connected, c), MakeNullCallback<void, Ptr<Socket>>());
     s->Connect(InetSocketAddress(DataAddress(spine, f.dst), kPort));
     // keyed by the address the connection really uses (set by Connect's route lookup)
     Address name;
     s->GetSockName(name);
     InetSocketAddress local = InetSocketAddress::ConvertFrom(name);
-    g_by_source[{local.GetIpv4().Get(), local.GetPort()}] = i;
+    g_by_source[{local.GetIpv4().Get(), local.GetPort()}] = c;
 }
 
 void
@@ -144,10 +201,13 @@ OnRx(Ptr<const Packet> p, const Address& from, const Address&)
     {
         return;
     }
-    Flow& f = g_flows[it->second];
-    f.rcvd += p->GetSize();
-    if (f.end < 0 && f.rcvd >= f.bytes)
+    Conn& k = g_conns[it->second];
+    k.rcvd += p->GetSize();
+    // a connection's flows are done in the order they started, each once its last byte is in
+    while (k.done < k.order.size() && k.rcvd >= g_flows[k.order[k.done]].stream_end)
     {
+        Flow& f = g_flows[k.order[k.done]];
+        ++k.done;
         f.end = Simulator::Now().GetSeconds();
         ++g_done;
         uint32_t pct = static_cast<uint32_t>(100.0 * g_done / g_flows.size());
@@ -235,7 +295,27 @@ main(int argc, char* argv[])
             std::fprintf(stderr, "error: bad flow line: %s\n", line.c_str());
             return 2;
         }
+        if (!(ls >> f.conn))
+        {
+            f.conn = -1; // no conn field: a connection of its own
+        }
         g_flows.push_back(f);
+    }
+    std::map<std::tuple<int64_t, uint32_t, uint32_t, int32_t>, uint32_t> conn_index;
+    for (const Flow& f : g_flows)
+    {
+        uint32_t c = static_cast<uint32_t>(g_conns.size());
+        if (f.conn >= 0)
+        {
+            auto ins = conn_index.emplace(std::make_tuple(f.conn, f.src, f.dst, f.spine), c);
+            c = ins.first->second;
+        }
+        if (c == g_conns.size())
+        {
+            g_conns.emplace_back();
+        }
+        ++g_conns[c].flows;
+        g_conn_of.push_back(c);
     }
 
     Config::SetDefault("ns3::TcpL4Protocol::SocketType", StringValue("ns3::" + tcp));

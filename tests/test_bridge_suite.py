@@ -75,6 +75,8 @@ def test_one_configuration_end_to_end_each_trace_evaluated_on_the_others(tmp_pat
         assert row["flows"] == 10 and row["fidelity"]
         assert set(row["raw"]) == {"flow", "ns3", "trivial"} and all(row["raw"].values())
         assert row["drops_testbed"] is not None and row["drops_ns3"] is not None
+        # emulated P engines note when their server got each request: after the client sent it
+        assert row["front_end_ms"] is not None and row["front_end_ms"] > 0 and row["cpu_idle"] is not None
         other = {n for n in valid if n.split("/")[0] != name.split("/")[0]}
         for b in ("flow", "ns3"):
             if other:

@@ -10,7 +10,9 @@ The model (documented in docs/bridge.md): point-to-point links at the spec's rat
 a propagation delay per link, drop-tail queues at every egress port, TCP (Cubic by
 default) with one connection per flow, or per ``FlowSpec.conn`` (a lane's flows share
 its stream: written in turns of 64 KiB, done in the order they started, as
-``FlowModel`` shares a connection), segments of MTU - 52 bytes, and each flow
+``FlowModel`` shares a connection, though a flow that fits the socket's free buffer is
+queued whole before a later one is written; a flow on a lane idle past the minimum RTO
+opens a new connection), segments of MTU - 52 bytes, and each flow
 pinned to its spine by addressing (see the scenario's header comment). Queues are deep
 and windows bounded by default (16 MiB queues, 1 MiB socket buffers): a lossless
 approximation, the way a RoCE fabric with PFC carries KV traffic, which also keeps
@@ -163,7 +165,7 @@ class Ns3Backend:
             sl, sh = self.spec.locate(f.src)
             dl, dh = self.spec.locate(f.dst)
             src, dst = sl * hpl + sh, dl * hpl + dh
-            if src == dst or f.bytes <= 0:
+            if src == dst or int(f.bytes) <= 0:
                 continue  # nothing crosses a link: FCT 0, as in the flow model
             spine = -1 if sl == dl else f.spine
             if spine is None or not -1 <= spine < self.spec.spines:

@@ -4,14 +4,16 @@
 // run once per replay. Input: one flow per line "id src_host dst_host spine bytes
 // start_s [conn]" (spine -1: within a leaf). Flows with the same conn (>= 0), source,
 // destination and spine share one TCP connection, as a lane's pushes share its stream:
-// the sender writes their bytes in turns of kSlice (a flow with bytes left each turn),
+// the sender writes their bytes in turns of kSlice (a flow with bytes left each turn;
+// a flow that fits the socket's free buffer is in it whole before a later one starts),
 // and a flow is done when its last byte is received and every flow that started
 // before it on the connection is done (a lane's transfers complete in order). A flow
-// that starts when every earlier one is done opens a new connection: ns-3's TCP, sent
-// new data on a connection idle for longer than its RTO, waited for about five RTO
-// back-offs before any of it was acknowledged (no packet dropped; a 280 KB flow at
-// 0.2 Gbit/s took 0.94 s), where Linux restarts slow start after idle. Without a conn
-// (or -1) a flow has a connection of its own. Output: one line per flow "id fct_s" (fct -1:
+// that starts when every earlier one has been done for at least the minimum RTO opens
+// a new connection: ns-3's TCP, sent new data on a connection idle for longer than its
+// RTO, waited for about five RTO back-offs before any of it was acknowledged (no
+// packet dropped; a 280 KB flow at 0.2 Gbit/s took 0.94 s), where Linux restarts slow
+// start after such an idle, as a new connection does. Without a conn (or -1) a flow
+// has a connection of its own. Output: one line per flow "id fct_s" (fct -1:
 // it did not finish before the horizon). Progress goes to stderr as "progress DONE N",
 // then "stats drops N" and "stats uplink LEAF SPINE BYTES" (bytes sent leaf -> spine,
 // headers included), so a caller can check each flow crossed the spine it was given.
@@ -40,6 +42,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -78,6 +81,7 @@ struct Conn
     uint64_t written = 0;         // payload bytes handed to the socket
     size_t done = 0;              // order[done] is the first flow not yet done
     uint64_t rcvd = 0;            // payload bytes received on it
+    double idle_since = 0;        // when its last flow was done
 };
 
 std::vector<Flow> g_flows;
@@ -87,6 +91,7 @@ std::map<std::pair<uint32_t, uint16_t>, uint32_t> g_by_source; // (source ip, po
 NodeContainer g_hosts;
 uint32_t g_hpl = 1;
 uint32_t g_done = 0;
+double g_min_rto_s = 0.005;
 uint32_t g_reported = 0;
 uint64_t g_drops = 0;
 
@@ -173,9 +178,9 @@ StartFlow(uint32_t i)
     Flow& f = g_flows[i];
     uint32_t c = g_conn_of[i];
     Conn& k = g_conns[c];
-    if (k.socket && k.done == k.order.size())
+    if (k.socket && k.done == k.order.size() && Simulator::Now().GetSeconds() - k.idle_since >= g_min_rto_s)
     {
-        // idle: every flow on it is done; the next goes on a new connection
+        // idle past the RTO: the next flow goes on a new connection
         k.socket->SetSendCallback(MakeNullCallback<void, Ptr<Socket>, uint32_t>());
         k.socket->Close();
         Conn next;
@@ -221,6 +226,7 @@ OnRx(Ptr<const Packet> p, const Address& from, const Address&)
     {
         Flow& f = g_flows[k.order[k.done]];
         ++k.done;
+        k.idle_since = Simulator::Now().GetSeconds();
         f.end = Simulator::Now().GetSeconds();
         ++g_done;
         uint32_t pct = static_cast<uint32_t>(100.0 * g_done / g_flows.size());
@@ -308,9 +314,29 @@ main(int argc, char* argv[])
             std::fprintf(stderr, "error: bad flow line: %s\n", line.c_str());
             return 2;
         }
-        if (!(ls >> f.conn))
+        std::string conn, extra;
+        if (ls >> conn)
         {
-            f.conn = -1; // no conn field: a connection of its own
+            // a conn field, if given, is a whole integer and the last field
+            size_t used = 0;
+            try
+            {
+                f.conn = std::stoll(conn, &used);
+            }
+            catch (const std::exception&)
+            {
+                used = 0;
+            }
+            if (used != conn.size() || (ls >> extra))
+            {
+                std::fprintf(stderr, "error: bad flow line: %s\n", line.c_str());
+                return 2;
+            }
+        }
+        if (f.bytes == 0)
+        {
+            std::fprintf(stderr, "error: flow %llu has no bytes\n", (unsigned long long)f.id);
+            return 2;
         }
         g_flows.push_back(f);
     }
@@ -338,6 +364,7 @@ main(int argc, char* argv[])
     Config::SetDefault("ns3::TcpSocket::InitialCwnd", UintegerValue(10));
     Config::SetDefault("ns3::TcpSocket::ConnTimeout", TimeValue(MilliSeconds(10)));
     Config::SetDefault("ns3::TcpSocketBase::MinRto", TimeValue(MicroSeconds(min_rto_ms * 1000)));
+    g_min_rto_s = min_rto_ms / 1000.0;
     Config::SetDefault("ns3::TcpSocketBase::ClockGranularity", TimeValue(MicroSeconds(100)));
 
     uint32_t n_hosts = leaves * hpl;

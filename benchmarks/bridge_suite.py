@@ -82,9 +82,10 @@ class Config:
 # The heavy configurations run in slow motion (S = 200, B/S = 2.5): at 1/2.5 of a
 # QPS they stand for that QPS at B/S = 1 (the same overlap of flows and of prefills),
 # with 2.5x fewer requests and streamed tokens a second for the 2 cores. The *-x ones
-# run at 20-30 QPS, 50-75 QPS at B/S = 1, to keep their mean slowdown near 2 or above. At B/S = 1 and 40-60 QPS the client,
-# the proxy and P's HTTP server fell 36-62 ms behind on average (front end, per run in
-# summary.json), against 6 ms at 4 QPS: the machine, not the system, set TTFT.
+# run at 20-30 QPS, 50-75 QPS at B/S = 1, to keep their mean slowdown near 2 or above.
+# At B/S = 1 and 40-60 QPS the client, the proxy and P's HTTP server fell 36-62 ms
+# behind on average (front end, per run in summary.json), against 6 ms at 4 QPS: the
+# machine, not the system, set TTFT.
 SUITE: tuple[Config, ...] = (
     # rack3: 3 leaves, 3 spines (odd), 3 hosts a leaf; P on leaf 0, D on leaves 1-2
     Config("rack3-zipf-light", "rack3", "3P6D", "zipf", 4, "ecmp"),
@@ -152,20 +153,16 @@ def run_config(cfg: Config, out: Path, requests: int, console: Console) -> None:
     console.print(f"{cfg.name}: testbed run in {time.monotonic() - t0:.0f} s (rc {r.returncode})")
 
 
-def fidelity(run: Path) -> str:
-    """The run's own fidelity verdict (testbed summary.json): 'ok' or its problems."""
-    fid = json.loads((run / "summary.json").read_text()).get("fidelity", {})
-    return "ok" if fid.get("valid") else "; ".join(fid.get("problems", [])) or "unknown"
-
-
-def front_end(run: Path) -> dict:
-    """What the serving model does not have, from the run's summary.json: the mean time
-    from the client's send to P's server receiving the request (the client, the proxy
-    and P's HTTP server on this machine's 2 cores), and the CPU idle median."""
+def run_facts(run: Path) -> dict:
+    """From the run's summary.json: its own fidelity verdict ('ok' or its problems), the
+    CPU idle median, and the mean front end, the time from the client's send to P's
+    server receiving the request (the client, the proxy and P's HTTP server on this
+    machine's 2 cores), which the serving model has only as a constant per request."""
     s = json.loads((run / "summary.json").read_text())
+    fid = s.get("fidelity", {})
     fe = s.get("testbed", {}).get("front_end_s", {}).get("mean")
-    idle = s.get("fidelity", {}).get("cpu_idle_median")
-    return {"front_end_ms": None if fe is None else fe * 1e3, "cpu_idle": idle}
+    return {"fidelity": "ok" if fid.get("valid") else "; ".join(fid.get("problems", [])) or "unknown",
+            "front_end_ms": None if fe is None else fe * 1e3, "cpu_idle": fid.get("cpu_idle_median")}
 
 
 def slowdown_mean(trace: Trace) -> float:
@@ -227,8 +224,8 @@ def main() -> int:
         queue = TraceSetup(ts[0][3]).queue_bytes
         ns3 = Ns3Params(queue_bytes=queue or 16 << 20)
         for name, cfg, mode, t in track(ts, description=f"{fab}: raw replays", console=console):
-            rows[name] = {"what": cfg.what(mode), "fabric": fab, "fidelity": fidelity(out / cfg.name / mode),
-                          **front_end(out / cfg.name / mode), **raw_row(t, backends, ns3)}
+            rows[name] = {"what": cfg.what(mode), "fabric": fab, **run_facts(out / cfg.name / mode),
+                          **raw_row(t, backends, ns3)}
         for b in (x for x in backends if x != "trivial"):
             for name, cfg, _, t in ts:
                 # fit on the fabric's other configurations' valid traces: never on this

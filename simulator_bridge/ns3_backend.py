@@ -35,7 +35,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -139,6 +139,9 @@ class Ns3Result:
     drops: int  # packets dropped at any egress queue
     wall_s: float
     uplink_bytes: dict[tuple[int, int], int]  # (leaf, spine) -> bytes sent up, headers included
+    # packets dropped per tier of egress port: host_up (a host's port to its leaf),
+    # leaf_down, leaf_up (to a spine), spine_down
+    tier_drops: dict[str, int] = field(default_factory=dict)
 
 
 class Ns3Backend:
@@ -173,7 +176,7 @@ class Ns3Backend:
             conn = -1 if f.conn is None else int(f.conn)  # one lane's flows share a connection in ns-3 too
             lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r} {conn}\n")
         if not lines:
-            return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {})
+            return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {}, {})
         p = self.params
         mtu = p.mtu or self.spec.mtu
         burst = self.net.burst_bytes
@@ -196,9 +199,9 @@ class Ns3Backend:
 
                 with Progress(transient=True) as bar:
                     task = bar.add_task("ns-3", total=len(lines))
-                    drops, uplinks, err = self._execute(cmd, len(lines), lambda d, _: bar.update(task, completed=d))
+                    drops, uplinks, tiers, err = self._execute(cmd, len(lines), lambda d, _: bar.update(task, completed=d))
             else:
-                drops, uplinks, err = self._execute(cmd, len(lines), progress)
+                drops, uplinks, tiers, err = self._execute(cmd, len(lines), progress)
             got = np.loadtxt(fout, ndmin=2) if fout.exists() else np.zeros((0, 2))
         if got.shape[0] != len(lines):
             raise Ns3Error(f"ns-3 returned {got.shape[0]} of {len(lines)} flows: {err[-2000:]}")
@@ -207,12 +210,12 @@ class Ns3Backend:
             raise Ns3Error(f"{int((vals < 0).sum())} flows did not finish within horizon_s={p.horizon_s} "
                            f"of simulated time ({drops} drops)")
         fct[ids] = vals
-        return Ns3Result(fct + fixed_costs(flows, self.net), drops, time.perf_counter() - t0, uplinks)
+        return Ns3Result(fct + fixed_costs(flows, self.net), drops, time.perf_counter() - t0, uplinks, tiers)
 
     def _execute(self, cmd: list[str], n: int,
-                 progress: Callable[[int, int], None] | None) -> tuple[int, dict[tuple[int, int], int], str]:
+                 progress: Callable[[int, int], None] | None) -> tuple[int, dict[tuple[int, int], int], dict[str, int], str]:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        drops, tail, uplinks = 0, [], {}
+        drops, tail, uplinks, tiers = 0, [], {}, {}
         assert proc.stderr is not None
         # the progress lines block the reader, so the wall-clock limit is a timer that kills
         timer = threading.Timer(self.params.timeout_s, proc.kill) if self.params.timeout_s else None
@@ -228,6 +231,9 @@ class Ns3Backend:
                 elif line.startswith("stats uplink "):
                     _, _, leaf, spine, nbytes = line.split()
                     uplinks[(int(leaf), int(spine))] = int(nbytes)
+                elif line.startswith("stats tier_drops "):
+                    _, _, tier, n_drops = line.split()
+                    tiers[tier] = int(n_drops)
                 else:
                     tail.append(line)
             rc = proc.wait()
@@ -243,5 +249,5 @@ class Ns3Backend:
             raise Ns3Error(f"ns-3 exited with {rc}: {''.join(tail)[-2000:]}")
         if drops:  # expected where the queues are the testbed's own (its drops are the trace's)
             log.info("ns-3 dropped %d packets at its %d-byte drop-tail egress queues", drops, self.params.queue_bytes)
-        return drops, uplinks, "".join(tail)
+        return drops, uplinks, tiers, "".join(tail)
 

@@ -103,8 +103,16 @@ def _event(row: dict[str, Any], line: str) -> None:
     if "error" in ev:
         row["status"] = f"error: {ev['error'].get('message', '')[:200]}"
         return
+    choices = ev.get("choices")
+    if choices == []:  # a usage-only chunk (stream_options.include_usage) carries no token
+        return
+    if not isinstance(choices, list):
+        raise ValueError(f"an event's choices is not a list: {str(choices)[:80]}")
+    text = choices[0].get("text", "")
+    if not isinstance(text, str):
+        raise ValueError(f"an event's text is not a string: {str(text)[:80]}")
     now = time.time()
     row.setdefault("first_token", now)
     row["tokens"] += 1
-    row["text"] += ev["choices"][0].get("text", "") if ev.get("choices") else ""
+    row["text"] += text
     row["completion"] = now

@@ -124,6 +124,31 @@ def test_drops_are_counted_where_queues_overflow():
     res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20)).run(flows)
     assert res.drops > 0
     assert res.fct_s.max() > 2 * WIRE  # the losses cost time
+    # where: leaf 0's uplink to spine 1, which both flows cross; no other tier
+    assert res.tier_drops == {"host_up": 0, "leaf_down": 0, "leaf_up": res.drops, "spine_down": 0}
+
+
+def test_a_senders_own_port_never_drops():
+    # one host, three flows on three spines, 64 KiB port buffers and 8 MiB windows: the
+    # host's port is their only bottleneck. The testbed (Linux's TCP small queues) never
+    # dropped there; ns-3's TCP sent whole windows into it (69 drops here, the flows
+    # ending at 1.1, 3.1 and 3.1 x their wire time)
+    flows = [FlowSpec(H[0], H[4], MB, 0.0, 0), FlowSpec(H[0], H[8], MB, 0.0, 1), FlowSpec(H[0], H[12], MB, 0.0, 2)]
+    res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20)).run(flows)
+    assert res.drops == 0 and res.tier_drops["host_up"] == 0
+    assert res.fct_s.max() < 1.2 * res.fct_s.min()  # and they share the port evenly
+    assert res.fct_s.max() < 3.3 * WIRE
+
+
+def test_a_window_cut_to_one_segment_grows_again():
+    # four flows into one host over four spines, 20 KiB port buffers: losses, and an RTO
+    # that cuts a window to one segment. With ns-3's delayed ACK (200 ms, every second
+    # segment) above the RTO floor (5 ms here) that flow then sent every segment twice,
+    # the second after an RTO, and ended at 694 x its wire time
+    flows = [FlowSpec(H[4 + k], H[0], MB, 0.0, k) for k in range(4)]
+    res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=20 << 10, buf_bytes=8 << 20)).run(flows)
+    assert res.drops > 0 and res.tier_drops["leaf_down"] > 0  # the receiver's port
+    assert res.fct_s.max() < 10 * WIRE  # four flows on one 10 Gbit/s port: 4 x WIRE without losses
 
 
 BURST = 1 << 20  # a token bucket of 1 MiB per port

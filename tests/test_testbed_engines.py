@@ -219,7 +219,8 @@ def test_a_garbled_stream_is_a_client_error_not_a_crash(tmp_path):
 
 
 @pytest.mark.parametrize("body", [b"data: 1\n\n", b'data: {"error": "s"}\n\n', b'data: {"choices": {"a": 1}}\n\n',
-                                  b'data: {"choices": [{"text": null}]}\n\n'])
+                                  b'data: {"choices": [{"text": null}]}\n\n', b'data: {"choices": {}}\n\n',
+                                  b'data: {"id": "c"}\n\n', b'data: {"choices": [1]}\n\n'])
 def test_an_event_of_the_wrong_shape_is_a_client_error_not_a_crash(tmp_path, body):
     from aiohttp import web
 
@@ -228,6 +229,18 @@ def test_an_event_of_the_wrong_shape_is_a_client_error_not_a_crash(tmp_path, bod
 
     rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2)]), RunConfig(out=str(tmp_path))))
     assert rows[0]["status"].startswith("client error"), rows[0]
+
+
+def test_a_usage_chunk_is_not_a_token(tmp_path):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        usage = b'data: {"id": "c", "choices": [], "usage": {"completion_tokens": 2}}\n\n'
+        body = _sse("a", "b", completion_id="c")
+        return web.Response(status=200, body=body.replace(b"data: [DONE]", usage + b"data: [DONE]"))
+
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2)]), RunConfig(out=str(tmp_path))))
+    assert (rows[0]["status"], rows[0]["tokens"], rows[0]["text"]) == ("ok", 2, "ab")
 
 
 def test_a_stream_that_does_not_end_is_cut_and_a_broken_one_keeps_its_transfer_id(tmp_path):

@@ -44,6 +44,7 @@ from rich.progress import track
 from kvpath.bridge.calibrate_across import calibrate_across
 from kvpath.bridge.compare import header_net_params, replay_trace
 from kvpath.bridge.ns3_backend import Ns3Params
+from kvpath.testbed.counters import drops_by_tier
 from kvpath.trace import Trace, read_trace
 from kvpath.trace_header import TraceSetup
 
@@ -162,8 +163,11 @@ def run_facts(run: Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
     fid = s.get("fidelity", {})
     fe = s.get("testbed", {}).get("front_end_s", {}).get("mean")
+    collected = run / "collected.json"
+    ports = json.loads(collected.read_text()).get("port_drops", {}) if collected.exists() else {}
     return {"fidelity": "ok" if fid.get("valid") else "; ".join(fid.get("problems", [])) or "unknown",
-            "front_end_ms": None if fe is None else fe * 1e3, "cpu_idle": fid.get("cpu_idle_median")}
+            "front_end_ms": None if fe is None else fe * 1e3, "cpu_idle": fid.get("cpu_idle_median"),
+            "drops_testbed_at": drops_by_tier(ports)}
 
 
 def slowdown_mean(trace: Trace) -> float:
@@ -184,7 +188,7 @@ def raw_row(trace: Trace, backends: list[str], ns3: Ns3Params) -> dict:
         row["raw"][b] = errs["fct"].to_dict() if errs["fct"] else None
         row.setdefault("raw_ttft", {})[b] = errs["ttft"].to_dict() if errs["ttft"] else None
         if b == "ns3":
-            row["drops_ns3"] = rep.drops
+            row["drops_ns3"], row["drops_ns3_at"] = rep.drops, rep.tier_drops
     return row
 
 
@@ -267,9 +271,15 @@ def goals(rows: dict[str, dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def tiers(at: dict[str, int] | None) -> str:
+    """The tiers of port that dropped, e.g. "leaf_up 38"; "-" for none or not known."""
+    return ", ".join(f"{t} {n}" for t, n in (at or {}).items() if n) or "-"
+
+
 def table(rows: dict[str, dict], backends: list[str]) -> str:
     cal = [b for b in backends if b != "trivial"]
-    head = ["trace", "what", "flows", "fidelity", "CPU idle", "front end", "slowdown", "drops testbed/ns3", "retrans"]
+    head = ["trace", "what", "flows", "fidelity", "CPU idle", "front end", "slowdown", "drops testbed/ns3",
+            "drops at, testbed / ns3", "retrans"]
     head += [f"{b} raw mean/p99" for b in backends]
     head += [f"{b} cal. mean/p99/TTFT" for b in cal]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -277,7 +287,8 @@ def table(rows: dict[str, dict], backends: list[str]) -> str:
         idle, fe = r.get("cpu_idle"), r.get("front_end_ms")
         cells = [name, r["what"], str(r["flows"]), r["fidelity"], "-" if idle is None else f"{idle:.0f}%",
                  "-" if fe is None else f"{fe:.1f} ms", f"{r['slowdown_mean']:.2f}",
-                 f"{r.get('drops_testbed')}/{r.get('drops_ns3', '-')}", str(r.get("retrans_testbed"))]
+                 f"{r.get('drops_testbed')}/{r.get('drops_ns3', '-')}",
+                 f"{tiers(r.get('drops_testbed_at'))} / {tiers(r.get('drops_ns3_at'))}", str(r.get("retrans_testbed"))]
         for b in backends:
             e = r["raw"].get(b)
             cells.append("-" if e is None else f"{pct(e['mean'])} / {pct(e['p99'])}")

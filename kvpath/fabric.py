@@ -28,6 +28,12 @@ HASH_FIELDS = ("src_ip", "dst_ip", "proto", "src_port", "dst_port")
 PROTO_NUM = {"tcp": 6, "udp": 17}
 
 
+# The tiers of egress port on a leaf-spine fabric, as the testbed's drop counters and
+# ns-3's name them: a host's port to its leaf, a leaf's to a host, a leaf's uplink to a
+# spine, a spine's downlink to a leaf.
+PORT_TIERS = ("host_up", "leaf_down", "leaf_up", "spine_down")
+
+
 class FabricSpecError(ValueError):
     pass
 

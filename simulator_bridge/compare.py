@@ -85,16 +85,16 @@ def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetP
 
 
 def simulate_run(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams,
-                 ns3: Ns3Params | None = None) -> tuple[np.ndarray, int | None]:
-    """(FCT per flow, packets dropped): drops only from a packet-level backend (ns3),
-    None from the others, which model no queue."""
+                 ns3: Ns3Params | None = None) -> tuple[np.ndarray, int | None, dict[str, int] | None]:
+    """(FCT per flow, packets dropped, dropped per tier of port): drops only from a
+    packet-level backend (ns3), None from the others, which model no queue."""
     if backend == "flow":
-        return FlowModel(spec, params).run(flows), None
+        return FlowModel(spec, params).run(flows), None, None
     if backend == "trivial":
-        return trivial_fct(spec, flows, params), None
+        return trivial_fct(spec, flows, params), None, None
     if backend == "ns3":
         res = Ns3Backend(spec, params, ns3).run(flows)
-        return res.fct_s, res.drops
+        return res.fct_s, res.drops, res.tier_drops
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -151,6 +151,7 @@ class Replayed:
     ttft: tuple[np.ndarray, np.ndarray] | None  # per replayed request
     tpot: tuple[np.ndarray, np.ndarray] | None  # requests with two or more output tokens
     drops: int | None = None  # packets the backend dropped (ns3); None: it models no queue
+    tier_drops: dict[str, int] | None = None  # the same per tier of port (kvpath.fabric.PORT_TIERS)
 
     def errors(self) -> dict[str, Errors | None]:
         return {k: None if v is None else Errors.of(*v)
@@ -167,15 +168,15 @@ def replay_trace(trace: Trace, backend: str, params: NetParams, ns3: Ns3Params |
     if not trace.flows:
         raise ValueError("the trace has no flows to replay (a pull-connector run records none)")
     flows, measured = trace_flows(trace)
-    fct, drops = simulate_run(backend, TraceSetup(trace).fabric, flows, params, ns3)
+    fct, drops, tiers = simulate_run(backend, TraceSetup(trace).fabric, flows, params, ns3)
     try:
         inp = ReplayInput.of(trace)
     except ValueError:
-        return Replayed(backend, (measured, fct), None, None, drops)
+        return Replayed(backend, (measured, fct), None, None, drops, tiers)
     ttft, tpot = replay(inp, fct, compute or ComputeParams())
     ok = np.isfinite(inp.tpot) & np.isfinite(tpot) & (inp.tpot > 0)
     return Replayed(backend, (measured, fct), (inp.ttft, ttft), (inp.tpot[ok], tpot[ok]) if ok.any() else None,
-                    drops)
+                    drops, tiers)
 
 
 def compare(trace: Trace, backends: list[str], params: NetParams,

@@ -68,6 +68,9 @@ class Ns3Params:
     line_x: float = 100.0  # with a token bucket: the device rate over the link rate (the burst's speed)
     horizon_s: float = 3600.0  # simulated time after the last start before giving up
     timeout_s: float | None = None  # wall-clock limit of one run
+    # a host's own egress port holds all its sockets can send (never drops), as the
+    # testbed's did on every suite run; False: queue_bytes like every other port
+    lossless_host: bool = True
 
     def __post_init__(self) -> None:
         if self.mtu is not None and not 576 <= self.mtu <= 65535:
@@ -192,7 +195,8 @@ class Ns3Backend:
                    f"--hostGbps={self.spec.host_link_gbps!r}", f"--spineGbps={self.spec.spine_link_gbps!r}",
                    f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
                    f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
-                   f"--horizonS={p.horizon_s!r}", f"--burstBytes={burst}", f"--lineX={p.line_x!r}"]
+                   f"--horizonS={p.horizon_s!r}", f"--burstBytes={burst}", f"--lineX={p.line_x!r}",
+                   f"--losslessHost={int(p.lossless_host)}"]
             if progress is None and sys.stderr.isatty():
                 # a run can take minutes: show ns-3's own completion count on a terminal
                 from rich.progress import Progress

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+from kvpath.fabric import PORT_TIERS
 from kvpath.five_tuple import FiveTuple
 from kvpath.testbed.netns_fabric import NetnsFabric, Port
 
@@ -74,6 +75,26 @@ def port_drops(fabric: NetnsFabric) -> dict[tuple[str, str], int]:
             drops[q.get("dev", "")] = drops.get(q.get("dev", ""), 0) + int(q.get("drops", 0))
         for port in ports:
             out[(port.node, port.ifname)] = drops.get(port.ifname, 0)
+    return out
+
+
+def port_tier(ifname: str) -> str:
+    """The tier (``kvpath.fabric.PORT_TIERS``) of an egress port by its interface name:
+    a host's ``eth0``, a leaf's ``h<i>`` (to a host) and ``s<j>`` (to a spine), a
+    spine's ``l<k>`` (to a leaf)."""
+    if ifname == "eth0":
+        return "host_up"
+    tier = {"h": "leaf_down", "s": "leaf_up", "l": "spine_down"}.get(ifname[:1])
+    if tier is None or not ifname[1:].isdigit():
+        raise ValueError(f"not a fabric port: {ifname!r}")
+    return tier
+
+
+def drops_by_tier(port_drops: dict[str, int]) -> dict[str, int]:
+    """{"node:ifname": drops} (a run's ``port_drops``) summed per tier of port."""
+    out = dict.fromkeys(PORT_TIERS, 0)
+    for port, n in port_drops.items():
+        out[port_tier(port.rpartition(":")[2])] += n
     return out
 
 

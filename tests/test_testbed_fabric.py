@@ -141,7 +141,8 @@ def test_a_shallow_port_under_incast_drops_and_the_counters_see_drops_and_retran
     receiver's leaf port (and its uplinks) overflow. The qdisc drop counters and the
     senders' TCP retransmissions, which a testbed trace records, both count them; the
     receiver's own host link is the one that cannot keep up, so its leaf's port drops."""
-    from kvpath.testbed.counters import port_drops, retrans_segs, tcp_retransmits
+    from kvpath.fabric import PORT_TIERS
+    from kvpath.testbed.counters import drops_by_tier, port_drops, port_tier, retrans_segs, tcp_retransmits
 
     spec = FabricSpec.resolve("small")
     shaping = LinkShaping(host_mbit=50.0, spine_mbit=50.0, burst_bytes=16 * 1024, queue_bytes=16 * 1024)
@@ -155,6 +156,12 @@ def test_a_shallow_port_under_incast_drops_and_the_counters_see_drops_and_retran
         drops = {k: v - before_drops[k] for k, v in port_drops(fabric).items()}
         rt = {h: v - before_rt[h] for h, v in tcp_retransmits(fabric, hosts).items()}
         assert drops[("leaf1", "h1")] > 0, drops  # leaf1 to l1h1, the receiver's downlink: the bottleneck
+        # each port has a tier, the drops summed by it (what the bridge suite compares with ns-3's)
+        assert {port_tier(p.ifname) for p in fabric.ports()} == set(PORT_TIERS)
+        by_tier = drops_by_tier({f"{n}:{i}": v for (n, i), v in drops.items()})
+        assert by_tier["leaf_down"] >= drops[("leaf1", "h1")] and sum(by_tier.values()) == sum(drops.values())
         assert sum(rt[h] for h in ("l0h0", "l0h1", "l1h0")) > 0 and rt["l1h1"] == 0, rt
     with pytest.raises(ValueError, match="RetransSegs"):
         retrans_segs("Ip: Forwarding\nIp: 1\n")
+    with pytest.raises(ValueError, match="not a fabric port"):
+        port_tier("mgmt0")

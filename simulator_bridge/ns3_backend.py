@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvpath.fabric import FabricSpec
+from kvpath.fabric import PORT_TIERS, FabricSpec
 from kvpath.bridge.flow_model import FlowSpec, NetParams, fixed_costs
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class Ns3Params:
     def __post_init__(self) -> None:
         if self.mtu is not None and not 576 <= self.mtu <= 65535:
             raise ValueError(f"ns3 mtu must be in [576, 65535], got {self.mtu}")
+        if self.queue_bytes >= (1 << 32) - (1 << 16):
+            raise ValueError(f"ns3 queue_bytes must be below 4 GiB (a queue disc's size is 32 bits), got {self.queue_bytes}")
         if self.queue_bytes < 1500 or self.buf_bytes < 1500 or self.delay_us < 0 or (
                 self.min_rto_ms is not None and self.min_rto_ms <= 0) or self.line_x < 1:
             raise ValueError("ns3 queue_bytes and buf_bytes must be >= 1500, delay_us >= 0, min_rto_ms > 0, "
@@ -179,7 +181,7 @@ class Ns3Backend:
             conn = -1 if f.conn is None else int(f.conn)  # one lane's flows share a connection in ns-3 too
             lines.append(f"{i} {src} {dst} {spine} {int(f.bytes)} {f.start_s!r} {conn}\n")
         if not lines:
-            return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {}, {})
+            return Ns3Result(fct + fixed_costs(flows, self.net), 0, time.perf_counter() - t0, {}, dict.fromkeys(PORT_TIERS, 0))
         p = self.params
         mtu = p.mtu or self.spec.mtu
         burst = self.net.burst_bytes
@@ -236,8 +238,13 @@ class Ns3Backend:
                     _, _, leaf, spine, nbytes = line.split()
                     uplinks[(int(leaf), int(spine))] = int(nbytes)
                 elif line.startswith("stats tier_drops "):
-                    _, _, tier, n_drops = line.split()
-                    tiers[tier] = int(n_drops)
+                    parts = line.split()
+                    if len(parts) != 4 or parts[2] not in PORT_TIERS or not parts[3].isdigit():
+                        raise Ns3Error(f"ns-3 wrote a malformed line: {line.strip()[:200]}")
+                    tiers[parts[2]] = int(parts[3])
+                elif line.startswith("stats host_queue_clamped "):
+                    log.warning("ns-3: a host's port holds less than its connections' buffers and may drop: %s",
+                                line.strip()[:200])
                 else:
                     tail.append(line)
             rc = proc.wait()
@@ -251,6 +258,8 @@ class Ns3Backend:
             raise Ns3Error(f"ns-3 run exceeded timeout_s={self.params.timeout_s} and was stopped")
         if rc != 0:
             raise Ns3Error(f"ns-3 exited with {rc}: {''.join(tail)[-2000:]}")
+        if set(tiers) != set(PORT_TIERS):
+            raise Ns3Error(f"ns-3 reported drops for tiers {sorted(tiers)}, not {list(PORT_TIERS)}")
         if drops:  # expected where the queues are the testbed's own (its drops are the trace's)
             log.info("ns-3 dropped %d packets at its %d-byte drop-tail egress queues", drops, self.params.queue_bytes)
         return drops, uplinks, tiers, "".join(tail)

@@ -5,6 +5,7 @@ measured path is exact even while flows overlap."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 from kvpath.fabric import PORT_TIERS
@@ -84,10 +85,9 @@ def port_tier(ifname: str) -> str:
     spine's ``l<k>`` (to a leaf)."""
     if ifname == "eth0":
         return "host_up"
-    tier = {"h": "leaf_down", "s": "leaf_up", "l": "spine_down"}.get(ifname[:1])
-    if tier is None or not ifname[1:].isdigit():
+    if not re.fullmatch(r"[hsl][0-9]+", ifname):
         raise ValueError(f"not a fabric port: {ifname!r}")
-    return tier
+    return {"h": "leaf_down", "s": "leaf_up", "l": "spine_down"}[ifname[0]]
 
 
 def drops_by_tier(port_drops: dict[str, int]) -> dict[str, int]:

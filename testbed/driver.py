@@ -71,10 +71,15 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str,
                     tid = resp.headers.get(TRANSFER_ID_HEADER, "")
                     if resp.status != 200:
                         row["status"] = f"http {resp.status}"
+                    lines = 0
                     async for line in resp.content:  # a line over 512 KiB raises: bounded
-                        _event(row, line.decode("utf-8", "replace").rstrip("\r\n"))
+                        text = line.decode("utf-8", "replace").rstrip("\r\n")
+                        _event(row, text)
                         if row["tokens"] > out + EXTRA_EVENTS:
                             raise ValueError(f"more than {out} tokens streamed")
+                        lines += bool(text)  # events that are no token (usage, comments) count too
+                        if lines > out + EXTRA_EVENTS:
+                            raise ValueError(f"more than {out + EXTRA_EVENTS} events streamed for {out} tokens")
             except Exception as e:  # anything the proxy sends ends this request, never the run
                 row["status"] = f"client error: {e!r}"[:300]
             # a push happened only if tokens came back (the answer may still end in an

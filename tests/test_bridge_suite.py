@@ -54,6 +54,18 @@ def test_goals_count_the_traces_within_each_backends_bounds() -> None:
     assert "ns3: FCT within 5% mean / 10% p99 on 1 of 2 traces; TTFT mean within 5% on 1; all three on 0" in out
 
 
+def test_where_the_testbed_dropped_is_read_per_tier_or_marked_not_known(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"fidelity": {"valid": True}}))
+    assert bridge_suite.run_facts(tmp_path)["drops_testbed_at"] is None  # no collected.json
+    (tmp_path / "collected.json").write_text(json.dumps({"port_drops": {"leaf0:s1": 3, "l0h0:eth0": 0, "x:wg0": 1}}))
+    assert bridge_suite.run_facts(tmp_path)["drops_testbed_at"] is None  # not a fabric port
+    (tmp_path / "collected.json").write_text(json.dumps({"port_drops": {"leaf0:s1": 3, "l0h0:eth0": 0}}))
+    at = bridge_suite.run_facts(tmp_path)["drops_testbed_at"]
+    assert at == {"host_up": 0, "leaf_down": 0, "leaf_up": 3, "spine_down": 0}
+    assert (bridge_suite.tiers(at), bridge_suite.tiers(dict.fromkeys(at, 0)), bridge_suite.tiers(None)) == \
+        ("leaf_up 3", "none", "-")
+
+
 def test_an_unknown_configuration_is_refused_by_name(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bridge_suite.py"), "--out", str(tmp_path),
                         "--configs", "nope"], capture_output=True, text=True, timeout=60)

@@ -84,6 +84,11 @@ def test_bad_input_is_a_clear_error():
         Ns3Params(mtu=100)
 
 
+def test_a_queue_past_a_queue_discs_32_bits_is_refused():
+    with pytest.raises(ValueError, match="below 4 GiB"):
+        Ns3Params(queue_bytes=1 << 32)
+
+
 def test_a_flow_that_cannot_finish_is_reported_not_hung():
     # a 1 s horizon of simulated time and 2 GB at 10 Gbit/s: it cannot finish
     with pytest.raises(Ns3Error, match="did not finish"):

@@ -243,6 +243,19 @@ def test_a_usage_chunk_is_not_a_token(tmp_path):
     assert (rows[0]["status"], rows[0]["tokens"], rows[0]["text"]) == ("ok", 2, "ab")
 
 
+def test_a_stream_of_events_that_are_no_tokens_is_cut(tmp_path):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        while True:  # usage chunks forever: no token, but the stream must still end
+            await resp.write(b'data: {"choices": [], "usage": {}}\n\n')
+
+    rows = asyncio.run(_drive_against(answer, Workload([Request("r0", 0.0, 3, 2)]), RunConfig(out=str(tmp_path))))
+    assert rows[0]["status"].startswith("client error") and "events streamed" in rows[0]["status"]
+
+
 def test_a_stream_that_does_not_end_is_cut_and_a_broken_one_keeps_its_transfer_id(tmp_path):
     from aiohttp import web
 

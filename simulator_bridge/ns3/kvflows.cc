@@ -15,8 +15,10 @@
 // start after such an idle, as a new connection does. Without a conn (or -1) a flow
 // has a connection of its own. Output: one line per flow "id fct_s" (fct -1:
 // it did not finish before the horizon). Progress goes to stderr as "progress DONE N",
-// then "stats drops N" and "stats uplink LEAF SPINE BYTES" (bytes sent leaf -> spine,
-// headers included), so a caller can check each flow crossed the spine it was given.
+// then "stats drops N", "stats tier_drops TIER N" (the queue discs' drops per tier of
+// port: host_up, leaf_down, leaf_up, spine_down) and "stats uplink LEAF SPINE BYTES"
+// (bytes sent leaf -> spine, headers included), so a caller can check each flow
+// crossed the spine it was given.
 //
 // Routing is by rule on hierarchical addresses, with no global routing tables:
 // host h under leaf l owns one address per spine s, 10.(s+1).l.(h+1). A leaf sends
@@ -25,7 +27,8 @@
 // spine-s address and connects to the destination's spine-s address, so data and
 // ACKs both cross spine s, and set-up is O(hosts x spines) static routes.
 //
-// Every egress port is a buffer of --queueBytes. With --burstBytes > 0 it is a token
+// Every egress port is a buffer of --queueBytes, but a host's own port, which with
+// --losslessHost (the default) holds all its connections' buffers. With --burstBytes > 0 it is a token
 // bucket instead, as the testbed's tbf shaping is: a TbfQueueDisc at the link's rate
 // with that bucket, in front of a device --lineX times faster, so a port idle long
 // enough lets a burst through at (near) line speed and then paces at the link rate.
@@ -94,6 +97,7 @@ uint32_t g_done = 0;
 double g_min_rto_s = 0.005;
 uint32_t g_reported = 0;
 uint64_t g_drops = 0;
+const uint64_t kMaxQueue = UINT32_MAX - 65536; // a queue disc's size is 32 bits; room for one more packet
 
 std::vector<uint64_t> g_uplink_bytes; // leaf l -> spine s at l * spines + s
 
@@ -298,6 +302,12 @@ main(int argc, char* argv[])
     cmd.AddValue("out", "output: id fct_s per line", out_file);
     cmd.Parse(argc, argv);
     g_hpl = hpl;
+    if (queue_bytes > kMaxQueue)
+    {
+        std::fprintf(stderr, "error: --queueBytes must be at most %llu (a queue disc's size is 32 bits)\n",
+                     (unsigned long long)kMaxQueue);
+        return 2;
+    }
     if (burst_bytes > 0 && (burst_bytes <= mtu || line_x < 1))
     {
         std::fprintf(stderr, "error: --burstBytes must exceed --mtu (a packet must fit the bucket), --lineX >= 1\n");
@@ -435,11 +445,22 @@ main(int argc, char* argv[])
     // run (1 MiB buffers); with 16 KiB buffers it does (tests/test_testbed_fabric.py),
     // and there this overstates the port. The queue holds every byte the host's
     // sockets' buffers can have sent and not yet had acknowledged.
-    uint64_t host_out_bytes =
-        lossless_host ? std::min<uint64_t>(std::max<uint64_t>(queue_bytes, g_conns.size() * buf_bytes), UINT32_MAX)
-                      : queue_bytes; // a queue disc's size is 32 bits
-    TrafficControlHelper host_out = port_buffer(host_gbps, host_out_bytes), host_buffer = port_buffer(host_gbps, queue_bytes),
-                         spine_buffer = port_buffer(spine_gbps, queue_bytes);
+    std::vector<uint64_t> host_conns(n_hosts, 0); // connections a host sends on
+    {
+        std::vector<int64_t> conn_src(g_conns.size(), -1);
+        for (size_t i = 0; i < g_flows.size(); ++i)
+        {
+            conn_src[g_conn_of[i]] = g_flows[i].src;
+        }
+        for (int64_t src : conn_src)
+        {
+            if (src >= 0 && src < static_cast<int64_t>(n_hosts))
+            {
+                ++host_conns[src];
+            }
+        }
+    }
+    TrafficControlHelper host_buffer = port_buffer(host_gbps, queue_bytes), spine_buffer = port_buffer(spine_gbps, queue_bytes);
     auto install_buffer = [&](TrafficControlHelper& t, Ptr<NetDevice> dev, uint32_t tier) {
         QueueDiscContainer q = t.Install(dev);
         q.Get(0)->TraceConnectWithoutContext("Drop", MakeBoundCallback(&OnQueueDiscDrop, tier));
@@ -452,6 +473,14 @@ main(int argc, char* argv[])
     {
         uint32_t l = h / hpl;
         NetDeviceContainer d = host_link.Install(g_hosts.Get(h), leaf_nodes.Get(l));
+        uint64_t out_bytes = lossless_host ? std::max<uint64_t>(queue_bytes, host_conns[h] * buf_bytes) : queue_bytes;
+        if (out_bytes > kMaxQueue)
+        {
+            // a queue disc's size is 32 bits: past it the port may drop after all
+            std::fprintf(stderr, "stats host_queue_clamped %u %llu\n", h, (unsigned long long)out_bytes);
+            out_bytes = kMaxQueue;
+        }
+        TrafficControlHelper host_out = port_buffer(host_gbps, out_bytes);
         install_buffer(host_out, d.Get(0), 0);
         install_buffer(host_buffer, d.Get(1), 1);
         Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();

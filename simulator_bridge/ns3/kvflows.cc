@@ -109,8 +109,16 @@ OnDrop(Ptr<const Packet>)
 
 // drops per tier of egress port: a host's port to its leaf, a leaf's to a host, a
 // leaf's uplink to a spine, a spine's downlink to a leaf
-const char* const kTiers[] = {"host_up", "leaf_down", "leaf_up", "spine_down"};
-uint64_t g_tier_drops[4] = {0, 0, 0, 0};
+enum Tier : uint32_t
+{
+    kHostUp,
+    kLeafDown,
+    kLeafUp,
+    kSpineDown,
+    kTiers
+};
+const char* const kTierNames[kTiers] = {"host_up", "leaf_down", "leaf_up", "spine_down"};
+uint64_t g_tier_drops[kTiers] = {0, 0, 0, 0};
 
 void
 OnQueueDiscDrop(uint32_t tier, Ptr<const QueueDiscItem>)
@@ -481,8 +489,8 @@ main(int argc, char* argv[])
             out_bytes = kMaxQueue;
         }
         TrafficControlHelper host_out = port_buffer(host_gbps, out_bytes);
-        install_buffer(host_out, d.Get(0), 0);
-        install_buffer(host_buffer, d.Get(1), 1);
+        install_buffer(host_out, d.Get(0), kHostUp);
+        install_buffer(host_buffer, d.Get(1), kLeafDown);
         Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();
         // /16 masks: ns-3 takes a TCP connection's source address from the route's source
         // selection (not from Bind), which prefers the address in the destination's /16,
@@ -504,8 +512,8 @@ main(int argc, char* argv[])
         for (uint32_t s = 0; s < spines; ++s)
         {
             NetDeviceContainer d = spine_link.Install(leaf_nodes.Get(l), spine_nodes.Get(s));
-            install_buffer(spine_buffer, d.Get(0), 2);
-            install_buffer(spine_buffer, d.Get(1), 3);
+            install_buffer(spine_buffer, d.Get(0), kLeafUp);
+            install_buffer(spine_buffer, d.Get(1), kSpineDown);
             uint32_t up = AddInterface(leaf_nodes.Get(l), d.Get(0), Ipv4Address(infra++));
             d.Get(0)->TraceConnectWithoutContext("PhyTxEnd", MakeBoundCallback(&OnUplinkTx, l * spines + s));
             uint32_t down = AddInterface(spine_nodes.Get(s), d.Get(1), Ipv4Address(infra++));
@@ -566,9 +574,9 @@ main(int argc, char* argv[])
         out << f.id << ' ' << (f.end < 0 ? -1.0 : f.end - f.start) << '\n';
     }
     std::fprintf(stderr, "stats drops %llu\n", (unsigned long long)g_drops);
-    for (uint32_t k = 0; k < 4; ++k)
+    for (uint32_t k = 0; k < kTiers; ++k)
     {
-        std::fprintf(stderr, "stats tier_drops %s %llu\n", kTiers[k], (unsigned long long)g_tier_drops[k]);
+        std::fprintf(stderr, "stats tier_drops %s %llu\n", kTierNames[k], (unsigned long long)g_tier_drops[k]);
     }
     for (uint32_t k = 0; k < g_uplink_bytes.size(); ++k)
     {

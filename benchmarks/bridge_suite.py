@@ -17,7 +17,10 @@ backend's error on each, raw and calibrated on another trace of the same fabric.
    configurations and evaluates it: never on itself, nor on its twin of another mode
    (same arrivals and prompts), nor on a run the fidelity check marked invalid.
 4. Counts the valid traces within the goals: flow FCT mean within 10% and p99 within
-   15%, ns3 within 5% and 10%, TTFT mean within 5% for both.
+   15%, ns3 within 5% and 10%, TTFT mean within 5% for both. TTFT is replayed with
+   each request reaching P when the trace says it did (the front end measured, not
+   modelled: this machine's client and proxy share its 2 cores with the engines); the
+   table also gives, in brackets, the TTFT error with the fitted constant front end.
 
 Writes suite.json and suite.md (the table in docs/bridge.md) under --out. Needs root
 (network namespaces); --skip-runs re-tabulates the traces already under --out.
@@ -41,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import track
 
-from kvpath.bridge.calibrate_across import calibrate_across
+from kvpath.bridge.calibrate_across import NetCache, calibrate_across
 from kvpath.bridge.compare import header_net_params, replay_trace
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.testbed.counters import drops_by_tier
@@ -228,6 +231,7 @@ def main() -> int:
             name = f"{cfg.name}/{mode}"
             traces.setdefault(cfg.fabric, []).append((name, cfg, mode, read_trace(out / cfg.name / mode / "trace.jsonl")))
     rows: dict[str, dict] = {}
+    cache: NetCache = {}  # the leave-one-out fits share their traces' network runs
     for fab, ts in traces.items():
         queue = TraceSetup(ts[0][3]).queue_bytes
         ns3 = Ns3Params(queue_bytes=queue or 16 << 20)
@@ -242,11 +246,14 @@ def main() -> int:
                 if not fit:
                     continue
                 ev = (name, t)
-                cc = calibrate_across(fit, [ev], b, ns3 if b == "ns3" else None)
+                cc = calibrate_across(fit, [ev], b, ns3 if b == "ns3" else None, cache=cache)
                 e = cc.evaluated[0]
                 rows[e.name].setdefault("calibrated", {})[b] = {
                     "fit_on": cc.fit_traces, "fct": e.fct.after.to_dict(), "ttft": e.ttft.after.to_dict(),
-                    "ttft_before": e.ttft.before.to_dict(), "overhead_s": cc.net.overhead_s, "cold_s": cc.net.cold_s,
+                    "ttft_before": e.ttft.before.to_dict(),
+                    "ttft_fe_constant": None if e.ttft_front_end_constant is None
+                    else e.ttft_front_end_constant.after.to_dict(), "front_end_s": cc.compute.front_end_s,
+                    "overhead_s": cc.net.overhead_s, "cold_s": cc.net.cold_s,
                     "efficiency": cc.net.efficiency, "request_overhead_s": cc.compute.request_overhead_s,
                     "iteration_wall_s": cc.compute.iteration_wall_s, "speed": cc.compute.speed}
     (out / "suite.json").write_text(json.dumps(rows, indent=1))
@@ -269,8 +276,11 @@ def goals(rows: dict[str, dict]) -> str:
         ttft_ok = sum(abs(c["ttft"]["mean"]) <= ttft for c in cal)
         both = sum(abs(c["fct"]["mean"]) <= m and abs(c["fct"]["p99"]) <= p99 and abs(c["ttft"]["mean"]) <= ttft
                    for c in cal)
+        const = [c["ttft_fe_constant"] for c in cal if c.get("ttft_fe_constant")]
+        const_ok = sum(abs(c["mean"]) <= ttft for c in const)
         out.append(f"{b}: FCT within {m:.0%} mean / {p99:.0%} p99 on {fct_ok} of {len(cal)} traces; TTFT mean "
-                   f"within {ttft:.0%} on {ttft_ok}; all three on {both}")
+                   f"within {ttft:.0%} on {ttft_ok} (front end as measured; with the fitted constant front end "
+                   f"on {const_ok} of {len(const)}); all three on {both}")
     return "\n".join(out) + "\n"
 
 
@@ -286,7 +296,7 @@ def table(rows: dict[str, dict], backends: list[str]) -> str:
     head = ["trace", "what", "flows", "fidelity", "CPU idle", "front end", "slowdown", "drops testbed/ns3",
             "drops at, testbed / ns3", "retrans"]
     head += [f"{b} raw mean/p99" for b in backends]
-    head += [f"{b} cal. mean/p99/TTFT" for b in cal]
+    head += [f"{b} cal. mean/p99/TTFT (front end constant)" for b in cal]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows.items():
         idle, fe = r.get("cpu_idle"), r.get("front_end_ms")
@@ -299,8 +309,10 @@ def table(rows: dict[str, dict], backends: list[str]) -> str:
             cells.append("-" if e is None else f"{pct(e['mean'])} / {pct(e['p99'])}")
         for b in cal:
             c = r.get("calibrated", {}).get(b)
+            const = (c or {}).get("ttft_fe_constant")
             cells.append("-" if c is None else
-                         f"{pct(c['fct']['mean'])} / {pct(c['fct']['p99'])} / {pct(c['ttft']['mean'])}")
+                         f"{pct(c['fct']['mean'])} / {pct(c['fct']['p99'])} / {pct(c['ttft']['mean'])}"
+                         + ("" if not const else f" ({pct(const['mean'])})"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -70,6 +70,9 @@ class RequestRecord(msgspec.Struct, tag="request", kw_only=True):
     status: str = "ok"
     p_instance: str | None = None
     d_instance: str | None = None
+    # P's server received it: the end of the front end (the client, the proxy, P's HTTP
+    # server); None where the engine does not say (vLLM's servers)
+    p_arrival_s: float | None = None
     prefill_start_s: float | None = None
     prefill_end_s: float | None = None
     kv_bytes: int | None = None  # all of the request's flows together
@@ -262,8 +265,8 @@ def validate(rec: Record) -> None:
         raise TraceError(f"{where}: kv_bytes must be >= 0, got {rec.kv_bytes}")
     if rec.five_tuple is not None:
         _check_tuple(rec.five_tuple, where)
-    _finite(where, arrival_s=rec.arrival_s, ttft_s=rec.ttft_s, tpot_s=rec.tpot_s)
-    for a, b in (("prefill_start_s", "prefill_end_s"), ("push_start_s", "push_end_s"),
+    _finite(where, arrival_s=rec.arrival_s, p_arrival_s=rec.p_arrival_s, ttft_s=rec.ttft_s, tpot_s=rec.tpot_s)
+    for a, b in (("arrival_s", "p_arrival_s"), ("prefill_start_s", "prefill_end_s"), ("push_start_s", "push_end_s"),
                  ("arrival_s", "first_token_s"), ("first_token_s", "completion_s")):
         va, vb = getattr(rec, a), getattr(rec, b)
         if va is not None and vb is not None and vb + EPS < va:

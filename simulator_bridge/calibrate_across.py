@@ -39,13 +39,17 @@ class Evaluated:
     fct: Held
     ttft: Held
     tpot: Held
+    # TTFT with every request's front end the fitted constant (``front_end_s``), not its
+    # measured one: the serving model's error with the front end predicted, too
+    ttft_front_end_constant: Held | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        def held(h: Held) -> dict[str, Any]:
-            return {"before": h.before.to_dict(), "after": h.after.to_dict()}
+        def held(h: Held | None) -> dict[str, Any] | None:
+            return None if h is None else {"before": h.before.to_dict(), "after": h.after.to_dict()}
 
         return {"trace": self.name, "flows": self.flows, "requests": self.requests, "fct": held(self.fct),
-                "ttft": held(self.ttft), "tpot": held(self.tpot)}
+                "ttft": held(self.ttft), "tpot": held(self.tpot),
+                "ttft_front_end_constant": held(self.ttft_front_end_constant)}
 
 
 @dataclass
@@ -114,16 +118,35 @@ def check_sets(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], 
     return burst_bytes if burst_bytes is not None else burst
 
 
+NetCache = dict[tuple[str, str, NetParams, Any], np.ndarray]
+
+
 def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], backend: str,
                      ns3: Ns3Params | None = None, progress: Callable[[str], None] | None = None,
-                     burst_bytes: int | None = None) -> CrossCalibration:
+                     burst_bytes: int | None = None, cache: NetCache | None = None) -> CrossCalibration:
     """Fit on every flow and request of the ``fit`` traces (name, trace); then evaluate on
     each of ``evaluate``, every flow and request, with the defaults and with the fit, both
-    at the links' burst (given, or the one every trace recorded)."""
+    at the links' burst (given, or the one every trace recorded).
+
+    ``cache`` (a dict the caller keeps) holds each network run's FCTs by trace, backend
+    and constants, so calls that share fit traces (leave-one-out over a fabric's traces)
+    run each once; ``runs`` counts the runs this call made."""
     check_burst(burst_bytes)
     known = check_sets(fit, evaluate, burst_bytes)
     sets = [_named(name, lambda: FitSet.whole(t)) for name, t in fit]
     net_run, runs = counting_run(backend, ns3, progress)
+    if cache is not None:
+        digest = {id(fs): trace_digest(t) for fs, (_, t) in zip(sets, fit)}
+        simulate_once = net_run
+
+        def net_run(fs: FitSet, p: NetParams) -> np.ndarray:
+            key = (digest.get(id(fs)) or "", backend, p, ns3)
+            if not key[0]:  # an evaluated trace: its runs are not shared
+                return simulate_once(fs, p)
+            if key not in cache:
+                cache[key] = simulate_once(fs, p)
+                cache[key].setflags(write=False)  # shared by later calls
+            return cache[key]
     net, _, fcts = fit_network(sets, backend, known, ns3, net_run)
     compute = fit_compute(sets, fcts)
     out = CrossCalibration(backend, net, compute, [name for name, _ in fit], runs=runs[0])
@@ -134,7 +157,9 @@ def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Tra
         every = np.ones(len(fs.inp.reqs), dtype=bool)
         t0, p0 = request_errors(fs, ComputeParams(), fct0, every)
         t1, p1 = request_errors(fs, compute, fct1, every)
+        c0, _ = request_errors(fs, ComputeParams(), fct0, every, measured_front_end=False)
+        c1, _ = request_errors(fs, compute, fct1, every, measured_front_end=False)
         out.evaluated.append(Evaluated(name, len(fs.flows), len(fs.inp.reqs),
                                        Held(Errors.of(fs.measured, fct0), Errors.of(fs.measured, fct1)),
-                                       Held(t0, t1), Held(p0, p1)))
+                                       Held(t0, t1), Held(p0, p1), Held(c0, c1)))
     return out

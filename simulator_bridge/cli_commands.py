@@ -96,7 +96,7 @@ def _print_constants(c: Console, n: Any, k: Any) -> None:
     c.print(f"  network: overhead_s={n.overhead_s:.6f} cold_s={n.cold_s:.6f} efficiency={n.efficiency} "
             f"burst_bytes={n.burst_bytes}; "
             f"compute: iteration_wall_s={k.iteration_wall_s} speed={k.speed} "
-            f"request_overhead_s={k.request_overhead_s:.6f}")
+            f"request_overhead_s={k.request_overhead_s:.6f} front_end_s={k.front_end_s:.6f}")
 
 
 def _per_backend(args: argparse.Namespace, names: list[str], run: Any) -> list[Any]:

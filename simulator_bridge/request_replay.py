@@ -11,6 +11,13 @@ has one flow per (P rank, D rank) pair: its KV is on D when the last of them lan
 so the decode waits for the slowest. A fixed
 ``request_overhead_s`` (proxy, HTTP, the engines' own bookkeeping) is added to the
 first token, and ``iteration_wall_s`` to every iteration, unscaled.
+
+The front end, from the client's send to P's server receiving the request (the client,
+the proxy and P's HTTP server), is no part of the serving model: where the trace
+records P's arrival (``p_arrival_s``) a request reaches P when it did; elsewhere, or
+with ``measured_front_end=False``, ``front_end_s`` after its arrival. On the testbed the
+front end is this machine's CPU (client and proxy share 2 cores with the engines): 4-14 ms
+mean per run on the validation suite, growing with load, which no constant fits.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvpath.bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
@@ -44,10 +52,13 @@ class ComputeParams:
     speed: float = 1.0  # > 1: the engines iterate faster than the model says
     request_overhead_s: float = 0.0
     iteration_wall_s: float = 0.0
+    # the front end of a request whose trace does not record it (the fit traces' median)
+    front_end_s: float = 0.0
 
     def __post_init__(self) -> None:
         # request_overhead_s is a fitted median residual: it may be negative
-        lows = {"speed": 0.0, "iteration_wall_s": 0.0, "iteration_overhead_s": 0.0, "request_overhead_s": -np.inf}
+        lows = {"speed": 0.0, "iteration_wall_s": 0.0, "iteration_overhead_s": 0.0, "request_overhead_s": -np.inf,
+                "front_end_s": 0.0}
         for name, low in lows.items():
             v = getattr(self, name)
             if v is None and name == "iteration_overhead_s":
@@ -75,6 +86,7 @@ class ReplayInput:
     flow_start: np.ndarray  # per request: where its flows begin in ``flows`` (each has >= 1)
     ttft: np.ndarray  # measured
     tpot: np.ndarray  # measured (NaN for single-token outputs)
+    front_end: np.ndarray  # measured: P's arrival - the client's (NaN where not recorded)
     base: IterationTimeModel
     time_scale: float
 
@@ -99,6 +111,8 @@ class ReplayInput:
                    flow_start=np.cumsum([0] + [len(g) for g in groups[:-1]], dtype=np.int64),
                    ttft=np.array([q.ttft_s for q in rows], dtype=float),
                    tpot=np.array([np.nan if q.tpot_s is None else q.tpot_s for q in rows], dtype=float),
+                   front_end=np.array([np.nan if q.p_arrival_s is None else q.p_arrival_s - q.arrival_s
+                                       for q in rows], dtype=float),
                    base=setup.iteration_time, time_scale=setup.time_scale)
 
 
@@ -113,14 +127,20 @@ class ReplayInput:
         return np.maximum.reduceat(flow_fct[self.flows], self.flow_start)
 
 
-def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams) -> tuple[np.ndarray, np.ndarray]:
-    """Simulated (TTFT, TPOT) per request of ``inp``; ``flow_fct``: FCT per trace flow."""
+def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams, measured_front_end: bool = True
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Simulated (TTFT, TPOT) per request of ``inp``; ``flow_fct``: FCT per trace flow.
+    ``measured_front_end``: a request reaches P when the trace says it did (where it
+    says); else ``compute.front_end_s`` after its arrival."""
     itm = compute.model(inp.base)
     cfg = ServingConfig(time_scale=inp.time_scale / compute.speed, iteration_wall_s=compute.iteration_wall_s)
-    pre_start, pre_end = prefill_drain(inp.reqs, inp.p_of, max(inp.p_of) + 1, itm, cfg)
-    ready = pre_end + inp.kv_time(flow_fct)  # never before the KV has arrived
-    _, first, done = decode_drain(inp.reqs, inp.d_of, max(inp.d_of) + 1, ready, itm, cfg)
     arrival = np.array([r.arrival_s for r in inp.reqs])
+    known = np.isfinite(inp.front_end) if measured_front_end else np.zeros(arrival.size, dtype=bool)
+    at_p = arrival + np.where(known, np.maximum(np.nan_to_num(inp.front_end), 0.0), compute.front_end_s)
+    reqs = [msgspec.structs.replace(r, arrival_s=float(t)) for r, t in zip(inp.reqs, at_p)]
+    pre_start, pre_end = prefill_drain(reqs, inp.p_of, max(inp.p_of) + 1, itm, cfg)
+    ready = pre_end + inp.kv_time(flow_fct)  # never before the KV has arrived
+    _, first, done = decode_drain(reqs, inp.d_of, max(inp.d_of) + 1, ready, itm, cfg)
     out = np.array([r.output_tokens for r in inp.reqs], dtype=float)
     ttft = first - arrival + compute.request_overhead_s
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -91,7 +91,7 @@ def join(data: RunData, ip_of: Any) -> Joined:
             "recomputed": bool(d.get("recomputed")),
         }
         if p.get("arrival") is not None:  # emulated P engines note when their server got it
-            row["front_end"] = p["arrival"] - c["arrival"]
+            row["p_arrival"], row["front_end"] = p["arrival"], p["arrival"] - c["arrival"]
         if row["first_token"] is not None:
             row["ttft"] = row["first_token"] - row["arrival"]
             n = c["tokens"]

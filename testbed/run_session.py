@@ -83,7 +83,8 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
             w.write(RequestRecord(
                 request_id=r["request_id"], arrival_s=rel(r["arrival"]), prompt_tokens=r["prompt_tokens"],
                 output_tokens=r["output_tokens"], status=r["status"], p_instance=r.get("p_host"),
-                d_instance=r.get("d_host"), prefill_start_s=rel(r.get("prefill_start")),
+                d_instance=r.get("d_host"), p_arrival_s=rel(r.get("p_arrival")),
+                prefill_start_s=rel(r.get("prefill_start")),
                 prefill_end_s=rel(r.get("prefill_end")), kv_bytes=r.get("kv_bytes"),
                 push_start_s=rel(r.get("push_start")), push_end_s=rel(r.get("push_end")), lane=r.get("lane"),
                 five_tuple=ft, path_predicted=r.get("path_predicted"), path_measured=r.get("path_measured"),

@@ -47,6 +47,39 @@ def test_the_replay_reproduces_a_simulated_trace_exactly(trace):
     assert (ttft2 >= ttft + 0.01 - 1e-9).all()
 
 
+def with_front_ends(trace, fe: np.ndarray):
+    """The trace as a testbed would record it had each request spent ``fe`` seconds
+    between the client and P's server: the client sent it ``fe`` earlier (everything
+    moved 0.1 s later so that no arrival goes below 0)."""
+    reqs = [msgspec.structs.replace(q, arrival_s=q.arrival_s + 0.1 - f, p_arrival_s=q.arrival_s + 0.1,
+                                    first_token_s=q.first_token_s + 0.1, ttft_s=q.ttft_s + f)
+            for q, f in zip(trace.requests, fe)]
+    return msgspec.structs.replace(trace, requests=reqs)
+
+
+def test_a_request_reaches_p_when_its_trace_says_it_did(trace):
+    from kvpath.bridge.calibrate import FitSet, fit_compute
+
+    fe = 0.002 + 0.01 * (np.arange(len(trace.requests)) % 3)  # 2, 12, 22 ms
+    shifted = with_front_ends(trace, fe)
+    inp = ReplayInput.of(shifted)
+    assert np.allclose(inp.front_end, fe, rtol=0, atol=1e-9)
+    fct = np.array([f.fct_s for f in trace.flows])
+    ttft, _ = replay(inp, fct, ComputeParams())
+    assert np.allclose(ttft, inp.ttft, rtol=0, atol=1e-9)  # the measured front end, exactly
+    # without it every request is at P as the client sends it: earlier (the queue order may change)
+    ttft_now, _ = replay(inp, fct, ComputeParams(), measured_front_end=False)
+    assert ttft_now.mean() < ttft.mean() - 0.005
+    # a constant front end for requests the trace says nothing of: the fit's median
+    c = fit_compute([FitSet.whole(shifted)], [fct])
+    assert c.front_end_s == pytest.approx(0.012)
+    assert abs(c.request_overhead_s) < 1e-9
+    ttft_0, _ = replay(ReplayInput.of(trace), fct, dataclasses.replace(c, front_end_s=0.0))
+    same = ReplayInput.of(with_front_ends(trace, np.full(fe.size, 0.012)))
+    for measured in (True, False):  # 12 ms each, measured or the constant: the same schedule, later
+        assert np.allclose(replay(same, fct, c, measured)[0], ttft_0 + 0.012, rtol=0, atol=1e-9)
+
+
 def test_the_engines_own_cost_per_iteration_is_not_scaled_by_the_trace_s_time_scale():
     """One request alone: a prefill iteration, then one decode iteration per token. The
     model's time is scaled by B/S; iteration_wall_s is added once per iteration on the

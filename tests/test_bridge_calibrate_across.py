@@ -61,6 +61,22 @@ def test_the_evaluated_trace_never_steers_the_fit(traces):
     assert a.evaluated[0].fct.after.mean != pytest.approx(b.evaluated[0].fct.after.mean)
 
 
+def test_leave_one_out_with_a_shared_cache_runs_each_fit_once_and_fits_the_same(traces):
+    names = list(traces)
+    cache: dict = {}
+    for k, ev in enumerate(names):
+        fit = [(n, traces[n]) for n in names if n != ev]
+        plain = calibrate_across(fit, [(ev, traces[ev])], "flow")
+        cached = calibrate_across(fit, [(ev, traces[ev])], "flow", cache=cache)
+        assert (cached.net, cached.compute) == (plain.net, plain.compute)
+        assert cached.evaluated[0].to_dict() == plain.evaluated[0].to_dict()
+        # the first fold runs all; later ones only what no earlier fold's fit ran
+        assert cached.runs == plain.runs if k == 0 else cached.runs < plain.runs
+    # every (fit trace, constants) ran once over the three folds: each trace is in two folds' fits
+    grid_runs = len(cache) // len(names)
+    assert grid_runs > 1 and len(cache) == grid_runs * len(names)
+
+
 def test_a_fit_trace_given_again_to_evaluate_and_another_fabric_are_refused(traces):
     with pytest.raises(ValueError, match="also a fit trace"):
         calibrate_across([("a", traces["light"])], [("b", traces["heavy"]), ("c", traces["light"])], "flow")

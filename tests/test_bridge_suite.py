@@ -43,15 +43,20 @@ def test_its_azure_format_trace_is_read_by_the_importer_and_is_bursty(tmp_path: 
 
 
 def test_goals_count_the_traces_within_each_backends_bounds() -> None:
-    def row(fm, fp, tm):
-        return {"fct": {"mean": fm, "p99": fp}, "ttft": {"mean": tm}}
+    def row(fm, fp, tm, const=0.0):
+        return {"fct": {"mean": fm, "p99": fp}, "ttft": {"mean": tm}, "ttft_fe_constant": {"mean": const}}
 
-    rows = {"a": {"fidelity": "ok", "calibrated": {"flow": row(0.09, 0.14, 0.04), "ns3": row(0.09, 0.05, 0.01)}},
+    rows = {"a": {"fidelity": "ok", "calibrated": {"flow": row(0.09, 0.14, 0.04, 0.07), "ns3": row(0.09, 0.05, 0.01)}},
             "b": {"fidelity": "ok", "calibrated": {"flow": row(-0.11, 0.0, 0.0), "ns3": row(0.01, -0.02, -0.06)}},
             "c": {"fidelity": "CPU idle median 9% < 10%", "calibrated": {"flow": row(0.0, 0.0, 0.0)}}}  # not counted
     out = bridge_suite.goals(rows)
-    assert "flow: FCT within 10% mean / 15% p99 on 1 of 2 traces; TTFT mean within 5% on 2; all three on 1" in out
-    assert "ns3: FCT within 5% mean / 10% p99 on 1 of 2 traces; TTFT mean within 5% on 1; all three on 0" in out
+    assert ("flow: FCT within 10% mean / 15% p99 on 1 of 2 traces; TTFT mean within 5% on 2 (front end as measured; "
+            "with the fitted constant front end on 1 of 2); all three on 1") in out
+    assert ("ns3: FCT within 5% mean / 10% p99 on 1 of 2 traces; TTFT mean within 5% on 1 (front end as measured; "
+            "with the fitted constant front end on 2 of 2); all three on 0") in out
+    cell = bridge_suite.table({"a": {"what": "w", "flows": 1, "fidelity": "ok", "slowdown_mean": 1.0, "raw": {},
+                                     **rows["a"]}}, ["flow"])
+    assert "+9.0% / +14.0% / +4.0% (+7.0%)" in cell  # the constant front end's TTFT error in brackets
 
 
 def test_where_the_testbed_dropped_is_read_per_tier_or_marked_not_known(tmp_path: Path) -> None:

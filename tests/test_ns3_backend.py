@@ -39,6 +39,13 @@ def test_lone_flow_takes_size_over_rate_plus_a_small_overhead():
     assert WIRE <= fct[0] <= 1.05 * WIRE
 
 
+def test_efficiency_scales_every_links_rate():
+    # a lone flow at efficiency 0.8 takes 1/0.8 of its wire time (host links and spine alike)
+    net = NetParams(efficiency=0.8)
+    fct = Ns3Backend(SPEC, net).run([FlowSpec(H[0], H[4], MB, 0.0, 0), FlowSpec(H[8], H[9], MB, 0.0)]).fct_s
+    assert fct == pytest.approx([WIRE / 0.8, WIRE / 0.8], rel=0.05)
+
+
 def test_two_flows_on_one_spine_take_twice_as_long_and_split_do_not_meet():
     same = run([FlowSpec(H[0], H[4], MB, 0.0, 1), FlowSpec(H[1], H[5], MB, 0.0, 1)])
     split = run([FlowSpec(H[0], H[4], MB, 0.0, 1), FlowSpec(H[1], H[5], MB, 0.0, 2)])

@@ -313,6 +313,7 @@ def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path)
     assert (f.flow_id, f.lane, f.path, f.path_predicted) == (T1, 1, "spine1", "spine1")
     assert f.five_tuple == FiveTuple(p_ip, d_ip, 48439, 39027) and abs(f.fct_s - 0.2) < 1e-9
     assert trace.requests[0].push_end_s == r["push_end"] - 99.0
+    assert trace.requests[0].p_arrival_s == pytest.approx(0.925)  # P's server receiving it, on the trace's clock
 
 
 def test_a_token_that_starts_with_a_dash_reaches_the_proxy_and_the_engines_as_one_word(tmp_path):

@@ -43,6 +43,7 @@ def test_a_small_run_serves_every_request_and_every_push_takes_the_reserved_spin
     for q in trace.requests:
         assert q.path_predicted in (q.path_measured, None) and q.path_measured in ("spine0", "spine1")
         assert q.prefill_end_s <= q.push_start_s <= q.push_end_s <= q.first_token_s <= q.completion_s
+        assert q.arrival_s < q.p_arrival_s <= q.prefill_start_s  # the emulated P's server says when it got it
         assert q.kv_bytes == trace.flows_by_request()[q.request_id][0].bytes > 0
         assert q.output_tokens == 8
     assert len((out / "cc" / "fct.txt").read_text().splitlines()) == 16

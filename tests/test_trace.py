@@ -52,6 +52,8 @@ def test_round_trip(tmp_path):
     (_req(ttft_s=0.5), "ttft_s"),
     (_req(kv_bytes=-5), "kv_bytes"),
     (_req(completion_s=0.55), "completion_s"),
+    (_req(p_arrival_s=0.0), "p_arrival_s"),  # P got it before the client sent it
+    (_req(p_arrival_s=float("nan")), "p_arrival_s"),
 ])
 def test_a_bad_record_is_refused_on_write_naming_the_field(tmp_path, rec, field):
     with pytest.raises(TraceError, match=field):

@@ -34,7 +34,7 @@ from kvpath.five_tuple import PROTOS, FiveTuple
 from kvpath.trace_rotation import log_files, rotate_if_full
 
 __all__ = [
-    "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "TraceError", "FiveTuple", "Header", "RequestRecord", "FlowRecord",
+    "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "REQUEST_ORDER", "TraceError", "FiveTuple", "Header", "RequestRecord", "FlowRecord",
     "TransferRecord", "ReceivedRecord", "LaneRecord", "LanesRecord", "Record", "Trace", "ConnectorLog", "validate",
     "TraceWriter", "read_trace", "upgrade", "read_connector_log", "read_transfers",
 ]
@@ -44,6 +44,12 @@ __all__ = [
 SCHEMA_VERSION = 2
 READS_VERSIONS = (1, 2)
 EPS = 1e-6  # one microsecond: the slack for derived times
+
+
+# (earlier, later): a request's times that may not go backwards (by more than EPS)
+REQUEST_ORDER = (("arrival_s", "p_arrival_s"), ("p_arrival_s", "prefill_start_s"), ("p_arrival_s", "first_token_s"),
+                 ("prefill_start_s", "prefill_end_s"), ("push_start_s", "push_end_s"),
+                 ("arrival_s", "first_token_s"), ("first_token_s", "completion_s"))
 
 
 class TraceError(ValueError):
@@ -266,8 +272,7 @@ def validate(rec: Record) -> None:
     if rec.five_tuple is not None:
         _check_tuple(rec.five_tuple, where)
     _finite(where, arrival_s=rec.arrival_s, p_arrival_s=rec.p_arrival_s, ttft_s=rec.ttft_s, tpot_s=rec.tpot_s)
-    for a, b in (("arrival_s", "p_arrival_s"), ("prefill_start_s", "prefill_end_s"), ("push_start_s", "push_end_s"),
-                 ("arrival_s", "first_token_s"), ("first_token_s", "completion_s")):
+    for a, b in REQUEST_ORDER:
         va, vb = getattr(rec, a), getattr(rec, b)
         if va is not None and vb is not None and vb + EPS < va:
             raise TraceError(f"{where}: {b} ({vb}) is before {a} ({va})")

@@ -24,13 +24,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvpath.five_tuple import FiveTuple
-from kvpath.trace import EPS, FlowRecord, Header, RequestRecord, Trace, TraceError, upgrade, validate
+from kvpath.trace import (EPS, REQUEST_ORDER, FlowRecord, Header, RequestRecord, Trace, TraceError, upgrade,
+                          validate)
 
 HEADER_KEY = b"kvpath.header"
 TABLE_KEY = b"kvpath.table"
 TUPLE_FIELDS = FiveTuple.__struct_fields__
-# columns a version-1 trace's tables lack: read as nulls (then upgrade() fills them)
-ADDED_IN_V2 = frozenset({"lane", "path_predicted"})
+# optional columns a table written by an older kvpath lacks: read as nulls (a version-1
+# trace's flows then get theirs from upgrade())
+ADDED_LATER = {"flows": frozenset({"lane", "path_predicted"}), "requests": frozenset({"p_arrival_s"})}
 _ARROW = {mi.StrType: pa.string(), mi.IntType: pa.int64(), mi.FloatType: pa.float64(), mi.BoolType: pa.bool_()}
 
 
@@ -157,11 +159,10 @@ def _suspect_flows(t: pa.Table) -> np.ndarray:
 
 def _suspect_requests(t: pa.Table) -> np.ndarray:
     c = t.column
-    bad = _bad_tuple(t) | _not_finite(t, "arrival_s", "ttft_s", "tpot_s")
+    bad = _bad_tuple(t) | _not_finite(t, "arrival_s", "p_arrival_s", "ttft_s", "tpot_s")
     for col in ("prompt_tokens", "output_tokens", "kv_bytes"):
         bad |= _mask(t, pc.less(c(col), 0))
-    for a, b in (("prefill_start_s", "prefill_end_s"), ("push_start_s", "push_end_s"),
-                 ("arrival_s", "first_token_s"), ("first_token_s", "completion_s")):
+    for a, b in REQUEST_ORDER:
         bad |= _mask(t, pc.less(pc.add(c(b), EPS), c(a)))
     # a wider margin than validate's: rounding differs, and validate decides flagged rows
     gap = pc.abs(pc.subtract(c("ttft_s"), pc.subtract(c("first_token_s"), c("arrival_s"))))
@@ -191,7 +192,7 @@ def _read_table(path: Path, what: str, columns: list[tuple[str, str | None, pa.D
     out = []
     for name, _, typ, nullable in columns:
         if name not in t.column_names:
-            if not (nullable and what == "flows" and name in ADDED_IN_V2):
+            if not (nullable and name in ADDED_LATER[what]):
                 raise TraceError(f"{path}: missing column {name}")
             out.append(pa.nulls(len(t), typ))
             continue

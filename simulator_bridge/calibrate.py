@@ -7,8 +7,7 @@ share links), but only the training part's errors steer the fit.
 
 - **Network** (per backend): ``overhead_s``, the fixed cost per flow; for ``flow``
   and ``trivial`` ``efficiency``, the share of a link's rate a payload gets (ns-3
-  models headers and TCP itself: on the validation suite a fitted ns-3 efficiency
-  traded light traces for heavy ones and met no more goals); and ``burst_bytes``, the links' token-bucket burst, when
+  models headers and TCP itself); and ``burst_bytes``, the links' token-bucket burst, when
   neither the caller nor the trace header gives it (for ``ns3`` only 0, no bucket, and
   bursts above the MTU: a bucket holds a packet). For each (efficiency, burst) on a grid, one network
   run; the overhead then is the median residual of the flows that reused their lane,

@@ -153,9 +153,8 @@ class Ns3Backend:
     """Replays flows, each on its spine, in ns-3; FCTs in seconds (+ ``flow_model.fixed_costs``).
 
     Of :class:`NetParams`, ``overhead_s``, ``cold_s`` and ``burst_bytes`` apply (a token bucket
-    per port; it must hold a packet, so it exceeds the MTU), and ``efficiency`` scales
-    every link's rate (its bucket's too). ns-3 models the headers and the transport
-    itself, so calibration leaves ``efficiency`` at 1 for ns-3; a caller may set it."""
+    per port; it must hold a packet, so it exceeds the MTU); ns-3 models the headers
+    and the transport itself, so ``efficiency`` does not."""
 
     def __init__(self, spec: FabricSpec, net: NetParams | None = None, params: Ns3Params | None = None):
         self.spec = spec
@@ -195,8 +194,7 @@ class Ns3Backend:
             fin.write_text("".join(lines))
             cmd = [str(exe), f"--flows={fin}", f"--out={fout}", f"--leaves={self.spec.leaves}",
                    f"--spines={self.spec.spines}", f"--hostsPerLeaf={hpl}",
-                   f"--hostGbps={self.spec.host_link_gbps * self.net.efficiency!r}",
-                   f"--spineGbps={self.spec.spine_link_gbps * self.net.efficiency!r}",
+                   f"--hostGbps={self.spec.host_link_gbps!r}", f"--spineGbps={self.spec.spine_link_gbps!r}",
                    f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
                    f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
                    f"--horizonS={p.horizon_s!r}", f"--burstBytes={burst}", f"--lineX={p.line_x!r}",

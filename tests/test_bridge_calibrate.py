@@ -60,7 +60,7 @@ def with_front_ends(trace, fe: np.ndarray):
 def test_a_request_reaches_p_when_its_trace_says_it_did(trace):
     from kvpath.bridge.calibrate import FitSet, fit_compute
 
-    fe = 0.002 + 0.01 * (np.arange(len(trace.requests)) % 3)  # 2, 12, 22 ms
+    fe = np.where(np.arange(len(trace.requests)) % 3 == 2, 0.030, 0.002)  # 2, 2, 30 ms: median 2, mean 11
     shifted = with_front_ends(trace, fe)
     inp = ReplayInput.of(shifted)
     assert np.allclose(inp.front_end, fe, rtol=0, atol=1e-9)
@@ -72,8 +72,15 @@ def test_a_request_reaches_p_when_its_trace_says_it_did(trace):
     assert ttft_now.mean() < ttft.mean() - 0.005
     # a constant front end for requests the trace says nothing of: the fit's median
     c = fit_compute([FitSet.whole(shifted)], [fct])
-    assert c.front_end_s == pytest.approx(0.012)
+    assert c.front_end_s == pytest.approx(0.002)
     assert abs(c.request_overhead_s) < 1e-9
+    # a request its trace says nothing of gets the constant; the others keep theirs
+    mixed = msgspec.structs.replace(shifted, requests=[msgspec.structs.replace(q, p_arrival_s=None) if k % 3 == 2 else q
+                                                       for k, q in enumerate(shifted.requests)])
+    inp_m = ReplayInput.of(mixed)
+    ttft_m, _ = replay(inp_m, fct, dataclasses.replace(c, front_end_s=0.030))
+    assert np.allclose(ttft_m, inp.ttft, rtol=0, atol=1e-9)  # 30 ms, as those requests had
+    c = dataclasses.replace(c, front_end_s=0.012)
     ttft_0, _ = replay(ReplayInput.of(trace), fct, dataclasses.replace(c, front_end_s=0.0))
     same = ReplayInput.of(with_front_ends(trace, np.full(fe.size, 0.012)))
     for measured in (True, False):  # 12 ms each, measured or the constant: the same schedule, later

@@ -12,7 +12,7 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.workloads import load_workload
-from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams
+from kvpath.bridge.flow_model import FlowModel, FlowSpec
 from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Error, Ns3Params, auto_min_rto_ms, ns3_root
 from kvpath.bridge.serving_sim import ServingConfig, simulate
 
@@ -37,13 +37,6 @@ def run(flows: list[FlowSpec], **kw) -> np.ndarray:
 def test_lone_flow_takes_size_over_rate_plus_a_small_overhead():
     fct = run([FlowSpec(H[0], H[4], MB, 0.0, 0)])
     assert WIRE <= fct[0] <= 1.05 * WIRE
-
-
-def test_efficiency_scales_every_links_rate():
-    # a lone flow at efficiency 0.8 takes 1/0.8 of its wire time (host links and spine alike)
-    net = NetParams(efficiency=0.8)
-    fct = Ns3Backend(SPEC, net).run([FlowSpec(H[0], H[4], MB, 0.0, 0), FlowSpec(H[8], H[9], MB, 0.0)]).fct_s
-    assert fct == pytest.approx([WIRE / 0.8, WIRE / 0.8], rel=0.05)
 
 
 def test_two_flows_on_one_spine_take_twice_as_long_and_split_do_not_meet():

@@ -54,6 +54,8 @@ def test_round_trip(tmp_path):
     (_req(completion_s=0.55), "completion_s"),
     (_req(p_arrival_s=0.0), "p_arrival_s"),  # P got it before the client sent it
     (_req(p_arrival_s=float("nan")), "p_arrival_s"),
+    (_req(p_arrival_s=0.55), "prefill_start_s"),  # P's prefill before P's server got it
+    (_req(p_arrival_s=1e300, prefill_start_s=None), "first_token_s"),
 ])
 def test_a_bad_record_is_refused_on_write_naming_the_field(tmp_path, rec, field):
     with pytest.raises(TraceError, match=field):

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,7 +28,7 @@ FT1 = FiveTuple("10.0.3.1", "10.1.2.1", 41001, 5601)
 
 def _req(**kw) -> RequestRecord:
     d = dict(request_id="r0", arrival_s=0.5, prompt_tokens=1024, output_tokens=8, p_instance="l0h0", d_instance="l1h1",
-             prefill_start_s=0.5, prefill_end_s=0.6, kv_bytes=1000, push_start_s=0.6, push_end_s=0.61, lane=2,
+             p_arrival_s=0.5, prefill_start_s=0.5, prefill_end_s=0.6, kv_bytes=1000, push_start_s=0.6, push_end_s=0.61, lane=2,
              five_tuple=FT0, path_predicted="spine1", path_measured="spine1", decode_start_s=0.615,
              first_token_s=0.62, completion_s=0.7, ttft_s=0.12, tpot_s=0.01)
     d.update(kw)
@@ -215,6 +216,21 @@ def test_a_version_1_parquet_trace_reads_as_the_current_model(tmp_path):
     want = [(q.lane, q.path_predicted) if (q := by_req.get(f.request_id)) else (None, None) for f in t.flows]
     assert [(f.lane, f.path_predicted) for f in back.flows] == want
     assert any(f.lane is not None for f in back.flows)
+
+
+def test_a_parquet_request_table_from_before_p_arrival_reads_and_a_bad_one_is_refused(tmp_path):
+    t = _trace()
+    req_path, _ = to_parquet(t, tmp_path / "t.parquet")
+    tab = pq.read_table(req_path)
+    assert tab.column("p_arrival_s").to_pylist() == [0.5, 0.5]
+    pq.write_table(tab.drop_columns(["p_arrival_s"]), req_path)  # written before the field existed
+    assert read_parquet(tmp_path / "t.parquet").requests == [msgspec.structs.replace(q, p_arrival_s=None)
+                                                             for q in t.requests]
+    arrivals = tab.column("arrival_s").to_pylist()
+    for bad in ([a - 0.5 for a in arrivals], [float("nan")] * len(arrivals)):  # before the client sent it; NaN
+        pq.write_table(tab.set_column(tab.column_names.index("p_arrival_s"), "p_arrival_s", pa.array(bad)), req_path)
+        with pytest.raises(TraceError, match=r"requests.parquet: row 0: request .*p_arrival_s"):
+            read_parquet(tmp_path / "t.parquet")
 
 
 def test_parquet_paths_take_a_directory_or_a_prefix(tmp_path):

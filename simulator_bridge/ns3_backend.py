@@ -71,6 +71,10 @@ class Ns3Params:
     # a host's own egress port holds all its sockets can send (never drops), as the
     # testbed's did on every suite run; False: queue_bytes like every other port
     lossless_host: bool = True
+    # a host's own port serves its connections in turn (Linux's TCP small queues keep
+    # about 1 ms of each socket's data in the qdisc, so sockets interleave); False: the
+    # first to fill the queue is served first
+    fair_host: bool = True
 
     def __post_init__(self) -> None:
         if self.mtu is not None and not 576 <= self.mtu <= 65535:
@@ -198,7 +202,7 @@ class Ns3Backend:
                    f"--mtu={mtu}", f"--delayUs={p.delay_us!r}", f"--queueBytes={p.queue_bytes}",
                    f"--bufBytes={p.buf_bytes}", f"--minRtoMs={min_rto!r}", f"--tcp={p.tcp}",
                    f"--horizonS={p.horizon_s!r}", f"--burstBytes={burst}", f"--lineX={p.line_x!r}",
-                   f"--losslessHost={int(p.lossless_host)}"]
+                   f"--losslessHost={int(p.lossless_host)}", f"--fairHost={int(p.fair_host)}"]
             if progress is None and sys.stderr.isatty():
                 # a run can take minutes: show ns-3's own completion count on a terminal
                 from rich.progress import Progress

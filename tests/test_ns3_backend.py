@@ -147,6 +147,22 @@ def test_a_senders_own_port_does_not_drop_unless_asked_to():
     assert res.drops == res.tier_drops["host_up"] > 0
 
 
+def test_a_senders_port_serves_its_connections_in_turn_unless_asked_not_to():
+    # two 5 MB pushes from one host on different spines: its own port is all they share
+    flows = [FlowSpec(H[0], H[4], MB, 0.0, 0, conn=0), FlowSpec(H[0], H[5], MB, 0.001, 1, conn=1)]
+    for fair in (True, False):
+        fct = run(flows, fair_host=fair)
+        end = fct + [0.0, 0.001]
+        assert end.max() == pytest.approx(2 * WIRE, rel=0.06)  # the port busy throughout either way
+        # in turn, as Linux's small queues interleave a host's sockets: the first push has
+        # the port alone for 1 ms, then half of it, so it ends 1 ms + 2 x (WIRE - 1 ms) in
+        shared = 0.001 + 2 * (WIRE - 0.001)
+        if fair:
+            assert end[0] == pytest.approx(shared, rel=0.05)
+        else:  # first come, first served: the first push's window is ahead of the second's
+            assert end[0] < 0.9 * shared
+
+
 def test_a_window_cut_to_one_segment_grows_again():
     # four flows into one host over four spines, 20 KiB port buffers: losses, and an RTO
     # that cuts a window to one segment. With ns-3's delayed ACK (200 ms, every second

@@ -28,7 +28,9 @@
 // ACKs both cross spine s, and set-up is O(hosts x spines) static routes.
 //
 // Every egress port is a buffer of --queueBytes, but a host's own port, which with
-// --losslessHost (the default) holds all its connections' buffers. With --burstBytes > 0 it is a token
+// --losslessHost (the default) holds all its connections' buffers, and with --fairHost
+// serves its connections in turn (FQ-CoDel whose CoDel never acts; Linux's TCP small
+// queues interleave a host's sockets in its qdisc). With --burstBytes > 0 it is a token
 // bucket instead, as the testbed's tbf shaping is: a TbfQueueDisc at the link's rate
 // with that bucket, in front of a device --lineX times faster, so a port idle long
 // enough lets a burst through at (near) line speed and then paces at the link rate.
@@ -287,7 +289,7 @@ main(int argc, char* argv[])
     double host_gbps = 100, spine_gbps = 100, delay_us = 1, horizon_s = 3600, min_rto_ms = 5;
     uint64_t queue_bytes = 16 << 20, buf_bytes = 1 << 20, burst_bytes = 0;
     double line_x = 100;
-    bool lossless_host = true;
+    bool lossless_host = true, fair_host = false;
     std::string tcp = "TcpCubic", flows_file, out_file;
     CommandLine cmd(__FILE__);
     cmd.AddValue("leaves", "leaves", leaves);
@@ -303,6 +305,8 @@ main(int argc, char* argv[])
     cmd.AddValue("bufBytes", "TCP send and receive buffers (bytes)", buf_bytes);
     cmd.AddValue("losslessHost", "a host's own egress port holds all its sockets can send (1) or queueBytes (0)",
                  lossless_host);
+    cmd.AddValue("fairHost", "a host's own egress port serves its connections in turn (1) or first come (0)",
+                 fair_host);
     cmd.AddValue("minRtoMs", "TCP minimum RTO (ms)", min_rto_ms);
     cmd.AddValue("tcp", "TCP congestion control (ns-3 type name without ns3::)", tcp);
     cmd.AddValue("horizonS", "stop this long after the last flow start (s)", horizon_s);
@@ -429,20 +433,40 @@ main(int argc, char* argv[])
         p.SetQueue("ns3::DropTailQueue", "MaxSize", StringValue("1p"));
         return p;
     };
-    auto port_buffer = [&](double gbps, uint64_t bytes) {
+    auto port_buffer = [&](double gbps, uint64_t bytes, bool fair = false) {
         TrafficControlHelper t;
         QueueSizeValue size(QueueSize(QueueSizeUnit::BYTES, bytes));
+        // fair: one queue per connection served in turn (FQ-CoDel with CoDel's dropping
+        // out of reach), else one FIFO
+        const char* fifo = fair ? "ns3::FqCoDelQueueDisc" : "ns3::FifoQueueDisc";
+        auto fifo_attrs = [&](auto&& set) {
+            if (fair)
+            {
+                // FQ-CoDel counts packets: as many as bytes never drops before a FIFO of bytes would
+                set(fifo, "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::PACKETS, bytes)), "Interval",
+                    StringValue("100s"), "Target", StringValue("10s"));
+            }
+            else
+            {
+                set(fifo, "MaxSize", size);
+            }
+        };
         if (burst_bytes > 0)
         {
-            t.SetRootQueueDisc("ns3::TbfQueueDisc",
-                               "MaxSize", size,
-                               "Burst", UintegerValue(burst_bytes),
-                               "Mtu", UintegerValue(mtu),
-                               "Rate", DataRateValue(DataRate(gbps_rate(gbps))));
+            uint16_t root = t.SetRootQueueDisc("ns3::TbfQueueDisc",
+                                               "MaxSize", size,
+                                               "Burst", UintegerValue(burst_bytes),
+                                               "Mtu", UintegerValue(mtu),
+                                               "Rate", DataRateValue(DataRate(gbps_rate(gbps))));
+            if (fair)
+            {
+                auto cls = t.AddQueueDiscClasses(root, 1, "ns3::QueueDiscClass");
+                fifo_attrs([&](auto&&... a) { t.AddChildQueueDisc(root, cls[0], a...); });
+            }
         }
         else
         {
-            t.SetRootQueueDisc("ns3::FifoQueueDisc", "MaxSize", size);
+            fifo_attrs([&](auto&&... a) { t.SetRootQueueDisc(a...); });
         }
         return t;
     };
@@ -472,6 +496,12 @@ main(int argc, char* argv[])
     auto install_buffer = [&](TrafficControlHelper& t, Ptr<NetDevice> dev, uint32_t tier) {
         QueueDiscContainer q = t.Install(dev);
         q.Get(0)->TraceConnectWithoutContext("Drop", MakeBoundCallback(&OnQueueDiscDrop, tier));
+        // a fair queue under a token bucket cannot ask the device for its quantum
+        Ptr<QueueDisc> fq = q.Get(0)->GetNQueueDiscClasses() ? q.Get(0)->GetQueueDiscClass(0)->GetQueueDisc() : q.Get(0);
+        if (Ptr<FqCoDelQueueDisc> f = DynamicCast<FqCoDelQueueDisc>(fq))
+        {
+            f->SetQuantum(mtu);
+        }
     };
     PointToPointHelper host_link = link(host_gbps), spine_link = link(spine_gbps);
     g_uplink_bytes.assign(leaves * spines, 0);
@@ -488,7 +518,7 @@ main(int argc, char* argv[])
             std::fprintf(stderr, "stats host_queue_clamped %u %llu\n", h, (unsigned long long)out_bytes);
             out_bytes = kMaxQueue;
         }
-        TrafficControlHelper host_out = port_buffer(host_gbps, out_bytes);
+        TrafficControlHelper host_out = port_buffer(host_gbps, out_bytes, fair_host);
         install_buffer(host_out, d.Get(0), kHostUp);
         install_buffer(host_buffer, d.Get(1), kLeafDown);
         Ptr<Ipv4> ip = g_hosts.Get(h)->GetObject<Ipv4>();

@@ -183,16 +183,49 @@ def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: 
     return best[1], fct0, best[2]
 
 
+def unshared(fs: FitSet) -> np.ndarray:
+    """Per flow: no other flow shared a link with it while it ran (measured): its
+    sender's port, its receiver's, or the spine's links it crossed."""
+    spec, n = fs.spec, len(fs.flows)
+    links = []
+    for f in fs.flows:
+        (sl, _), (dl, _) = spec.locate(f.src), spec.locate(f.dst)
+        own = {("up", f.src), ("down", f.dst)}
+        if f.spine is not None and sl != dl:
+            own |= {("leaf_up", sl, f.spine), ("spine_down", f.spine, dl)}
+        links.append(own)
+    start = np.array([f.start_s for f in fs.flows])
+    end = start + fs.measured
+    order = np.argsort(start)
+    alone = np.ones(n, dtype=bool)
+    for k, i in enumerate(order):  # a sweep by start: only flows that started before i ended
+        for j in order[k + 1:]:
+            if start[j] >= end[i]:
+                break
+            if links[i] & links[j]:
+                alone[i] = alone[j] = False
+    return alone
+
+
 def fixed_offsets(sets: list[FitSet], sims: list[np.ndarray]) -> tuple[float, float]:
     """(overhead_s, cold_s): the median residual of the training flows that reused their
     lane, and what the lanes' first flows' median residual adds to it (never below 0;
     0 when fewer than MIN_GROUP training flows are first, or reused: too few to tell
-    the two apart, so one median of all)."""
+    the two apart, so one median of all).
+
+    Where at least MIN_GROUP such flows shared no link while they ran, the offsets are
+    theirs alone: a fixed cost per push is what is left where the model's sharing
+    cannot be wrong, and a backend's error under contention (ns-3's pushes a few
+    percent faster on the suite's heaviest traces) would otherwise lift it for every
+    trace of the fabric, light ones too."""
+    alone = {id(fs): unshared(fs) for fs in sets}
+
     def residual_median(pick: Callable[[FitSet], np.ndarray], least: int = MIN_GROUP) -> float | None:
-        m = np.concatenate([fs.measured[pick(fs)] for fs in sets])
-        if m.size < max(least, 1):
-            return None
-        return offset_of(m, np.concatenate([sim[pick(fs)] for fs, sim in zip(sets, sims)]))
+        for mask, enough in ((lambda fs: pick(fs) & alone[id(fs)], max(least, MIN_GROUP)), (pick, max(least, 1))):
+            m = np.concatenate([fs.measured[mask(fs)] for fs in sets])
+            if m.size >= enough:
+                return offset_of(m, np.concatenate([sim[mask(fs)] for fs, sim in zip(sets, sims)]))
+        return None
 
     warm = residual_median(lambda fs: fs.flow_train & ~fs.cold)
     cold = residual_median(lambda fs: fs.flow_train & fs.cold)

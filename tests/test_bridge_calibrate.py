@@ -204,6 +204,25 @@ def test_calibrate_recovers_an_ns3_token_bucket_and_offset(ns3_trace):
         calibrate(ns3_trace, "ns3", burst_bytes=4096)
 
 
+def test_the_per_push_offset_comes_from_pushes_that_shared_no_link():
+    from kvpath.bridge.calibrate import FitSet, fixed_offsets, unshared
+    from kvpath.bridge.flow_model import FlowSpec
+
+    h = SPEC.hosts()  # rack4: 4 hosts a leaf
+    lone = [FlowSpec(h[0], h[4], 10**6, t, 0) for t in (0.0, 1.0, 2.0)]  # one port, never at once
+    shared = [FlowSpec(h[1], h[5], 10**6, 5.0, 1), FlowSpec(h[1], h[9], 10**6, 5.001, 2),  # a sender's port
+              FlowSpec(h[2], h[7], 10**6, 5.0, 0), FlowSpec(h[3], h[7], 10**6, 5.002, 3),  # a receiver's
+              FlowSpec(h[8], h[12], 10**6, 5.0, 2), FlowSpec(h[9], h[13], 10**6, 5.0, 2)]  # leaf 2's uplink to spine 2
+    sim = np.full(9, 0.010)
+    measured = sim + np.array([0.003] * 3 + [0.050] * 6)  # the model 50 ms short under contention
+    fs = FitSet(SPEC, lone + shared, measured, None, np.ones(9, dtype=bool), np.ones(0, dtype=bool))
+    assert unshared(fs).tolist() == [True] * 3 + [False] * 6
+    assert fixed_offsets([fs], [sim]) == (pytest.approx(0.003), 0.0)  # not the median of all (50 ms)
+    # too few pushes alone to tell: the median of all
+    few = FitSet(SPEC, lone[:2] + shared, measured[1:], None, np.ones(8, dtype=bool), np.ones(0, dtype=bool))
+    assert fixed_offsets([few], [sim[1:]]) == (pytest.approx(0.050), 0.0)
+
+
 def test_the_offset_is_robust_to_a_warm_up():
     from kvpath.bridge.calibrate import offset_of
 

@@ -12,7 +12,7 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.workloads import load_workload
-from kvpath.bridge.flow_model import FlowModel, FlowSpec
+from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams
 from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Error, Ns3Params, auto_min_rto_ms, ns3_root
 from kvpath.bridge.serving_sim import ServingConfig, simulate
 
@@ -142,9 +142,11 @@ def test_a_senders_own_port_does_not_drop_unless_asked_to():
     assert res.drops == 0 and res.tier_drops["host_up"] == 0
     assert res.fct_s.max() < 1.2 * res.fct_s.min()  # and they share the port evenly
     assert res.fct_s.max() < 3.3 * WIRE
-    # the port at queue_bytes: 69 drops here, the flows ending at 1.1, 3.1 and 3.1 x WIRE
-    res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20, lossless_host=False)).run(flows)
-    assert res.drops == res.tier_drops["host_up"] > 0
+    # the port at queue_bytes (served in turn or first come, first served): it drops
+    for fair in (True, False):
+        res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20, lossless_host=False,
+                                                fair_host=fair)).run(flows)
+        assert res.drops == res.tier_drops["host_up"] > 0
 
 
 def test_a_senders_port_serves_its_connections_in_turn_unless_asked_not_to():

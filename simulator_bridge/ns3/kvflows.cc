@@ -442,8 +442,10 @@ main(int argc, char* argv[])
         auto fifo_attrs = [&](auto&& set) {
             if (fair)
             {
-                // FQ-CoDel counts packets: as many as bytes never drops before a FIFO of bytes would
-                set(fifo, "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::PACKETS, bytes)), "Interval",
+                // FQ-CoDel counts packets: a lossless port as many as its bytes (it never drops
+                // before the FIFO of bytes would), else as many full-size packets as its bytes
+                uint64_t packets = lossless_host ? bytes : std::max<uint64_t>(1, bytes / mtu);
+                set(fifo, "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::PACKETS, packets)), "Interval",
                     StringValue("100s"), "Target", StringValue("10s"));
             }
             else

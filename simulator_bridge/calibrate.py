@@ -125,9 +125,11 @@ class FitSet:
     flow_train: np.ndarray  # bool per flow
     req_train: np.ndarray  # bool per request
     cold: np.ndarray = field(init=False)  # bool per flow: the first on its lane (FlowSpec.cold)
+    alone: np.ndarray = field(init=False)  # bool per flow: it shared no link while it ran (unshared)
 
     def __post_init__(self) -> None:
         self.cold = np.array([f.cold for f in self.flows], dtype=bool)
+        self.alone = unshared(self)
 
     @classmethod
     def whole(cls, trace: Trace) -> "FitSet":
@@ -189,15 +191,16 @@ def unshared(fs: FitSet) -> np.ndarray:
     spec, n = fs.spec, len(fs.flows)
     links = []
     for f in fs.flows:
-        (sl, _), (dl, _) = spec.locate(f.src), spec.locate(f.dst)
-        own = {("up", f.src), ("down", f.dst)}
-        if f.spine is not None and sl != dl:
-            own |= {("leaf_up", sl, f.spine), ("spine_down", f.spine, dl)}
+        src, dst = spec.locate(f.src), spec.locate(f.dst)  # a host by name or address: one key
+        own = {("up", src), ("down", dst)}
+        if f.spine is not None and src[0] != dst[0]:
+            own |= {("leaf_up", src[0], f.spine), ("spine_down", f.spine, dst[0])}
         links.append(own)
     start = np.array([f.start_s for f in fs.flows])
     end = start + fs.measured
-    order = np.argsort(start)
-    alone = np.ones(n, dtype=bool)
+    ok = np.isfinite(end) & (fs.measured >= 0)
+    order = np.argsort(np.where(ok, start, np.inf))[:int(ok.sum())]  # a flow of unknown length: never alone
+    alone = ok.copy()
     for k, i in enumerate(order):  # a sweep by start: only flows that started before i ended
         for j in order[k + 1:]:
             if start[j] >= end[i]:
@@ -218,14 +221,23 @@ def fixed_offsets(sets: list[FitSet], sims: list[np.ndarray]) -> tuple[float, fl
     cannot be wrong, and a backend's error under contention (ns-3's pushes a few
     percent faster on the suite's heaviest traces) would otherwise lift it for every
     trace of the fabric, light ones too."""
-    alone = {id(fs): unshared(fs) for fs in sets}
+    def enough(pick: Callable[[FitSet], np.ndarray]) -> bool:
+        return sum(int(pick(fs).sum()) for fs in sets) >= MIN_GROUP
+
+    # one choice of flows for both medians (cold_s is their difference): the unshared
+    # ones where each median that will be taken has enough of them, else all
+    if enough(lambda fs: fs.flow_train & fs.cold) and enough(lambda fs: fs.flow_train & ~fs.cold):
+        by_lone = (enough(lambda fs: fs.flow_train & fs.alone & fs.cold)
+                   and enough(lambda fs: fs.flow_train & fs.alone & ~fs.cold))
+    else:
+        by_lone = enough(lambda fs: fs.flow_train & fs.alone)
+    use = {id(fs): fs.alone if by_lone else np.ones(len(fs.flows), dtype=bool) for fs in sets}
 
     def residual_median(pick: Callable[[FitSet], np.ndarray], least: int = MIN_GROUP) -> float | None:
-        for mask, enough in ((lambda fs: pick(fs) & alone[id(fs)], max(least, MIN_GROUP)), (pick, max(least, 1))):
-            m = np.concatenate([fs.measured[mask(fs)] for fs in sets])
-            if m.size >= enough:
-                return offset_of(m, np.concatenate([sim[mask(fs)] for fs, sim in zip(sets, sims)]))
-        return None
+        m = np.concatenate([fs.measured[pick(fs) & use[id(fs)]] for fs in sets])
+        if m.size < max(least, 1):
+            return None
+        return offset_of(m, np.concatenate([sim[pick(fs) & use[id(fs)]] for fs, sim in zip(sets, sims)]))
 
     warm = residual_median(lambda fs: fs.flow_train & ~fs.cold)
     cold = residual_median(lambda fs: fs.flow_train & fs.cold)

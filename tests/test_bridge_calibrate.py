@@ -221,6 +221,19 @@ def test_the_per_push_offset_comes_from_pushes_that_shared_no_link():
     # too few pushes alone to tell: the median of all
     few = FitSet(SPEC, lone[:2] + shared, measured[1:], None, np.ones(8, dtype=bool), np.ones(0, dtype=bool))
     assert fixed_offsets([few], [sim[1:]]) == (pytest.approx(0.050), 0.0)
+    # lanes' first pushes, 5 ms more, 3 alone and 3 sharing: both medians from the pushes alone
+    first = [FlowSpec(h[0], h[4], 10**6, t, 0, cold=True) for t in (3.0, 4.0, 4.5)]
+    first += [FlowSpec(h[1], h[13], 10**6, 5.0005, 3, cold=True), FlowSpec(h[2], h[6], 10**6, 5.0005, 1, cold=True),
+              FlowSpec(h[3], h[6], 10**6, 5.0006, 1, cold=True)]
+    both = FitSet(SPEC, lone + shared + first, np.concatenate([measured, np.full(3, 0.018), np.full(3, 0.065)]), None,
+                  np.ones(15, dtype=bool), np.ones(0, dtype=bool))
+    assert both.alone.tolist() == [True] * 3 + [False] * 6 + [True] * 3 + [False] * 3
+    assert fixed_offsets([both], [np.full(15, 0.010)]) == (pytest.approx(0.003), pytest.approx(0.005))
+    # 2 first pushes alone are not enough: both medians of all (not 3 ms from the lone and 55 from all)
+    fewer = FitSet(SPEC, both.flows[:10] + both.flows[11:], np.delete(both.measured, 10), None,
+                   np.ones(14, dtype=bool), np.ones(0, dtype=bool))
+    over, cold = fixed_offsets([fewer], [np.full(14, 0.010)])
+    assert over == pytest.approx(0.050) and cold == pytest.approx(0.005)
 
 
 def test_the_offset_is_robust_to_a_warm_up():

@@ -29,8 +29,9 @@
 //
 // Every egress port is a buffer of --queueBytes, but a host's own port, which with
 // --losslessHost (the default) holds all its connections' buffers, and with --fairHost
-// serves its connections in turn (FQ-CoDel whose CoDel never acts; Linux's TCP small
-// queues interleave a host's sockets in its qdisc). With --burstBytes > 0 it is a token
+// (the default) serves its connections in turn (FQ-CoDel whose CoDel practically
+// never acts; Linux's TCP small queues interleave a host's sockets in its qdisc).
+// With --burstBytes > 0 it is a token
 // bucket instead, as the testbed's tbf shaping is: a TbfQueueDisc at the link's rate
 // with that bucket, in front of a device --lineX times faster, so a port idle long
 // enough lets a burst through at (near) line speed and then paces at the link rate.
@@ -289,7 +290,7 @@ main(int argc, char* argv[])
     double host_gbps = 100, spine_gbps = 100, delay_us = 1, horizon_s = 3600, min_rto_ms = 5;
     uint64_t queue_bytes = 16 << 20, buf_bytes = 1 << 20, burst_bytes = 0;
     double line_x = 100;
-    bool lossless_host = true, fair_host = false;
+    bool lossless_host = true, fair_host = true;
     std::string tcp = "TcpCubic", flows_file, out_file;
     CommandLine cmd(__FILE__);
     cmd.AddValue("leaves", "leaves", leaves);
@@ -443,10 +444,13 @@ main(int argc, char* argv[])
             if (fair)
             {
                 // FQ-CoDel counts packets: a lossless port as many as its bytes (it never drops
-                // before the FIFO of bytes would), else as many full-size packets as its bytes
+                // before the FIFO of bytes would), else as many full-size packets as its bytes,
+                // one packet dropped at a time (FQ-CoDel's default is up to 64 from the fattest
+                // flow); 65536 flow queues, made as used, so connections hardly ever share one
                 uint64_t packets = lossless_host ? bytes : std::max<uint64_t>(1, bytes / mtu);
                 set(fifo, "MaxSize", QueueSizeValue(QueueSize(QueueSizeUnit::PACKETS, packets)), "Interval",
-                    StringValue("100s"), "Target", StringValue("10s"));
+                    StringValue("100s"), "Target", StringValue("10s"), "DropBatchSize", UintegerValue(1),
+                    "Flows", UintegerValue(65536));
             }
             else
             {

@@ -52,6 +52,9 @@ class Held:
     before: Errors
     after: Errors
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"before": self.before.to_dict(), "after": self.after.to_dict()}
+
 
 @dataclass
 class Calibration:
@@ -67,12 +70,9 @@ class Calibration:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        def held(h: Held) -> dict[str, Any]:
-            return {"before": h.before.to_dict(), "after": h.after.to_dict()}
-
         return {"backend": self.backend, "net": dataclasses.asdict(self.net), "compute": dataclasses.asdict(self.compute),
                 "train_requests": self.train_requests, "held_requests": self.held_requests, "network_runs": self.runs,
-                "fct": held(self.fct), "ttft": held(self.ttft), "tpot": held(self.tpot)}
+                "fct": self.fct.to_dict(), "ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict()}
 
 
 def _loss(e: Errors) -> float:

@@ -44,12 +44,10 @@ class Evaluated:
     ttft_front_end_constant: Held | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        def held(h: Held | None) -> dict[str, Any] | None:
-            return None if h is None else {"before": h.before.to_dict(), "after": h.after.to_dict()}
-
-        return {"trace": self.name, "flows": self.flows, "requests": self.requests, "fct": held(self.fct),
-                "ttft": held(self.ttft), "tpot": held(self.tpot),
-                "ttft_front_end_constant": held(self.ttft_front_end_constant)}
+        constant = self.ttft_front_end_constant
+        return {"trace": self.name, "flows": self.flows, "requests": self.requests, "fct": self.fct.to_dict(),
+                "ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict(),
+                "ttft_front_end_constant": None if constant is None else constant.to_dict()}
 
 
 @dataclass
@@ -90,12 +88,13 @@ def _named(name: str, what: Callable[[], Any]) -> Any:
 
 
 def check_sets(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], burst_bytes: int | None = None
-               ) -> int | None:
+               ) -> tuple[int | None, list[str]]:
     """ValueError naming the trace: no fit trace, no evaluated trace, a fabric that is not
     the first fit trace's (the constants are per fabric), links whose recorded burst or
     buffer differ from the first fit trace's (unless ``burst_bytes`` is given), an
-    evaluated trace that is a fit trace. Returns the links' burst: ``burst_bytes``, else the
-    traces' recorded one (None when they record none: it is fitted)."""
+    evaluated trace that is a fit trace. Returns the links' burst (``burst_bytes``, else the
+    traces' recorded one; None when they record none: it is fitted) and each fit trace's
+    :func:`trace_digest`."""
     if not fit or not evaluate:
         raise ValueError("calibration across traces needs at least one trace to fit on and one to evaluate")
     first = fit[0][0]
@@ -110,12 +109,13 @@ def check_sets(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Trace]], 
                              "give --burst-bytes or calibrate per testbed setting")
         if _named(name, lambda: setup.queue_bytes) != queue:
             raise ValueError(f"{name}: its links' buffer ({setup.queue_bytes}) is not {first}'s ({queue})")
-    fitted = {trace_digest(t): name for name, t in fit}
+    digests = [trace_digest(t) for _, t in fit]
+    fitted = {d: name for d, (name, _) in zip(digests, fit)}
     for name, t in evaluate:
         twin = fitted.get(trace_digest(t))
         if twin is not None:
             raise ValueError(f"{name} is also a fit trace ({twin}): evaluate on other runs")
-    return burst_bytes if burst_bytes is not None else burst
+    return (burst_bytes if burst_bytes is not None else burst), digests
 
 
 NetCache = dict[tuple[str, str, NetParams, Any], np.ndarray]
@@ -132,11 +132,11 @@ def calibrate_across(fit: list[tuple[str, Trace]], evaluate: list[tuple[str, Tra
     and constants, so calls that share fit traces (leave-one-out over a fabric's traces)
     run each once; ``runs`` counts the runs this call made."""
     check_burst(burst_bytes)
-    known = check_sets(fit, evaluate, burst_bytes)
+    known, digests = check_sets(fit, evaluate, burst_bytes)
     sets = [_named(name, lambda: FitSet.whole(t)) for name, t in fit]
     net_run, runs = counting_run(backend, ns3, progress)
     if cache is not None:
-        digest = {id(fs): trace_digest(t) for fs, (_, t) in zip(sets, fit)}
+        digest = {id(fs): d for fs, d in zip(sets, digests)}
         simulate_once = net_run
 
         def net_run(fs: FitSet, p: NetParams) -> np.ndarray:

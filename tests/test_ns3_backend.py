@@ -236,6 +236,24 @@ def test_flows_on_one_connection_go_one_after_another_in_start_order():
     assert other[1] < 0.5 * other[0]
 
 
+def test_a_later_flow_on_a_connection_takes_turns_with_an_earlier_one_that_fits_its_buffer():
+    """A lane's WRITEs interleave (UCX sends them in fragments), so a push that starts
+    while an earlier one on its lane has bytes left slows that one down, even when the
+    earlier one fits the socket's buffer: the sender keeps under a turn's bytes unsent
+    in the socket, not the whole flow (which would leave the later one no turn)."""
+    first = FlowSpec(H[0], H[4], 900_000, 0.0, 0, conn=5)  # fits the 1 MiB buffer
+    wire = first.bytes * 8 / 10e9
+    second = FlowSpec(H[0], H[4], 900_000, 0.3 * wire, 0, conn=5)
+    alone = run([first])[0]
+    both = run([first, second])
+    assert alone == pytest.approx(wire, rel=0.1)
+    # the second's start to the first's end: the first's ~0.7 left plus about as many of
+    # the second's bytes; queued whole, the first would end at its alone time
+    assert both[0] > alone + 0.4 * wire
+    assert both[1] + second.start_s >= both[0] - 1e-9  # still done in start order
+    assert both[1] + second.start_s == pytest.approx(2 * wire, rel=0.08)  # the link kept busy
+
+
 def test_a_flow_after_its_connection_went_idle_is_not_held_by_rto_backoffs():
     """ns-3's TCP held new data on a connection idle for longer than its RTO for about
     five back-offs (0.94 s for 280 KB at 0.2 Gbit/s): such a flow opens a new connection;

@@ -4,8 +4,10 @@
 // run once per replay. Input: one flow per line "id src_host dst_host spine bytes
 // start_s [conn]" (spine -1: within a leaf). Flows with the same conn (>= 0), source,
 // destination and spine share one TCP connection, as a lane's pushes share its stream:
-// the sender writes their bytes in turns of kSlice (a flow with bytes left each turn;
-// a flow that fits the socket's free buffer is in it whole before a later one starts),
+// the sender writes their bytes in turns of kSlice (a flow with bytes left each turn),
+// keeping less than kSlice of the connection's bytes unsent in its socket, so a later
+// flow's turn comes within a slice, as UCX interleaves a lane's WRITEs in fragments
+// (a socket-sized write would queue a flow that fits the buffer whole ahead of it),
 // and a flow is done when its last byte is received and every flow that started
 // before it on the connection is done (a lane's transfers complete in order). A flow
 // that starts when every earlier one has been done for at least the minimum RTO opens
@@ -88,6 +90,8 @@ struct Conn
     size_t done = 0;              // order[done] is the first flow not yet done
     uint64_t rcvd = 0;            // payload bytes received on it
     double idle_since = 0;        // when its last flow was done
+    SequenceNumber32 next_tx;     // the socket's next new byte to send (its trace source)
+    bool sending = false;         // next_tx has been reported
 };
 
 std::vector<Flow> g_flows;
@@ -144,6 +148,30 @@ DataAddress(uint32_t spine, uint32_t host)
     return Ipv4Address((10u << 24) | ((spine + 1) << 16) | (leaf << 8) | (idx + 1));
 }
 
+// payload bytes handed to the connection's socket that TCP has not sent yet
+uint32_t
+Unsent(const Conn& k)
+{
+    Ptr<TcpTxBuffer> tx = DynamicCast<TcpSocketBase>(k.socket)->GetTxBuffer();
+    if (!k.sending)
+    {
+        return tx->Size();
+    }
+    int32_t ahead = tx->TailSequence() - k.next_tx;
+    return ahead > 0 ? static_cast<uint32_t>(ahead) : 0;
+}
+
+void
+NextTx(uint32_t c, const Socket* socket, SequenceNumber32, SequenceNumber32 next)
+{
+    if (PeekPointer(g_conns[c].socket) != socket)
+    {
+        return; // a connection closed after an idle: its FIN or a retransmission
+    }
+    g_conns[c].next_tx = next;
+    g_conns[c].sending = true;
+}
+
 void
 Fill(uint32_t c, Ptr<Socket> s, uint32_t)
 {
@@ -162,7 +190,12 @@ Fill(uint32_t c, Ptr<Socket> s, uint32_t)
         {
             return; // called again when the buffer drains
         }
-        // alone on its connection a flow goes in large writes; shared, in turns
+        // alone on its connection a flow goes in large writes; shared, in turns, at most
+        // a slice ahead of what TCP has sent (called again as ACKs free the buffer)
+        if (k.flows > 1 && Unsent(k) >= kSlice)
+        {
+            return;
+        }
         uint64_t most = k.flows == 1 ? kChunk : kSlice;
         uint32_t n = static_cast<uint32_t>(std::min<uint64_t>({room, f.bytes - f.sent, most}));
         int r = s->Send(Create<Packet>(n));
@@ -222,6 +255,7 @@ StartFlow(uint32_t i)
     k.socket = s;
     s->Bind(InetSocketAddress(DataAddress(spine, f.src), 0));
     s->SetSendCallback(MakeBoundCallback(&Fill, c));
+    s->TraceConnectWithoutContext("NextTxSequence", MakeBoundCallback(&NextTx, c, PeekPointer(s)));
     s->SetConnectCallback(MakeBoundCallback(&Connected, c), MakeNullCallback<void, Ptr<Socket>>());
     s->Connect(InetSocketAddress(DataAddress(spine, f.dst), kPort));
     // keyed by the address the connection really uses (set by Connect's route lookup)

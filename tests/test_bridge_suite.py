@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,26 @@ def test_one_configuration_end_to_end_each_trace_evaluated_on_the_others(tmp_pat
                 assert b not in row.get("calibrated", {})
     md = (tmp_path / "suite.md").read_text()
     assert md.count("| rack3-azure-heavy/") == 2 and md.count("| rack3-zipf-light/") == 1
+    # two repeats of one run: the repeats table reads every trace and sees no spread
+    import shutil
+    shutil.copytree(tmp_path, tmp_path.parent / "again")
+    rep = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_repeats.py"), str(tmp_path),
+                          str(tmp_path.parent / "again")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "300"})
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    for name in rows:
+        line = next(ln for ln in rep.stdout.splitlines() if name in ln)
+        assert line.count("+0%") == 2  # mean and p99 of a run against itself
+    assert "moved by more than 10% between repeats: 0" in rep.stdout
+
+
+def test_the_repeats_table_needs_two_runs_and_says_so(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_repeats.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "give at least two suite directories" in r.stderr and "Traceback" not in r.stderr
+    spec = importlib.util.spec_from_file_location("suite_repeats", ROOT / "benchmarks" / "suite_repeats.py")
+    repeats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repeats)
+    assert repeats.spread([2.0, 2.2, 2.1]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        repeats.spread([1.0])

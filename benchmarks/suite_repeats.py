@@ -1,0 +1,95 @@
+"""How much the testbed itself moves between repeats of the validation suite, next to
+how much each backend's calibrated error moves.
+
+    .venv/bin/python benchmarks/suite_repeats.py /tmp/s19 /tmp/s20 [...]
+
+Each argument is a ``bridge_suite.py --out`` directory. The suite's configurations are
+seeded: a repeat sends the same requests at the same times, so what differs between
+runs of one configuration is the machine (CPU contention, the ECMP hash of fresh
+ports, which flows happen to meet). Per trace present in at least two runs it prints
+the measured mean and p99 FCT of each run and their spread (max / min - 1), and each
+backend's calibrated mean / p99 FCT error per run (from ``suite.json``). A p99 that
+moves by more than a goal between repeats bounds what any simulator replaying one run
+can be held to on that configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvpath.bridge.compare import trace_flows
+from kvpath.trace import read_trace
+
+
+def spread(values: list[float]) -> float:
+    """max / min - 1 of positive values: how far apart the repeats are."""
+    if len(values) < 2 or min(values) <= 0:
+        raise ValueError(f"a spread needs at least two positive values, got {values}")
+    return max(values) / min(values) - 1
+
+
+def measured(run: Path) -> dict[str, tuple[float, float]]:
+    """Trace name (``config/mode``) -> (mean, p99) of its measured FCTs in seconds."""
+    out = {}
+    for path in sorted(run.glob("*/*/trace.jsonl")):
+        _, fct = trace_flows(read_trace(path))
+        out[f"{path.parent.parent.name}/{path.parent.name}"] = (float(fct.mean()), float(np.percentile(fct, 99)))
+    return out
+
+
+def calibrated(run: Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """Trace name -> backend -> (mean, p99) calibrated FCT error, from suite.json."""
+    path = run / "suite.json"
+    if not path.exists():
+        return {}
+    rows = json.loads(path.read_text())
+    return {name: {b: (c["fct"]["mean"], c["fct"]["p99"]) for b, c in row.get("calibrated", {}).items()}
+            for name, row in rows.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="bridge_suite.py --out directories")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    missing = [str(r) for r in args.runs if not r.is_dir()]
+    if missing or len(args.runs) < 2:
+        Console(stderr=True).print(f"[red]error:[/] runs: give at least two suite directories (missing: {', '.join(missing) or '-'})")
+        return 2
+    meas = {r: measured(r) for r in args.runs}
+    cal = {r: calibrated(r) for r in args.runs}
+    backends = sorted({b for c in cal.values() for row in c.values() for b in row})
+    names = sorted({n for m in meas.values() for n in m})
+    table = Table(title="repeats of the suite: measured FCT mean / p99 (ms), spread; calibrated error per run")
+    for col in ["trace", "runs", "mean (ms)", "spread", "p99 (ms)", "spread"] + [f"{b} mean / p99" for b in backends]:
+        table.add_column(col)
+    wide = 0
+    for name in names:
+        runs = [r for r in args.runs if name in meas[r]]
+        if len(runs) < 2:
+            continue
+        means = [meas[r][name][0] * 1e3 for r in runs]
+        p99s = [meas[r][name][1] * 1e3 for r in runs]
+        wide += spread(p99s) > 0.10
+        cells = []
+        for b in backends:
+            errs = [cal[r].get(name, {}).get(b) for r in runs]
+            cells.append(", ".join("-" if e is None else f"{e[0]:+.1%} / {e[1]:+.1%}" for e in errs))
+        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}" for m in means), f"{spread(means):+.0%}",
+                      " ".join(f"{p:.1f}" for p in p99s), f"{spread(p99s):+.0%}", *cells)
+    console.print(table)
+    console.print(f"traces whose measured p99 FCT moved by more than 10% between repeats: {wide}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -29,11 +30,16 @@ from kvpath.bridge.compare import trace_flows
 from kvpath.trace import read_trace
 
 
-def spread(values: list[float]) -> float:
-    """max / min - 1 of positive values: how far apart the repeats are."""
-    if len(values) < 2 or min(values) <= 0:
-        raise ValueError(f"a spread needs at least two positive values, got {values}")
+def spread(values: list[float]) -> float | None:
+    """max / min - 1: how far apart the repeats are; None unless there are two or more
+    values, all finite and positive."""
+    if len(values) < 2 or not all(math.isfinite(v) and v > 0 for v in values):
+        return None
     return max(values) / min(values) - 1
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
 
 
 def measured(run: Path) -> dict[str, tuple[float, float]]:
@@ -41,6 +47,9 @@ def measured(run: Path) -> dict[str, tuple[float, float]]:
     out = {}
     for path in sorted(run.glob("*/*/trace.jsonl")):
         _, fct = trace_flows(read_trace(path))
+        fct = fct[np.isfinite(fct)]
+        if fct.size == 0:
+            continue
         out[f"{path.parent.parent.name}/{path.parent.name}"] = (float(fct.mean()), float(np.percentile(fct, 99)))
     return out
 
@@ -50,9 +59,13 @@ def calibrated(run: Path) -> dict[str, dict[str, tuple[float, float]]]:
     path = run / "suite.json"
     if not path.exists():
         return {}
-    rows = json.loads(path.read_text())
-    return {name: {b: (c["fct"]["mean"], c["fct"]["p99"]) for b, c in row.get("calibrated", {}).items()}
-            for name, row in rows.items()}
+    try:
+        rows = json.loads(path.read_text())
+        return {name: {b: (c["fct"]["mean"], c["fct"]["p99"]) for b, c in row.get("calibrated", {}).items()}
+                for name, row in rows.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        logging.warning("%s: not a suite's table (%s): its calibrated errors are left out", path, e)
+        return {}
 
 
 def main() -> int:
@@ -60,11 +73,13 @@ def main() -> int:
     ap.add_argument("runs", nargs="+", type=Path, help="bridge_suite.py --out directories")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    console = Console()
-    missing = [str(r) for r in args.runs if not r.is_dir()]
-    if missing or len(args.runs) < 2:
-        Console(stderr=True).print(f"[red]error:[/] runs: give at least two suite directories (missing: {', '.join(missing) or '-'})")
+    console, errors = Console(), Console(stderr=True)
+    runs = list(dict.fromkeys(r.resolve() for r in args.runs))  # one directory named twice is one run
+    missing = [str(r) for r in runs if not r.is_dir()]
+    if missing or len(runs) < 2:
+        errors.print(f"[red]error:[/] runs: give at least two suite directories (missing: {', '.join(missing) or '-'})")
         return 2
+    args.runs = runs
     meas = {r: measured(r) for r in args.runs}
     cal = {r: calibrated(r) for r in args.runs}
     backends = sorted({b for c in cal.values() for row in c.values() for b in row})
@@ -72,20 +87,24 @@ def main() -> int:
     table = Table(title="repeats of the suite: measured FCT mean / p99 (ms), spread; calibrated error per run")
     for col in ["trace", "runs", "mean (ms)", "spread", "p99 (ms)", "spread"] + [f"{b} mean / p99" for b in backends]:
         table.add_column(col)
-    wide = 0
+    wide = shown = 0
     for name in names:
         runs = [r for r in args.runs if name in meas[r]]
         if len(runs) < 2:
             continue
         means = [meas[r][name][0] * 1e3 for r in runs]
         p99s = [meas[r][name][1] * 1e3 for r in runs]
-        wide += spread(p99s) > 0.10
+        wide += (spread(p99s) or 0) > 0.10
+        shown += 1
         cells = []
         for b in backends:
             errs = [cal[r].get(name, {}).get(b) for r in runs]
             cells.append(", ".join("-" if e is None else f"{e[0]:+.1%} / {e[1]:+.1%}" for e in errs))
-        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}" for m in means), f"{spread(means):+.0%}",
-                      " ".join(f"{p:.1f}" for p in p99s), f"{spread(p99s):+.0%}", *cells)
+        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}" for m in means), pct(spread(means)),
+                      " ".join(f"{p:.1f}" for p in p99s), pct(spread(p99s)), *cells)
+    if not shown:
+        errors.print("[red]error:[/] runs: no trace (CONFIG/MODE/trace.jsonl) is in two of them")
+        return 2
     console.print(table)
     console.print(f"traces whose measured p99 FCT moved by more than 10% between repeats: {wide}")
     return 0

@@ -9,8 +9,8 @@ and reads one FCT per flow back.
 The model (documented in docs/bridge.md): point-to-point links at the spec's rates with
 a propagation delay per link, drop-tail queues at every egress port, TCP (Cubic by
 default) with one connection per flow, or per ``FlowSpec.conn`` (a lane's flows share
-its stream: written in turns of 64 KiB with less than that unsent in the socket, as
-UCX interleaves a lane's WRITEs, done in the order they started, as ``FlowModel``
+its stream: written in turns of 64 KiB, a turn only while less than that is unsent in
+the socket, as UCX interleaves a lane's WRITEs; done in the order they started, as ``FlowModel``
 shares a connection; a flow on a lane idle past the minimum RTO
 opens a new connection), segments of MTU - 52 bytes, and each flow
 pinned to its spine by addressing (see the scenario's header comment). Queues are deep

@@ -124,5 +124,11 @@ def test_the_repeats_table_needs_two_runs_and_says_so(tmp_path: Path) -> None:
     repeats = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(repeats)
     assert repeats.spread([2.0, 2.2, 2.1]) == pytest.approx(0.1)
-    with pytest.raises(ValueError):
-        repeats.spread([1.0])
+    assert repeats.spread([1.0]) is None and repeats.spread([0.0, 1.0]) is None
+    assert repeats.spread([1.0, float("nan")]) is None
+    # one directory named twice is one run; two with no trace in common say so
+    (tmp_path / "b").mkdir()
+    for argv, said in (([tmp_path, f"{tmp_path}/"], "give at least two"), ([tmp_path, tmp_path / "b"], "no trace")):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_repeats.py"), *map(str, argv)],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr

@@ -254,6 +254,21 @@ def test_a_later_flow_on_a_connection_takes_turns_with_an_earlier_one_that_fits_
     assert both[1] + second.start_s == pytest.approx(2 * wire, rel=0.08)  # the link kept busy
 
 
+def test_lanes_that_lose_packets_still_write_every_flow_in_turns():
+    """Two lanes, three overlapping pushes each, through one leaf uplink with a 64 KiB
+    buffer: packets drop and TCP retransmits (which moves its next byte to send back),
+    and every push still ends, each lane's in start order: the writer's turns wait on
+    the socket's unsent bytes, and losses must not leave a turn waiting for good."""
+    flows = [FlowSpec(H[h], H[4 + h], MB, 0.0002 * k, 0, conn=h) for h in (0, 1) for k in range(3)]
+    res = Ns3Backend(SPEC, params=Ns3Params(queue_bytes=64 << 10, buf_bytes=8 << 20, lossless_host=False)).run(flows)
+    assert res.drops > 0
+    assert np.isfinite(res.fct_s).all() and (res.fct_s > 0).all()
+    ends = np.array([f.start_s for f in flows]) + res.fct_s
+    for lane in (slice(0, 3), slice(3, 6)):
+        assert (np.diff(ends[lane]) >= -1e-9).all()
+    assert ends.max() >= 6 * MB * 8 / 10e9  # all the bytes through the one uplink
+
+
 def test_a_flow_after_its_connection_went_idle_is_not_held_by_rto_backoffs():
     """ns-3's TCP held new data on a connection idle for longer than its RTO for about
     five back-offs (0.94 s for 280 KB at 0.2 Gbit/s): such a flow opens a new connection;

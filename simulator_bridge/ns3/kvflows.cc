@@ -5,9 +5,10 @@
 // start_s [conn]" (spine -1: within a leaf). Flows with the same conn (>= 0), source,
 // destination and spine share one TCP connection, as a lane's pushes share its stream:
 // the sender writes their bytes in turns of kSlice (a flow with bytes left each turn),
-// keeping less than kSlice of the connection's bytes unsent in its socket, so a later
-// flow's turn comes within a slice, as UCX interleaves a lane's WRITEs in fragments
-// (a socket-sized write would queue a flow that fits the buffer whole ahead of it),
+// a turn only while less than kSlice of the connection's bytes is unsent in its socket
+// (on a connection that will carry more than one flow), so a later flow's turn comes
+// within about two slices, as UCX interleaves a lane's WRITEs in fragments (a
+// socket-sized write would queue a flow that fits the buffer whole ahead of it),
 // and a flow is done when its last byte is received and every flow that started
 // before it on the connection is done (a lane's transfers complete in order). A flow
 // that starts when every earlier one has been done for at least the minimum RTO opens
@@ -90,8 +91,8 @@ struct Conn
     size_t done = 0;              // order[done] is the first flow not yet done
     uint64_t rcvd = 0;            // payload bytes received on it
     double idle_since = 0;        // when its last flow was done
-    SequenceNumber32 next_tx;     // the socket's next new byte to send (its trace source)
-    bool sending = false;         // next_tx has been reported
+    SequenceNumber32 high_tx;     // after the highest byte TCP has sent (never moves back)
+    bool sending = false;         // high_tx has been reported
 };
 
 std::vector<Flow> g_flows;
@@ -157,18 +158,18 @@ Unsent(const Conn& k)
     {
         return tx->Size();
     }
-    int32_t ahead = tx->TailSequence() - k.next_tx;
+    int32_t ahead = tx->TailSequence() - k.high_tx;
     return ahead > 0 ? static_cast<uint32_t>(ahead) : 0;
 }
 
 void
-NextTx(uint32_t c, const Socket* socket, SequenceNumber32, SequenceNumber32 next)
+HighTx(uint32_t c, const Socket* socket, SequenceNumber32, SequenceNumber32 high)
 {
     if (PeekPointer(g_conns[c].socket) != socket)
     {
         return; // a connection closed after an idle: its FIN or a retransmission
     }
-    g_conns[c].next_tx = next;
+    g_conns[c].high_tx = high;
     g_conns[c].sending = true;
 }
 
@@ -255,7 +256,10 @@ StartFlow(uint32_t i)
     k.socket = s;
     s->Bind(InetSocketAddress(DataAddress(spine, f.src), 0));
     s->SetSendCallback(MakeBoundCallback(&Fill, c));
-    s->TraceConnectWithoutContext("NextTxSequence", MakeBoundCallback(&NextTx, c, PeekPointer(s)));
+    // the highest byte sent, not the next to send: that one moves back to a lost segment
+    // on a retransmission, and sent bytes would count as unsent until the ACK caught up
+    NS_ABORT_MSG_UNLESS(s->TraceConnectWithoutContext("HighestSequence", MakeBoundCallback(&HighTx, c, PeekPointer(s))),
+                        "no HighestSequence trace source on the TCP socket");
     s->SetConnectCallback(MakeBoundCallback(&Connected, c), MakeNullCallback<void, Ptr<Socket>>());
     s->Connect(InetSocketAddress(DataAddress(spine, f.dst), kPort));
     // keyed by the address the connection really uses (set by Connect's route lookup)

@@ -8,7 +8,8 @@ seeded: a repeat sends the same requests at the same times, so what differs betw
 runs of one configuration is the machine (CPU contention, the ECMP hash of fresh
 ports, which flows happen to meet). Per trace present in at least two runs it prints
 the measured mean and p99 FCT of each run and their spread (max / min - 1), and each
-backend's calibrated mean / p99 FCT error per run (from ``suite.json``). A p99 that
+backend's calibrated mean / p99 FCT error per run (from ``suite.json``, which also
+marks the runs the fidelity check found invalid). A p99 that
 moves by more than a goal between repeats bounds what any simulator replaying one run
 can be held to on that configuration.
 """
@@ -54,6 +55,14 @@ def measured(run: Path) -> dict[str, tuple[float, float]]:
     return out
 
 
+def invalid(run: Path) -> set[str]:
+    """The traces the run's fidelity check marked invalid (suite.json; none without it)."""
+    try:
+        return {name for name, row in json.loads((run / "suite.json").read_text()).items() if row["fidelity"] != "ok"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return set()
+
+
 def calibrated(run: Path) -> dict[str, dict[str, tuple[float, float]]]:
     """Trace name -> backend -> (mean, p99) calibrated FCT error, from suite.json."""
     path = run / "suite.json"
@@ -82,6 +91,7 @@ def main() -> int:
     args.runs = runs
     meas = {r: measured(r) for r in args.runs}
     cal = {r: calibrated(r) for r in args.runs}
+    bad = {r: invalid(r) for r in args.runs}
     backends = sorted({b for c in cal.values() for row in c.values() for b in row})
     names = sorted({n for m in meas.values() for n in m})
     table = Table(title="repeats of the suite: measured FCT mean / p99 (ms), spread; calibrated error per run")
@@ -100,12 +110,14 @@ def main() -> int:
         for b in backends:
             errs = [cal[r].get(name, {}).get(b) for r in runs]
             cells.append(", ".join("-" if e is None else f"{e[0]:+.1%} / {e[1]:+.1%}" for e in errs))
-        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}" for m in means), pct(spread(means)),
-                      " ".join(f"{p:.1f}" for p in p99s), pct(spread(p99s)), *cells)
+        mark = ["*" if name in bad[r] else "" for r in runs]
+        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}{x}" for m, x in zip(means, mark)), pct(spread(means)),
+                      " ".join(f"{p:.1f}{x}" for p, x in zip(p99s, mark)), pct(spread(p99s)), *cells)
     if not shown:
         errors.print("[red]error:[/] runs: no trace (CONFIG/MODE/trace.jsonl) is in two of them")
         return 2
     console.print(table)
+    console.print("*: a run the fidelity check marked invalid (shown, counted in the spread)")
     console.print(f"traces whose measured p99 FCT moved by more than 10% between repeats: {wide}")
     return 0
 

@@ -99,19 +99,19 @@ def main() -> int:
         table.add_column(col)
     wide = shown = 0
     for name in names:
-        runs = [r for r in args.runs if name in meas[r]]
-        if len(runs) < 2:
+        present = [r for r in args.runs if name in meas[r]]
+        if len(present) < 2:
             continue
-        means = [meas[r][name][0] * 1e3 for r in runs]
-        p99s = [meas[r][name][1] * 1e3 for r in runs]
+        means = [meas[r][name][0] * 1e3 for r in present]
+        p99s = [meas[r][name][1] * 1e3 for r in present]
         wide += (spread(p99s) or 0) > 0.10
         shown += 1
         cells = []
         for b in backends:
-            errs = [cal[r].get(name, {}).get(b) for r in runs]
+            errs = [cal[r].get(name, {}).get(b) for r in present]
             cells.append(", ".join("-" if e is None else f"{e[0]:+.1%} / {e[1]:+.1%}" for e in errs))
-        mark = ["*" if name in bad[r] else "" for r in runs]
-        table.add_row(name, str(len(runs)), " ".join(f"{m:.1f}{x}" for m, x in zip(means, mark)), pct(spread(means)),
+        mark = ["*" if name in bad[r] else "" for r in present]
+        table.add_row(name, str(len(present)), " ".join(f"{m:.1f}{x}" for m, x in zip(means, mark)), pct(spread(means)),
                       " ".join(f"{p:.1f}{x}" for p, x in zip(p99s, mark)), pct(spread(p99s)), *cells)
     if not shown:
         errors.print("[red]error:[/] runs: no trace (CONFIG/MODE/trace.jsonl) is in two of them")

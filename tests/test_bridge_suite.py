@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,6 @@ def test_one_configuration_end_to_end_each_trace_evaluated_on_the_others(tmp_pat
     md = (tmp_path / "suite.md").read_text()
     assert md.count("| rack3-azure-heavy/") == 2 and md.count("| rack3-zipf-light/") == 1
     # two repeats of one run: the repeats table reads every trace and sees no spread
-    import shutil
     shutil.copytree(tmp_path, tmp_path.parent / "again")
     rep = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_repeats.py"), str(tmp_path),
                           str(tmp_path.parent / "again")], capture_output=True, text=True, timeout=120, cwd=ROOT,

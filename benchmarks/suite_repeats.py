@@ -23,12 +23,11 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvpath.bridge.compare import trace_flows
 from kvpath.trace import read_trace
+from kvpath.trace_metrics import TraceMetrics
 
 
 def spread(values: list[float]) -> float | None:
@@ -47,34 +46,26 @@ def measured(run: Path) -> dict[str, tuple[float, float]]:
     """Trace name (``config/mode``) -> (mean, p99) of its measured FCTs in seconds."""
     out = {}
     for path in sorted(run.glob("*/*/trace.jsonl")):
-        _, fct = trace_flows(read_trace(path))
-        fct = fct[np.isfinite(fct)]
-        if fct.size == 0:
-            continue
-        out[f"{path.parent.parent.name}/{path.parent.name}"] = (float(fct.mean()), float(np.percentile(fct, 99)))
+        m = TraceMetrics.of(read_trace(path))
+        if m.fct_mean_s is not None and m.fct_p99_s is not None:  # a trace without flows has none
+            out[f"{path.parent.parent.name}/{path.parent.name}"] = (m.fct_mean_s, m.fct_p99_s)
     return out
 
 
-def invalid(run: Path) -> set[str]:
-    """The traces the run's fidelity check marked invalid (suite.json; none without it)."""
-    try:
-        return {name for name, row in json.loads((run / "suite.json").read_text()).items() if row["fidelity"] != "ok"}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return set()
-
-
-def calibrated(run: Path) -> dict[str, dict[str, tuple[float, float]]]:
-    """Trace name -> backend -> (mean, p99) calibrated FCT error, from suite.json."""
+def suite_rows(run: Path) -> tuple[set[str], dict[str, dict[str, tuple[float, float]]]]:
+    """From the run's suite.json: the traces its fidelity check marked invalid, and trace
+    name -> backend -> (mean, p99) calibrated FCT error (neither without a readable one)."""
     path = run / "suite.json"
     if not path.exists():
-        return {}
+        return set(), {}
     try:
         rows = json.loads(path.read_text())
-        return {name: {b: (c["fct"]["mean"], c["fct"]["p99"]) for b, c in row.get("calibrated", {}).items()}
-                for name, row in rows.items()}
+        return ({name for name, row in rows.items() if row["fidelity"] != "ok"},
+                {name: {b: (c["fct"]["mean"], c["fct"]["p99"]) for b, c in row.get("calibrated", {}).items()}
+                 for name, row in rows.items()})
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        logging.warning("%s: not a suite's table (%s): its calibrated errors are left out", path, e)
-        return {}
+        logging.warning("%s: not a suite's table (%s): its fidelity and calibrated errors are left out", path, e)
+        return set(), {}
 
 
 def main() -> int:
@@ -88,10 +79,10 @@ def main() -> int:
     if missing or len(runs) < 2:
         errors.print(f"[red]error:[/] runs: give at least two suite directories (missing: {', '.join(missing) or '-'})")
         return 2
-    args.runs = runs
-    meas = {r: measured(r) for r in args.runs}
-    cal = {r: calibrated(r) for r in args.runs}
-    bad = {r: invalid(r) for r in args.runs}
+    meas = {r: measured(r) for r in runs}
+    bad, cal = {}, {}
+    for r in runs:
+        bad[r], cal[r] = suite_rows(r)
     backends = sorted({b for c in cal.values() for row in c.values() for b in row})
     names = sorted({n for m in meas.values() for n in m})
     table = Table(title="repeats of the suite: measured FCT mean / p99 (ms), spread; calibrated error per run")
@@ -99,7 +90,7 @@ def main() -> int:
         table.add_column(col)
     wide = shown = 0
     for name in names:
-        present = [r for r in args.runs if name in meas[r]]
+        present = [r for r in runs if name in meas[r]]
         if len(present) < 2:
             continue
         means = [meas[r][name][0] * 1e3 for r in present]

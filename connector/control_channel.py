@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpath.connector import messages as M
 from kvpath.connector.config import ConfigError
 from kvpath.connector.control_auth import ControlKeys, CurveServer, harden, names_agent, routing_id_matches
-from kvpath.connector.push_state import flow_key
+from kvpath.connector.push_state import MAX_WAITING_PER_PEER, MAX_WAITING_REGISTRATIONS, FinishedPrefill, flow_key
 from kvpath.connector.tp_map import d_ranks_of
 from kvpath.trace import TransferRecord
 
@@ -136,6 +136,13 @@ class ControlChannel:
             self._ack(ident, tid, "rejected", f"skip_blocks {reg.skip_blocks} + {len(reg.block_ids)} blocks exceed "
                                               f"D's {peer.hello.layout.num_blocks} blocks")
             return
+        over = self._over_limit(ident, len(reg.block_ids), peer.hello.layout.num_blocks)
+        if over:
+            self.stats.inc("registrations_rejected")
+            self.stats.inc("registrations_over_limit")
+            logger.warning("registration of transfer %s from %s refused: %s", tid, reg.agent_name, over)
+            self._ack(ident, tid, "rejected", over)
+            return
         want_tp = reg.p_tp_size or peer.hello.compat.tp_size
         if want_tp != self.compat.tp_size:
             # D chose which P ranks to register with for another TP size: the heads it
@@ -170,6 +177,8 @@ class ControlChannel:
         key = flow_key(tid, d_rank, len(fan), d_tp)
         siblings = tuple(flow_key(tid, d, len(fan), d_tp) for d in fan)
         status, m = self.state.add_registration(reg, ident, post_by, key, siblings)
+        for fp in self.state.take_refused():
+            self._refuse_prefill(fp)
         if status == "duplicate":
             self.stats.inc("registrations_duplicate")
             logger.warning("registration of %s for transfer %s rejected: the transfer id is taken (state %s)",
@@ -185,7 +194,21 @@ class ControlChannel:
             return
         self._ack(ident, tid, "accepted")
         if m is not None:
-            self._start_write(m)
+            self._start_matched(m)
+
+    def _over_limit(self: "PushSender", ident: bytes, blocks: int, num_blocks: int) -> str:
+        """Why one more waiting registration of ``blocks`` block ids from ``ident`` would
+        pass a bound ("" when it fits): P holds each until its prefill, D's post_by or a
+        Cancel, so a peer must not be able to make P hold without end."""
+        held, held_blocks = self.state.waiting_of(ident)
+        if held >= MAX_WAITING_PER_PEER:
+            return f"registrations: {held} of this D worker wait already (at most {MAX_WAITING_PER_PEER})"
+        if len(self.state.registrations) >= MAX_WAITING_REGISTRATIONS:
+            return f"registrations: {MAX_WAITING_REGISTRATIONS} wait already (P's bound over all D workers)"
+        if held_blocks + blocks > num_blocks:
+            return (f"block_ids: this D worker's waiting registrations would name {held_blocks + blocks} blocks, "
+                    f"more than its {num_blocks}")
+        return ""
 
     def _flow_of(self: "PushSender", ident: bytes, tid: str) -> str:
         """The key of the flow of ``tid`` that the D worker behind ``ident`` registers."""
@@ -206,7 +229,7 @@ class ControlChannel:
             self.stats.inc("messages_unbound")
             logger.warning("dropped a Cancel of transfer %s from a D that did not register it", tid)
             return
-        status, fp, _ = self.state.cancel(key)
+        status, fp, _ = self.state.cancel(key, ident)
         if status == "in_flight":
             self._cancel_parked(key)  # one waiting for a lane has posted nothing: it ends now
             return  # else D hears the completion notification or a failure
@@ -229,6 +252,17 @@ class ControlChannel:
         self.stats.inc("transfer_key_mismatch")
         logger.warning("registration of transfer %s refused: it does not carry the transfer's key", tid)
         self._ack(ident, tid, "rejected", "the registration does not carry the transfer's key")
+
+    def _refuse_prefill(self: "PushSender", fp: FinishedPrefill) -> None:
+        """A P request without a transfer key named a transfer whose registration carries
+        one: its KV goes nowhere (never into that D's blocks) and its blocks are freed."""
+        self.stats.inc("transfer_key_mismatch")
+        self.stats.inc("prefills_refused")
+        logger.warning("request %s names transfer %s without its key: its KV is not pushed, its blocks are freed",
+                       fp.request_id, fp.transfer_id)
+        self._release(fp)
+        self._record(TransferRecord(fp.transfer_id, fp.request_id, status="rejected", prefill_done_at=fp.finished_at,
+                                    detail="the request does not carry the transfer's key"))
 
     def _heartbeat(self: "PushSender") -> None:
         """Tell each D that P still holds its registrations (so D's clock measures

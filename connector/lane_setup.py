@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator
@@ -81,8 +82,12 @@ class LaneSetup:
         # With a path oracle the pool holds lane_candidates agents per lane, so each
         # D peer's lanes can be picked to cover distinct paths.
         pool = self.cfg.lanes * (self.cfg.lane_candidates if self.oracle else 1)
+        # A NIXL notification names its sender by the agent's own claim: D accepts one only
+        # from the agents P's Welcome (over the authenticated channel) listed, so the names
+        # carry 64 random bits that nobody outside that channel can guess.
+        nonce = secrets.token_hex(8)
         for i in range(pool):
-            agent = make_agent(f"{self.engine_id}-r{self.rank}-lane{i}")
+            agent = make_agent(f"{self.engine_id}-r{self.rank}-{nonce}-lane{i}")
             self._register(agent, self.spans, self.layout.mem_type, self.layout.device_id)
             self._register(agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
             self.lane_agents.append(agent)

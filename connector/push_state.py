@@ -29,6 +29,12 @@ from kvpath.connector.messages import Register
 
 FLOW_SEP = "\x00"  # never in a transfer id (messages.validate_register refuses it)
 
+# Registrations waiting for their prefill (what a D worker can make P hold without P
+# doing anything). Per D worker also: no more block ids than D has blocks (an honest D
+# registers each block for one request at a time).
+MAX_WAITING_REGISTRATIONS = 16384  # in total, over every D worker
+MAX_WAITING_PER_PEER = 2048  # per D worker (its control identity)
+
 
 def flow_key(transfer_id: str, d_rank: int, fanout: int, d_tp: int = 0) -> str:
     """The key of one flow of a transfer at this P rank: the transfer id itself when the
@@ -79,6 +85,45 @@ class PendingRegistration:
         self.siblings = self.siblings or (self.key,)
 
 
+class _Waiting(dict):
+    """Registrations waiting for their prefill, with what each D worker (control
+    identity) holds of them: counted as they come and go, so the bounds checked per
+    Register cost nothing per registration held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[bytes, list[int]] = {}  # reply_to -> [registrations, block ids]
+
+    def _count(self, pr: "PendingRegistration", sign: int) -> None:
+        h = self.held.setdefault(pr.reply_to, [0, 0])
+        h[0] += sign
+        h[1] += sign * len(pr.reg.block_ids)
+        if h[0] <= 0:
+            del self.held[pr.reply_to]
+
+    def __setitem__(self, key: str, pr: "PendingRegistration") -> None:
+        old = self.get(key)
+        if old is not None:
+            self._count(old, -1)
+        super().__setitem__(key, pr)
+        self._count(pr, +1)
+
+    def __delitem__(self, key: str) -> None:
+        self._count(self[key], -1)
+        super().__delitem__(key)
+
+    _MISSING = object()
+
+    def pop(self, key: str, default=_MISSING):  # type: ignore[override]
+        if key in self:
+            pr = super().pop(key)
+            self._count(pr, -1)
+            return pr
+        if default is self._MISSING:
+            raise KeyError(key)
+        return default
+
+
 @dataclass
 class Match:
     prefill: FinishedPrefill
@@ -92,10 +137,21 @@ class Expired:
 
 
 def _keys_fit(fp: FinishedPrefill, reg: Register) -> bool:
-    """No transfer key on P's request: any registration; else exactly that key."""
-    if not fp.transfer_key:
+    """The transfer keys agree both ways: the same key on both sides, or none on either.
+    A keyed registration never takes a keyless prefill (whoever sends P a leg naming a
+    victim's transfer id without its key must not fill the victim's blocks), and a keyed
+    prefill never goes to a registration without its key."""
+    if not fp.transfer_key and not reg.transfer_key:
         return True
     return hmac.compare_digest(fp.transfer_key.encode(), reg.transfer_key.encode())
+
+
+def _prefill_refused(fp: FinishedPrefill, reg: Register) -> bool:
+    """On a mismatch, which side goes: a keyed prefill is the transfer's own (the
+    registration is refused, the prefill waits on); a keyless prefill facing a keyed
+    registration is the stranger (it is refused, its blocks freed, the registration
+    waits on for the prefill that carries its key)."""
+    return not fp.transfer_key and bool(reg.transfer_key)
 
 
 class WriterState:
@@ -107,7 +163,7 @@ class WriterState:
         self.lease_s = lease_s
         self.clock = clock
         self.prefills: dict[str, FinishedPrefill] = {}  # waiting for a registration
-        self.registrations: dict[str, PendingRegistration] = {}  # waiting for a prefill
+        self.registrations: _Waiting = _Waiting()  # waiting for a prefill
         self.active: dict[str, Match] = {}  # matched, being written
         self.aborted: set[str] = set()  # P request aborted before matching (transfer ids)
         # flow key -> (final status, a WRITE was posted for it): a Cancel arriving
@@ -119,6 +175,10 @@ class WriterState:
         self._fan: dict[str, tuple[str, ...]] = {}
         # transfer id -> the split prefill (whole), while any of its flows holds its blocks
         self._shares: dict[str, tuple[FinishedPrefill, Share]] = {}
+        # flow key -> the D that cancelled it unseen: its record refuses only that D's Register
+        self._cancelled_by: dict[str, bytes] = {}
+        # keyless prefills a keyed registration displaced: the caller frees their blocks
+        self._refused: list[FinishedPrefill] = []
 
     # -- inputs -----------------------------------------------------------
     def add_registration(self, reg: Register, reply_to: bytes, post_by: float, key: str = "",
@@ -131,6 +191,10 @@ class WriterState:
         tid = reg.transfer_id
         pr = PendingRegistration(reg, reply_to, post_by=post_by, key=key, siblings=tuple(siblings))
         key, fanned = pr.key, len(pr.siblings) > 1
+        if self._cancelled_by.get(key, reply_to) != reply_to:
+            # another D cancelled this flow before anyone registered it: that says
+            # nothing about this D's request (it never saw P), so the record goes
+            del self._done[key], self._cancelled_by[key]
         if key in self.registrations or key in self.active or key in self._done or key not in pr.siblings:
             return "duplicate", None
         if fanned and (self._shape(tid, pr.siblings) != pr.siblings or tid in self.registrations
@@ -144,19 +208,24 @@ class WriterState:
             self._finish(key, "aborted", posted=False)
             return "aborted", None
         template = self.prefills.get(tid) if fanned else None
-        if template is not None:  # the prefill came first, whole: split it into its flows now
-            if not _keys_fit(template, reg):
+        if template is not None and not _keys_fit(template, reg):
+            if not _prefill_refused(template, reg):
                 return "key_mismatch", None
+            self._refused.append(self.prefills.pop(tid))
+        elif template is not None:  # the prefill came first, whole: split it into its flows now
             del self.prefills[tid]
             self._split(template, pr.siblings)
         fp = self.prefills.get(key)
+        if fp is not None and not _keys_fit(fp, reg):
+            if not _prefill_refused(fp, reg):
+                return "key_mismatch", None
+            self._refused.append(self.prefills.pop(key))
+            fp = None
         if fp is None:
             self.registrations[key] = pr
             if fanned:
                 self._fan[tid] = pr.siblings
             return "waiting", None
-        if not _keys_fit(fp, reg):
-            return "key_mismatch", None
         del self.prefills[key]
         m = Match(fp, pr)
         self.active[key] = m
@@ -164,13 +233,15 @@ class WriterState:
 
     def add_prefill(self, fp: FinishedPrefill) -> tuple[str, list[Match]]:
         """Returns ("matched", [m, ...]) | ("waiting", []) | ("duplicate", []) | ("dead", [])
-        | ("key_mismatch", [m, ...]).
+        | ("key_mismatch", [m, ...]) | ("refused", []).
 
         "dead": the transfer already ended (cancelled by D, expired, aborted):
         the caller frees this prefill's blocks at once. "key_mismatch": waiting
         registrations (``m.registration``, dropped: the caller refuses them) lack the
         prefill's transfer key; the prefill waits for others or its lease. With several
-        flows waiting, "matched" lists every flow that can start.
+        flows waiting, "matched" lists every flow that can start. "refused": the prefill
+        has no transfer key and a registration carrying one waits for this id: the caller
+        frees the prefill's blocks; the registration waits on.
         """
         tid = fp.transfer_id
         if tid in self.prefills or tid in self.active or tid in self._shares or FLOW_SEP in tid:
@@ -178,8 +249,12 @@ class WriterState:
         if tid in self._done:
             return "dead", []
         fp.deadline = self.clock() + self.lease_s
-        siblings = self._fan.pop(tid, None)
+        siblings = self._fan.get(tid)
+        waiting = [self.registrations[k] for k in siblings or (tid,) if k in self.registrations]
+        if any(_prefill_refused(fp, w.reg) for w in waiting):
+            return "refused", []  # a keyless prefill where a keyed registration waits
         if siblings is not None:
+            del self._fan[tid]
             return self._split(fp, siblings)
         pr = self.registrations.pop(tid, None)
         if pr is None:
@@ -236,13 +311,15 @@ class WriterState:
         self._finish(fp.transfer_id, "ended", posted=False)
         return True
 
-    def cancel(self, key: str) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
+    def cancel(self, key: str, by: bytes | None = None) -> tuple[str, FinishedPrefill | None, PendingRegistration | None]:
         """D gave up on a flow. Returns (status, prefill to free, registration dropped):
         "in_flight" (too late: the WRITE finishes or fails; D hears that), "done" (it
         had ended: answer with :meth:`final`, which is kept as it was) or "cancelled"
         (nothing was posted and nothing will be; recorded, so a late Register for it is
         refused, also when this process never saw the transfer). The prefill returned
-        is the flow's: free its blocks when ``flow_ended`` says so."""
+        is the flow's: free its blocks when ``flow_ended`` says so. ``by``: the sender's
+        control identity; a record of a flow this process never saw refuses a later
+        Register from that sender only (another D's Cancel cannot pre-empt the owner)."""
         if key in self.active:
             return "in_flight", None, None
         if key in self._done:
@@ -251,15 +328,20 @@ class WriterState:
             # a transfer id whose flows are keyed per D rank: a Cancel that names no flow
             # (its sender registered none of them) touches nothing
             return "unregistered", None, None
-        if key in self.prefills and key not in self.registrations:
-            # nobody registered it (a Cancel's sender is bound to its own registrations):
-            # the prefill keeps waiting for its registration or its lease
+        tid = key.split(FLOW_SEP, 1)[0]
+        if key not in self.registrations and (key in self.prefills or tid in self.prefills):
+            # nobody registered it (a Cancel's sender is bound to its own registrations),
+            # also a flow of a prefill that waits whole under its transfer id: the
+            # prefill keeps waiting for its registration or its lease
             return "unregistered", None, None
         pr = self.registrations.pop(key, None)
         fp = self.prefills.pop(key, None)
         # Unseen here. If records were ever forgotten (bounded memory), it may be one that
         # ended with a posted WRITE: say "posted", so D keeps its fence (grace) for it.
-        self._finish(key, "cancelled", posted=pr is None and fp is None and self.forgotten > 0)
+        unseen = pr is None and fp is None
+        self._finish(key, "cancelled", posted=unseen and self.forgotten > 0)
+        if unseen and by is not None:
+            self._cancelled_by[key] = by
         if pr is not None:
             self._unfan(pr.reg.transfer_id, "cancelled")
         return "cancelled", fp, pr
@@ -317,6 +399,17 @@ class WriterState:
             del self._fan[transfer_id]
             self._finish(transfer_id, status, posted=False)
 
+    def waiting_of(self, reply_to: bytes) -> tuple[int, int]:
+        """(registrations, block ids) that the D worker ``reply_to`` has waiting here."""
+        h = self.registrations.held.get(reply_to)
+        return (h[0], h[1]) if h is not None else (0, 0)
+
+    def take_refused(self) -> list[FinishedPrefill]:
+        """Keyless prefills that a keyed registration displaced since the last call
+        (see :func:`_prefill_refused`): the caller frees their blocks."""
+        out, self._refused = self._refused, []
+        return out
+
     # -- queries ----------------------------------------------------------
     def holder(self, transfer_id: str) -> str | None:
         """P request id whose finished prefill holds ``transfer_id`` now, if any."""
@@ -352,8 +445,10 @@ class WriterState:
     def _finish(self, key: str, status: str, posted: bool) -> None:
         self._done[key] = (status, posted)
         self._done.move_to_end(key)
+        self._cancelled_by.pop(key, None)
         while len(self._done) > self._remember:
-            self._done.popitem(last=False)
+            old, _ = self._done.popitem(last=False)
+            self._cancelled_by.pop(old, None)
             self.forgotten += 1
         if len(self.aborted) > self._remember:
             self.aborted.clear()

@@ -32,7 +32,7 @@ from kvpath.connector.lanes import Lane
 from kvpath.connector.nixl_io import configure_ucx
 from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
-from kvpath.connector.reservation_hooks import ReservationNotifier
+from kvpath.connector.reservation_hooks import ReservationNotifier, reservation_token
 from kvpath.connector.telemetry import Stats
 from kvpath.connector.write_loop import InFlight, WriteLoop
 from kvpath.trace import TraceWriter, TransferRecord
@@ -87,8 +87,8 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
         self._make_oracle()
         self._make_lane_agents()
         if self.cfg.reservation_url:
-            kw = {"token": self.cfg.reservation_token} if self.cfg.reservation_token else {}
-            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats, **kw)
+            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats,
+                                                token=reservation_token(self.cfg))
         self._start_thread(self._run, "kvpath-push-writer")
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
@@ -200,6 +200,20 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
                 for pr in self.state.abort_prefill(arg):
                     self._ack(pr.reply_to, arg, "rejected", "prefill request was aborted")
 
+    def _start_matched(self, m: Match) -> None:
+        """Start a matched flow's push; a push that raises before anything was posted or
+        queued fails cleanly (its blocks freed, D answered), never strands the match."""
+        try:
+            self._start_write(m)
+        except Exception as e:
+            self.stats.inc("engine_thread_errors")
+            logger.exception("starting push %s failed", m.prefill.transfer_id)
+            key = m.prefill.key
+            waiting = key in self._inflight or key in self._asking or any(
+                x.prefill.key == key for parked in self._parked.values() for x, _ in parked)
+            if self.state.active.get(key) is m and not waiting:  # nothing posted, nothing pending
+                self._fail(m, f"starting the push failed: {e}")
+
     def _on_finished(self, fp: FinishedPrefill) -> None:
         status, matches = self.state.add_prefill(fp)
         if status == "duplicate":
@@ -215,19 +229,12 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
             logger.info("transfer %s already ended (%s): blocks freed", fp.transfer_id,
                         self.state.status_of(fp.transfer_id))
             self._release(fp)
+        elif status == "refused":
+            self._refuse_prefill(fp)
         for m in matches:
             if self.state.active.get(m.prefill.key) is not m:
                 # a registration without the transfer's key: the flow's prefill waits on
                 self._refuse_key(m.registration.reply_to, fp.transfer_id)
                 continue
-            try:  # each flow on its own: one that raises must not strand its siblings
-                self._start_write(m)
-            except Exception as e:
-                self.stats.inc("engine_thread_errors")
-                logger.exception("starting push %s failed", fp.transfer_id)
-                key = m.prefill.key
-                waiting = key in self._inflight or key in self._asking or any(
-                    x.prefill.key == key for parked in self._parked.values() for x, _ in parked)
-                if self.state.active.get(key) is m and not waiting:  # nothing posted, nothing pending
-                    self._fail(m, f"starting the push failed: {e}")
+            self._start_matched(m)  # each flow on its own: one that raises must not strand its siblings
 

@@ -33,6 +33,8 @@ COUNTERS = (
     "lanes_opened",
     "lanes_torn_down",
     "prefills_duplicate",
+    "prefills_refused",
+    "registrations_over_limit",
     "handshakes",
     "handshakes_refused",
     "peer_restarts",

@@ -371,3 +371,24 @@ def test_the_set_up_queues_are_bounded(monkeypatch):
     _push(snd, "t1")
     assert not snd._parked and [a.status for a in _acks(snd, "t1")][-1] == "failed"
     assert snd.take_finished() == {"req-t1"} and ls.lanes[0].broken
+
+
+def test_a_push_whose_start_raises_when_d_registers_second_fails_cleanly():
+    """Issue 32, finding 5: the registration that completes a match starts the push under
+    the same guard as a finished prefill does: a raise fails that flow (D told, the
+    blocks freed), it is never left matched with nothing posted."""
+    agents = [SlowAgent("a0"), SlowAgent("a1")]
+    snd = writer(agents)
+    ls = LaneSet(hello("d1"), agents, 0, 5600, 2, entropy=NoEntropy())
+    ls.open_all()
+    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    freed = []
+    snd._release = lambda fp: freed.append(fp.request_id)
+
+    def boom(m):
+        raise RuntimeError("descriptor planning failed")
+
+    snd._start_write = boom
+    _push(snd, "t7")  # the prefill first, then D's registration: the match happens on the Register
+    assert [a.status for a in _acks(snd, "t7")] == ["accepted", "failed"]
+    assert freed == ["req-t7"] and snd.state.idle() and snd.stats.totals["engine_thread_errors"] == 1

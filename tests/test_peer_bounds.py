@@ -13,7 +13,7 @@ from kvpath.connector.config import KVPathConfig
 from kvpath.connector.lane_setup import Peer
 from kvpath.connector.lanes import LaneSet
 from kvpath.connector.layout import BlockLayout, Region
-from kvpath.connector.push_state import PendingRegistration, WriterState
+from kvpath.connector.push_state import FinishedPrefill, PendingRegistration, WriterState
 from kvpath.connector.sender import PushSender
 from kvpath.connector.telemetry import Stats
 
@@ -261,3 +261,39 @@ def test_p_registers_each_ds_lanes_again_every_minute_and_skips_engine_ids_the_s
     snd._refresh_registrations(t[0])
     assert len([c for c in snd.notifier.calls if c[0] == "register"]) == 4  # both again, a minute later
     assert snd.stats.totals["lane_registrations_skipped"] == 1  # warned once
+
+
+def test_waiting_registrations_are_bounded_per_d_worker_by_count_and_blocks_and_in_total(monkeypatch):
+    """Issue 32, finding 4: a D worker (any holder of the pool's key) cannot make P hold
+    registrations without end: past its count, past its own number of blocks, or past
+    P's total, a Register is refused by name and counted."""
+    from kvpath.connector import control_channel
+    from tests.test_lane_setup_steps import writer as steps_writer
+
+    monkeypatch.setattr(control_channel, "MAX_WAITING_PER_PEER", 3)
+    monkeypatch.setattr(control_channel, "MAX_WAITING_REGISTRATIONS", 5)
+    snd = steps_writer([FakeNixlAgent("a0"), FakeNixlAgent("a1")])
+    for name in ("d1", "d2", "d3"):
+        ls = LaneSet(hello(name), snd.lane_agents, 0, 5600, 2, entropy=NoEntropy())
+        ls.open_all()
+        snd._peers[name] = Peer(hello(name), name.encode(), ls)
+
+    def register(name, tid, blocks):
+        snd._on_register(name.encode(), M.Register(tid, "r-" + tid, name, list(blocks), sent_at=time.time()))
+        return [m for i, m in snd._router.out if isinstance(m, M.Ack) and m.transfer_id == tid][-1]
+
+    assert [register("d1", f"a{i}", [i]).status for i in range(3)] == ["accepted"] * 3
+    over = register("d1", "a3", [3])
+    assert over.status == "rejected" and "registrations" in over.detail and "at most 3" in over.detail
+    # blocks: LAY has 8; d2 holds 6 waiting, 3 more would be 9
+    assert register("d2", "b0", range(6)).status == "accepted"
+    over = register("d2", "b1", [0, 1, 2])
+    assert over.status == "rejected" and over.detail.startswith("block_ids") and "8" in over.detail
+    assert register("d3", "c0", [0]).status == "accepted"
+    over = register("d3", "c1", [1])  # 5 wait in total: P's bound
+    assert over.status == "rejected" and "over all D workers" in over.detail
+    assert snd.stats.totals["registrations_over_limit"] == 3
+    # a registration that matched its prefill no longer counts: room again
+    snd.state.add_prefill(FinishedPrefill("p-a0", "a0", [1]))
+    assert snd.state.waiting_of(b"d1") == (2, 2) and len(snd.state.registrations) == 4
+    assert register("d3", "c2", [1]).status == "accepted"

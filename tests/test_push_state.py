@@ -485,3 +485,60 @@ def test_a_transfer_id_with_a_nul_is_never_a_prefill():
     s = WriterState(lease_s=5)
     assert s.add_prefill(fp(flow_key("t", 1, 2)))[0] == "duplicate"  # the caller frees it at once
     assert s.idle()
+
+
+def test_a_keyless_prefill_never_takes_a_keyed_registration_in_either_order():
+    """Issue 32, finding 1: a P leg without the transfer key that names a victim's transfer
+    id gets nothing of the victim's: its prefill is refused (blocks freed), the victim's
+    registration waits on and matches the victim's own prefill."""
+    key = "k" * 24
+    s = WriterState(lease_s=5)
+    # the victim's registration first, then the stranger's keyless prefill (a prefix-cache hit)
+    assert s.add_registration(Register("v", "d-v", "agent", [1], transfer_key=key), b"victim-d", 5.0) == ("waiting", None)
+    assert s.add_prefill(FinishedPrefill("p-evil", "v", [7])) == ("refused", [])
+    assert s.registered_by("v") == b"victim-d" and s.holder("v") is None
+    status, (m,) = s.add_prefill(FinishedPrefill("p-v", "v", [8], transfer_key=key))
+    assert status == "matched" and m.prefill.request_id == "p-v" and m.registration.reply_to == b"victim-d"
+    # the stranger's keyless prefill first: the victim's registration displaces it
+    assert s.add_prefill(FinishedPrefill("p-evil", "w", [7])) == ("waiting", [])
+    assert s.add_registration(Register("w", "d-w", "agent", [1], transfer_key=key), b"victim-d", 5.0) == ("waiting", None)
+    assert [f.request_id for f in s.take_refused()] == ["p-evil"] and s.take_refused() == []
+    status, (m,) = s.add_prefill(FinishedPrefill("p-w", "w", [8], transfer_key=key))
+    assert status == "matched" and m.prefill.request_id == "p-w"
+
+
+def test_a_keyless_prefill_never_takes_keyed_fanned_out_registrations():
+    key = "k" * 24
+    s = WriterState(lease_s=5)
+    keys = tuple(flow_key("t", d, 2, 2) for d in (0, 1))
+    assert s.add_registration(Register("t", "d0", "agent", [1], transfer_key=key), b"d0", 5.0, keys[0], keys)[0] == "waiting"
+    assert s.add_prefill(FinishedPrefill("p-evil", "t", [7])) == ("refused", [])
+    status, ms = s.add_prefill(FinishedPrefill("p-t", "t", [8], transfer_key=key))
+    assert status == "matched" and [m.prefill.request_id for m in ms] == ["p-t"]
+    # prefill whole and keyless first, then a keyed flow registers: the prefill goes
+    s2 = WriterState(lease_s=5)
+    assert s2.add_prefill(FinishedPrefill("p-evil", "t", [7])) == ("waiting", [])
+    assert s2.add_registration(Register("t", "d0", "agent", [1], transfer_key=key), b"d0", 5.0, keys[0], keys)[0] == "waiting"
+    assert [f.request_id for f in s2.take_refused()] == ["p-evil"]
+    assert s2.add_registration(Register("t", "d1", "agent", [1], transfer_key=key), b"d1", 5.0, keys[1], keys)[0] == "waiting"
+    status, ms = s2.add_prefill(FinishedPrefill("p-t", "t", [8], transfer_key=key))
+    assert status == "matched" and len(ms) == 2
+
+
+def test_another_ds_cancel_of_a_flow_nobody_registered_does_not_take_the_owners_registration():
+    """Issue 32, finding 5: with D's TP above P's, a Cancel keyed per D rank from another
+    trusted D touches nothing of the owner: neither a prefill that waits whole under the
+    transfer id nor the owner's later registration (which used to be a duplicate)."""
+    s = WriterState(lease_s=5)
+    s.add_prefill(fp("t"))  # waits whole: flows are keyed per D rank only once D registers
+    assert s.cancel(FAN[0], b"mallory") == ("unregistered", None, None) and s.holder("t") == "p-t"
+    assert fan_reg(s, 0, ident=b"owner")[0] == "matched"
+    # nothing here at all: the record binds to the canceller, so the owner still registers
+    s2 = WriterState(lease_s=5)
+    assert s2.cancel(FAN[0], b"mallory")[0] == "cancelled"
+    assert fan_reg(s2, 0, ident=b"owner")[0] == "waiting"
+    # the canceller's own late Register is still refused (what the record is for)
+    s3 = WriterState(lease_s=5)
+    assert s3.cancel("x", b"d1")[0] == "cancelled"
+    assert s3.add_registration(reg("x"), b"d1", 5.0)[0] == "duplicate"
+    assert s3.add_registration(reg("x"), b"d2", 5.0)[0] == "waiting"

@@ -1,0 +1,64 @@
+"""Secrets (tokens, API keys) from a file or the environment, never from argv.
+
+A command line is readable by every local user (``ps``, ``/proc/PID/cmdline``) and
+lands in vLLM's "non-default args" log line, so kvpath's own commands and the
+processes it starts take secrets from a file (``--*-file PATH``, ``*_file`` knobs) or
+an environment variable. One reader for all of them, so every caller reports a bad
+file the same way: an error naming the field, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MAX_SECRET_BYTES = 4096  # a token is tens of bytes: a larger file is a wrong path
+
+
+class CredentialError(ValueError):
+    """A secret named by the operator that cannot be read (the message names the field)."""
+
+
+def read_secret_file(path: str | os.PathLike[str], field: str) -> str:
+    """The secret in ``path`` (surrounding whitespace stripped). Empty, unreadable or
+    oversized files are a :class:`CredentialError` naming ``field``."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_SECRET_BYTES + 1)
+    except OSError as e:
+        raise CredentialError(f"{field}: cannot read {str(p)!r}: {e.strerror or e}") from None
+    if len(raw) > MAX_SECRET_BYTES:
+        raise CredentialError(f"{field}: {str(p)!r} is over {MAX_SECRET_BYTES} bytes: not a token file")
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CredentialError(f"{field}: {str(p)!r} is not UTF-8 text") from None
+    if not text:
+        raise CredentialError(f"{field}: {str(p)!r} is empty")
+    if any(c in text for c in "\r\n\x00"):
+        raise CredentialError(f"{field}: {str(p)!r} holds more than one line")
+    return text
+
+
+def load_secret(field: str, path: str | os.PathLike[str] | None = None, env: str | None = None,
+                environ: dict[str, str] | None = None) -> str | None:
+    """The secret from ``path`` when given, else from the environment variable ``env``
+    (empty counts as unset), else None. ``field`` names the option in errors."""
+    if path:
+        return read_secret_file(path, field)
+    if env:
+        value = (os.environ if environ is None else environ).get(env, "").strip()
+        return value or None
+    return None
+
+
+def write_secret_file(path: str | os.PathLike[str], secret: str) -> Path:
+    """Write ``secret`` to ``path`` readable by its owner only (0600 from creation)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(p, 0o600)
+    return p

@@ -292,7 +292,8 @@ class LaneSetup:
         lanes = [(l.src_ip, l.src_port) for l in peer.lanes.lanes if l.src_port]
         # D accepts a push's notification only from these (the agents of our lanes).
         agents = sorted({peer.lanes.agent(i).name for i in range(len(peer.lanes.lanes))})
-        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes, agents=agents))
+        complete = len(lanes) == len(peer.lanes.lanes)  # else D's fence cannot see them all
+        self._send(peer.ident, M.Welcome(self.instance, True, lanes=lanes, agents=agents, complete=complete))
 
     def _path_rule(self: "PushSender", hello: M.Hello) -> tuple[Callable[[Lane], str] | None, int]:
         """(lane -> its path, how many paths there are) between us and ``hello``'s

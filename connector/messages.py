@@ -129,6 +129,9 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     # P's lane connections to this D, (source ip, source port): sent again whenever a
     # lane reopens, before any WRITE on it. D watches them to tell that P is gone.
     lanes: list[tuple[str, int]] = []
+    # ``lanes`` lists every lane connection of this P process to this D (each 5-tuple was
+    # learned). False: D cannot prove P's bytes drained and falls back to its time bound.
+    complete: bool = False
     # NIXL names of the agents P pushes from: D accepts a push's notification only
     # from one of these (of the P process its registration went to).
     agents: list[str] = []

@@ -40,6 +40,9 @@ class _PeerLink:
     # its Welcomes listed them: the fence watches them to tell when P's bytes can no
     # longer arrive.
     lanes: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    # P processes (instances) one of whose Welcomes said it could not list every lane
+    # (a lane whose 5-tuple P could not learn): their fence is the time bound
+    incomplete: set[str] = field(default_factory=set)
     # NIXL names of P's agents, per P process, as its Welcomes listed them: a push's
     # notification counts only from an agent of the process its registration went to.
     agents: dict[str, set[str]] = field(default_factory=dict)

@@ -357,6 +357,8 @@ class PushReceiver(PeerLinks, EngineThread):
             logger.warning("P at %s restarted (instance %s -> %s): %d waiting requests end once its old "
                            "connections are drained", link.addr, link.instance, msg.instance, len(gone))
         link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
+        if not msg.complete:  # sticky: a lane it could not list may still be open
+            link.incomplete.add(msg.instance)
         link.agents.setdefault(msg.instance, set()).update(msg.agents)
         link.instance, link.welcomed, link.refusal = msg.instance, True, ""
         self._flush(link)
@@ -404,12 +406,16 @@ class PushReceiver(PeerLinks, EngineThread):
 
     def _drained(self, peer: str, instance: str) -> bool | None:
         """Every lane connection of the P process ``instance`` at ``peer`` into us is
-        closed and fully read. None: we know none of them (the state's bound decides)."""
+        closed and fully read. None: we cannot tell (the state's bound decides): we know
+        none of its lanes, its Welcome said the list is incomplete, or a connection into
+        our UCX ports that no P announced is still open (a reopened lane whose Welcome
+        was lost, or NAT rewriting P's addresses: it may be this P's)."""
         link = self._links.get(peer)
         lanes = link.lanes.get(instance, set()) if link is not None else set()
-        if not lanes:
+        if not lanes or instance in link.incomplete:
             return None
-        return lanes_drained(set(self.listen_ports), lanes)
+        announced = {lane for lk in self._links.values() for seen in lk.lanes.values() for lane in seen}
+        return lanes_drained(set(self.listen_ports), lanes, announced)
 
     def _expire(self) -> None:
         # The socket table is read outside the lock (the engine thread takes it every

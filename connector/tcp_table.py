@@ -57,16 +57,26 @@ def sockets(local_ports: set[int] | None = None) -> list[TcpSocket]:
     return out
 
 
-def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]]) -> bool:
+def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]],
+                  announced: set[tuple[str, int]] | None = None) -> bool | None:
     """Are all connections of ``lanes`` (remote ip, port) into ``local_ports`` closed and
-    drained? Without known lanes, never: nothing tells P's connections apart (a peer
-    named by host name, lanes leaving from another interface than the side channel's),
-    so the caller falls back to a time bound instead."""
+    drained? False as soon as one is not. Without known lanes, None (cannot tell):
+    nothing tells P's connections apart (a peer named by host name, lanes leaving from
+    another interface than the side channel's), so the caller falls back to a time bound.
+
+    ``announced``: every lane any peer announced (``lanes`` among them). A connection
+    into ``local_ports`` from none of them that is not drained also makes the answer
+    None: it may be one of this P's that D was never told about (a lost announcement,
+    NAT rewriting P's source), and "drained" must never be said while it may deliver."""
     if not lanes:
-        return False
+        return None
+    unknown_open = False
     for s in sockets(local_ports):
         if s.remote[1] == 0:
             continue  # the listening socket
-        if s.remote in lanes and not s.drained():
-            return False
-    return True
+        if s.remote in lanes:
+            if not s.drained():
+                return False
+        elif announced is not None and s.remote not in announced and not s.drained():
+            unknown_open = True
+    return None if unknown_open else True

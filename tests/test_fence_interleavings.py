@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+import types
 
 import pytest
 import zmq
@@ -372,8 +374,70 @@ def established():
 
 def test_drain_check_never_passes_without_known_lanes(established):
     port, cli = established
-    assert lanes_drained({port}, set()) is False
+    assert lanes_drained({port}, set()) is None  # cannot tell: never "drained"
     assert lanes_drained({port}, {cli.getsockname()}) is False  # known and established
+
+
+def test_an_open_connection_nobody_announced_keeps_the_drain_check_from_passing():
+    """Issue 32, finding 2: P's announced lane is gone (closed and reaped), but an
+    established connection into D's UCX port that no Welcome named (a reopened lane
+    whose Welcome was lost, or P behind NAT) may be P's: the check says "cannot tell"
+    (the time bound decides), never "drained"."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    gone = {("127.0.0.1", 1)}  # the lane P announced: no socket any more
+    assert lanes_drained({port}, gone, announced=gone) is None
+    # the same connection announced by another P process: it is not this P's
+    assert lanes_drained({port}, gone, announced=gone | {cli.getsockname()}) is True
+    # once it is closed and read (to its end: the FIN counts as unread), nothing can deliver
+    cli.close()
+    assert conn.recv(16) == b""
+    deadline = time.monotonic() + 5
+    while lanes_drained({port}, gone, announced=gone) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lanes_drained({port}, gone, announced=gone) is True
+    conn.close()
+    srv.close()
+
+
+def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(established):
+    port, cli = established
+    rcv, link = receiver(Clock())
+    rcv.listen_ports = [port]
+    rcv._links = {"h:1": link}
+    rcv._on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4000)], agents=["a"], complete=False))
+    assert rcv._drained("h:1", "pA") is None
+    rcv._on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4001)], agents=["a"], complete=True))
+    assert rcv._drained("h:1", "pA") is None  # sticky: the unlisted lane may still be open
+    link.incomplete.clear()  # (a complete view of this P: only its own lanes count)
+    assert rcv._drained("h:1", "pA") is None  # our established one is announced by nobody
+    link.lanes["pB"] = {cli.getsockname()}
+    assert rcv._drained("h:1", "pA") is True
+
+
+def test_p_says_its_welcome_is_incomplete_when_a_lanes_5_tuple_is_unknown():
+    hello = M.Hello(engine_id="d", agent_name="d1", agent_metadata=b"d1", layout=LAY, compat=M.Compat(),
+                    instance="i", heartbeat_s=1.0, probe_addr=8192, probe_len=8)
+    out = []
+    snd = PushSender.__new__(PushSender)
+    snd.instance = "pA"
+    snd._send = lambda ident, msg: out.append(msg)
+
+    class Lanes:
+        def __init__(self, ports):
+            self.lanes = [types.SimpleNamespace(src_ip="10.0.0.1", src_port=p) for p in ports]
+
+        def agent(self, i):
+            return types.SimpleNamespace(name=f"a{i}")
+
+    snd._welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 4001])))
+    snd._welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 0])))
+    assert [(w.complete, w.lanes) for w in out] == [(True, [("10.0.0.1", 4000), ("10.0.0.1", 4001)]),
+                                                     (False, [("10.0.0.1", 4000)])]
 
 
 def test_receiver_drain_with_a_hostname_peer_and_no_lanes_is_unknown(established):

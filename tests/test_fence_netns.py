@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -143,3 +144,47 @@ def test_a_prefill_restarted_on_its_address_mid_write_cannot_shortcut_the_fence(
             p2.call("submit", "p2", "after", [45])
             _, done, failed = d.call("wait", ["d2"], 20)
             assert done == ["d2"] and not failed
+
+
+@pytest.fixture
+def nat_on_ps_side(slow_link):
+    """SNAT on P's end of the link: P's lanes reach D from source ports P never sees
+    (P's Welcome names its own 5-tuples, which D's socket table never shows)."""
+    if not shutil.which("nft"):
+        pytest.skip("needs nftables (nft) to rewrite P's source ports")
+    table = f"kvpt_nat_{os.getpid()}"
+    sh("nft", "add", "table", "ip", table)
+    try:
+        sh("nft", "add", "chain", "ip", table, "post", "{ type nat hook postrouting priority srcnat; }")
+        sh("nft", "add", "rule", "ip", table, "post", "oifname", VP, "ip", "protocol", "tcp",
+           "snat", "to", f"{P_IP}:61000-61999")
+        yield
+    finally:
+        subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True)
+
+
+def test_a_silent_p_on_a_lane_d_was_never_told_of_is_fenced_until_the_bound(nat_on_ps_side, cluster_keys):
+    """Issue 32, finding 2, on real parts: P posts a 4 MB WRITE on a lane whose 5-tuple D
+    was never told (NAT rewrote it: the same state as a reopened lane whose Welcome was
+    lost), then goes silent (SIGSTOP: its kernel still sends what its socket holds). The
+    announced 5-tuples are not in D's socket table, so the old check called them drained
+    and freed the blocks while P's bytes were still on the link. D must count the open
+    connection nobody announced as "cannot tell" and wait for the documented bound
+    (send + max_wait_s + transfer_timeout_s + fence_grace_s); the canary stays intact."""
+    bound_s = 1.5 + 10.0 + 0.3
+    with prefill_and_decode(6980, cluster_keys, transfer_timeout_s=10.0) as (p, d, addr):
+        t0 = time.monotonic()
+        d.call("register", "d1", "unseen-lane", addr, BLOCKS, 0)
+        p.call("submit", "p1", "unseen-lane", BLOCKS)
+        time.sleep(1.0)  # the WRITE is moving
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            _, done, failed = d.call("wait", ["d1"], 40)
+            released_after = time.monotonic() - t0 - d.call("released_at")[1]["d1"]
+            assert done == ["d1"] and failed == ["d1"], "a silent P's push fails, and the request ends"
+            st = d.call("stats")[1]
+            assert st["fence_bound_releases"] == 1 and st["fence_drain_releases"] == 0, st
+            assert released_after >= bound_s - 0.5, f"released {released_after:.1f}s after the registration"
+            check_canary(d, "d1")
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)

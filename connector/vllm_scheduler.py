@@ -7,6 +7,7 @@ over in :class:`KVPathMetadata`. No networking here.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+SPENT_REMEMBERED = 4096  # ended transfers whose late n > 1 children are told apart
 
 
 @dataclass
@@ -56,6 +58,15 @@ class KVPathScheduler:
         # requests whose flags do not fit kv_role -> the error their answer carries
         # (one entry per live request: request_finished removes it)
         self._role_errors: dict[str, str] = {}
+        # transfer id -> the live D request that registered it. vLLM serves n > 1 as child
+        # requests sharing the prompt and its kv_transfer_params: one of them receives the
+        # push, the others wait for it and take its blocks from the prefix cache.
+        self._d_owner: dict[str, str] = {}
+        self._owned: dict[str, str] = {}  # request id -> the transfer id it owns
+        # transfers whose owner ended (the last SPENT_REMEMBERED): a child that comes
+        # later computes its prefill locally instead of registering a spent id again
+        self._spent: OrderedDict[str, None] = OrderedDict()
+        self.prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -75,8 +86,29 @@ class KVPathScheduler:
             request.kv_transfer_params = None
             self._role_errors[request.request_id] = why
             return 0, False
+        owner = self._d_owner.get(dp.transfer_id)
+        if owner is not None and owner != request.request_id:
+            return self._sibling(request, owner, num_computed_tokens)
+        if owner is None and dp.transfer_id in self._spent:
+            return self._sibling(request, "", num_computed_tokens)
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _sibling(self, request: "Request", owner: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A request (a child of an ``n`` > 1 request) whose transfer another live request
+        receives: it waits (None: vLLM asks again next step) until that KV has landed and
+        the owner's full blocks are in the prefix cache, then computes the rest locally
+        (less than a block). Without prefix caching it computes its prefill at once."""
+        if self.prefix_caching and owner:
+            if owner in self._d_waiting:
+                return None, False
+            prompt = len(request.prompt_token_ids or [])
+            if num_computed_tokens < (prompt - 1) // self.block_size * self.block_size:
+                return None, False  # landed; cached once the owner is scheduled (next step)
+        request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
+        logger.debug("request %s shares transfer of %s: %d tokens from the prefix cache", request.request_id,
+                     owner, num_computed_tokens)
+        return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -90,6 +122,8 @@ class KVPathScheduler:
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
                                                 dp.peer_key, dp.transfer_key, dp.tp_size))
         self._d_waiting.add(request.request_id)
+        self._d_owner[dp.transfer_id] = request.request_id
+        self._owned[request.request_id] = dp.transfer_id
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
@@ -101,6 +135,12 @@ class KVPathScheduler:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        tid = self._owned.pop(rid, None)
+        if tid is not None and self._d_owner.get(tid) == rid:
+            del self._d_owner[tid]  # siblings still waiting compute their prefill locally
+            self._spent[tid] = None
+            if len(self._spent) > SPENT_REMEMBERED:
+                self._spent.popitem(last=False)
         role_error = self._role_errors.pop(rid, None)
         if role_error is not None:
             return False, {"error": role_error, "kv_role": self.role}

@@ -142,3 +142,37 @@ def test_the_receiver_sets_the_event_after_a_step_that_released_also_one_that_fa
     rx._step_body = lambda: None
     PushReceiver._step(rx)  # a step that released nothing wakes nobody
     assert not ev.is_set() and not PushReceiver.has_results(rx)
+
+
+def test_children_of_an_n_above_one_request_share_one_push_on_d():
+    """Issue 32: vLLM serves ``n`` > 1 as child requests with the same prompt and
+    kv_transfer_params. One child registers the transfer; the others wait (None: asked
+    again next step) until its KV has landed and its full blocks are in D's prefix
+    cache, then compute under a block locally. They never register a second time."""
+    from kvpath.connector.params import decode_leg_params
+
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    params = decode_leg_params("t1", "127.0.0.1:5600", transfer_key="k" * 24)
+    kids = [SimpleNamespace(request_id=f"{i}_cmpl-x", prompt_token_ids=list(range(100)),
+                            kv_transfer_params=dict(params, kvpath=dict(params["kvpath"]))) for i in range(2)]
+    blocks = SimpleNamespace(get_block_ids=lambda: [[1, 2, 3, 4]], get_unhashed_block_ids=lambda: [1, 2, 3, 4])
+    assert s.get_num_new_matched_tokens(kids[0], 0) == (100, True)
+    s.update_state_after_alloc(kids[0], blocks, 100)
+    assert [r.request_id for r in s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0)).registrations] \
+        == ["0_cmpl-x"]
+    assert s.get_num_new_matched_tokens(kids[1], 0) == (None, False)  # the push has not landed
+    s.update_connector_output(SimpleNamespace(finished_sending=(), finished_recving={"0_cmpl-x"}))
+    assert s.get_num_new_matched_tokens(kids[1], 0) == (None, False)  # landed, not cached yet
+    assert s.get_num_new_matched_tokens(kids[1], 96) == (0, False)  # 3 full blocks from the cache
+    assert kids[1].kv_transfer_params["do_remote_prefill"] is False
+    assert s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0)).registrations == []
+    # the owner ended (a failed push, an abort): a waiting child computes its prefill itself
+    kid2 = SimpleNamespace(request_id="2_cmpl-x", prompt_token_ids=list(range(100)),
+                           kv_transfer_params=dict(params, kvpath=dict(params["kvpath"])))
+    s.request_finished(SimpleNamespace(request_id="0_cmpl-x", kv_transfer_params=kids[0].kv_transfer_params,
+                                       status=None), [1, 2, 3, 4])
+    assert s.get_num_new_matched_tokens(kid2, 32) == (0, False)  # never a second registration of a spent id
+    assert kid2.kv_transfer_params["do_remote_prefill"] is False

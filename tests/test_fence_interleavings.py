@@ -10,6 +10,8 @@ or NIXL (fakes stand in for the ZMQ socket and the NIXL agent), on a fake clock.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -378,34 +380,48 @@ def test_drain_check_never_passes_without_known_lanes(established):
     assert lanes_drained({port}, {cli.getsockname()}) is False  # known and established
 
 
-def test_an_open_connection_nobody_announced_keeps_the_drain_check_from_passing():
-    """Issue 32, finding 2: P's announced lane is gone (closed and reaped), but an
-    established connection into D's UCX port that no Welcome named (a reopened lane
-    whose Welcome was lost, or P behind NAT) may be P's: the check says "cannot tell"
-    (the time bound decides), never "drained"."""
+@pytest.fixture
+def from_another_process():
+    """A listening port here with an established connection into it from another
+    process (as P's lane is): yields (port, the connection's remote address, our end,
+    the other process)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen()
     port = srv.getsockname()[1]
-    cli = socket.create_connection(srv.getsockname())
-    conn, _ = srv.accept()
+    proc = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
+                             f"s = socket.create_connection(('127.0.0.1', {port}))\n"
+                             "sys.stdin.read()\n"], stdin=subprocess.PIPE)
+    conn, remote = srv.accept()
+    yield port, remote, conn, proc
+    proc.kill()
+    proc.wait()
+    conn.close()
+    srv.close()
+
+
+def test_an_open_connection_nobody_announced_keeps_the_drain_check_from_passing(from_another_process):
+    """Issue 32, finding 2: P's announced lane is gone (closed and reaped), but an
+    established connection into D's UCX port that no Welcome named (a reopened lane
+    whose Welcome was lost, or P behind NAT) may be P's: the check says "cannot tell"
+    (the time bound decides), never "drained"."""
+    port, remote, conn, proc = from_another_process
     gone = {("127.0.0.1", 1)}  # the lane P announced: no socket any more
     assert lanes_drained({port}, gone, announced=gone) is None
     # the same connection announced by another P process: it is not this P's
-    assert lanes_drained({port}, gone, announced=gone | {cli.getsockname()}) is True
+    assert lanes_drained({port}, gone, announced=gone | {remote}) is True
     # once it is closed and read (to its end: the FIN counts as unread), nothing can deliver
-    cli.close()
+    proc.kill()
+    proc.wait()
     assert conn.recv(16) == b""
     deadline = time.monotonic() + 5
     while lanes_drained({port}, gone, announced=gone) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert lanes_drained({port}, gone, announced=gone) is True
-    conn.close()
-    srv.close()
 
 
-def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(established):
-    port, cli = established
+def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(from_another_process):
+    port, remote, _, _ = from_another_process
     rcv, link = receiver(Clock())
     rcv.listen_ports = [port]
     rcv._links = {"h:1": link}
@@ -415,7 +431,7 @@ def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(establ
     assert rcv._drained("h:1", "pA") is None  # sticky: the unlisted lane may still be open
     link.incomplete.clear()  # (a complete view of this P: only its own lanes count)
     assert rcv._drained("h:1", "pA") is None  # our established one is announced by nobody
-    link.lanes["pB"] = {cli.getsockname()}
+    link.lanes["pB"] = {remote}
     assert rcv._drained("h:1", "pA") is True
 
 
@@ -533,3 +549,18 @@ def test_a_flow_whose_start_raises_fails_alone_and_its_sibling_still_starts():
     snd.state.complete(keys[1])  # the second flow's WRITE landed
     WriteLoop._release(snd, started[0].prefill)
     assert snd._finished == {"p1"}
+
+
+def test_a_connection_of_this_process_to_itself_is_not_a_peers():
+    """UCX connects D's worker to itself: both ends are this process's sockets, so it
+    is not a lane of any P and does not keep the drain check from passing."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    gone = {("127.0.0.2", 1)}
+    assert lanes_drained({port}, gone, announced=gone) is True
+    for s in (cli, conn, srv):
+        s.close()

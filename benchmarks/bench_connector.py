@@ -1,8 +1,9 @@
 """Connector benchmark: push latency and throughput vs raw NIXL, P's prefill slowdown, descriptors, idle CPU.
 
     .venv/bin/python benchmarks/bench_connector.py [--sizes 0.25,4,64] [--reps 24] [--prefill-rounds 12]
-                                                   [--mib 64] [--idle-s 5] [--sections 1,2,3,4,5,6] [--samples]
+                                                   [--mib 64] [--idle-s 5] [--sections 1,2,3,4,5,6,7] [--samples]
                                                    [--control curve|plaintext] [--security-reps 3]
+                                                   [--verify-reps 4] [--verify-rounds 8] [--verify-mib 0.25]
 
 Prints, in one run on this machine:
   1. push latency for each of --sizes (MiB, fractional allowed), one push at a time
@@ -28,7 +29,9 @@ Prints, in one run on this machine:
   5. the writer and receiver threads' CPU use while idle (target < 2% of a core);
   6. what the control channel's security costs: small-push latency and idle CPU with
      CURVE keys and with loopback plaintext, alternating, --security-reps times each
-     (budget: latency up by at most 10%, idle CPU under 1% of a core).
+     (budget: latency up by at most 10%, idle CPU under 1% of a core);
+  7. what kv_verify costs: small-push latency with kv_verify off and all, alternating,
+     --verify-reps times each (benchmarks/bench_kv_verify.py: the hashes and the cost per MiB).
 Sections 1-5 run with CURVE keys made for the run (--control plaintext: without).
 Pushes cross a UCX TCP connection on loopback (UCX_NET_DEVICES=lo).
 """
@@ -265,6 +268,33 @@ def bench_security(console: Console, reps: int, rounds: int, idle_s: float) -> d
     return out
 
 
+# -- 7. what kv_verify costs a push ----------------------------------------------------------
+def bench_kv_verify(console: Console, reps: int, rounds: int, mib: float) -> dict:
+    """Small-push latency (D saw the notification, 1 at a time and 16 at once) with
+    kv_verify off and all, alternating (off, all, all, off, ...) so drift hits both alike."""
+    res: dict = {m: {"lat1": [], "lat16": []} for m in ("off", "all")}
+    for i in range(reps):
+        for mode in (("off", "all") if i % 2 == 0 else ("all", "off")):
+            port = 6900 + 20 * (2 * i + (mode == "all"))
+            r = _latency_one(mib, rounds, port, kv_verify=mode)
+            if r["bad"] or not r["exact"]:
+                raise RuntimeError(f"kv_verify={mode}: rounds failed or bytes differ: {r['bad'][:3]}")
+            res[mode]["lat1"].append(med(r["rounds"][("engine", 1)]["d"]))
+            res[mode]["lat16"].append(med(r["rounds"][("engine", 16)]["d"]))
+    t = Table(title=f"7. kv_verify off vs all: {fmt_bytes(r['bytes'])} pushes ({rounds} rounds per run), D saw the "
+                    f"notification, ms: median (min-max) over {reps} alternating runs")
+    for c in ("kv_verify", "latency 1 at a time, ms", "latency 16 at once, ms"):
+        t.add_column(c)
+    for mode, v in res.items():
+        t.add_row(mode, med_range(v["lat1"]), med_range(v["lat16"]))
+    console.print(t)
+    out = {"ratio1": med(res["all"]["lat1"]) / med(res["off"]["lat1"]),
+           "ratio16": med(res["all"]["lat16"]) / med(res["off"]["lat16"]), "res": res}
+    console.print(f"  kv_verify all / off latency: 1 at a time {out['ratio1']:.2f}, 16 at once {out['ratio16']:.2f} "
+                  "(P hashes before it posts the WRITE, D before it reports the push received)")
+    return out
+
+
 def parse_sizes(text: str) -> list[float]:
     try:
         sizes = [float(x) for x in text.split(",") if x.strip()]
@@ -290,13 +320,16 @@ def main() -> int:
                     help="section 2: do not pin the engine thread to a CPU of its own (D then shares its CPUs)")
     ap.add_argument("--mib", type=int, default=64, help="bytes per push for the throughput section, MiB")
     ap.add_argument("--idle-s", type=float, default=5.0)
-    ap.add_argument("--sections", type=lambda v: {int(x) for x in v.split(",") if x.strip()}, default={1, 2, 3, 4, 5, 6},
+    ap.add_argument("--sections", type=lambda v: {int(x) for x in v.split(",") if x.strip()}, default={1, 2, 3, 4, 5, 6, 7},
                     help="sections to run, e.g. 1,2 (default: all)")
     ap.add_argument("--samples", action="store_true", help="also print every push's phase times (ms, sorted)")
     ap.add_argument("--control", choices=("curve", "plaintext"), default="curve",
                     help="the control channel of sections 1-5 (default: CURVE keys made for the run)")
     ap.add_argument("--security-reps", type=int, default=3, help="section 6: alternating runs per mode")
     ap.add_argument("--security-rounds", type=int, default=8, help="section 6: latency rounds per run")
+    ap.add_argument("--verify-reps", type=int, default=4, help="section 7: alternating runs per kv_verify mode")
+    ap.add_argument("--verify-rounds", type=int, default=8, help="section 7: latency rounds per run")
+    ap.add_argument("--verify-mib", type=float, default=0.25, help="section 7: push size, MiB")
     args = ap.parse_args()
     set_control(args.control)
     if args.reps < 1:
@@ -332,6 +365,9 @@ def main() -> int:
         ok = max(sec["ratio1"], sec["ratio16"]) <= SECURITY_LATENCY_BUDGET and sec["idle_curve"] < SECURITY_IDLE_BUDGET
         parts.append(f"security CURVE/plaintext latency {sec['ratio1']:.2f} (1) {sec['ratio16']:.2f} (16), idle "
                      f"{sec['idle_curve']:.2f}% (within budget: {'yes' if ok else 'NO'})")
+    if 7 in args.sections:
+        kv = bench_kv_verify(console, args.verify_reps, args.verify_rounds, args.verify_mib)
+        parts.append(f"kv_verify all/off latency {kv['ratio1']:.2f} (1) {kv['ratio16']:.2f} (16)")
     console.print(f"[bold]summary[/bold] ({time.monotonic() - t_start:.0f} s): " + "; ".join(parts))
     return 0
 

@@ -168,7 +168,8 @@ def main() -> int:
     procs = []
     ports = {k: free_port() for k in ("p", "d", "proxy")}
     token = secrets.token_hex(8)
-    res_args = ["--reservation", "inproc", f"--admin-token={token}"] if args.reservation == "inproc" else []
+    res_args = ["--reservation", "inproc"] if args.reservation == "inproc" else []
+    proxy_env = {**env, wire.TOKEN_ENV: token}  # the reservation service's token: never in argv
     try:
         for name, port in (("P", ports["p"]), ("D", ports["d"])):
             code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
@@ -177,7 +178,7 @@ def main() -> int:
             ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
              "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT},fabric_host=l0h0",
-             "--decode", f"http://127.0.0.1:{ports['d']},fabric_host=l1h0", *res_args], env=env))
+             "--decode", f"http://127.0.0.1:{ports['d']},fabric_host=l1h0", *res_args], env=proxy_env))
         proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
         d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
         for u in (d_url, px_url + "/health"):

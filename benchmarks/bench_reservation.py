@@ -7,15 +7,19 @@ lanes per P host and a few hundred flows kept active (target >= 20,000 decisions
 cc). Each mode runs --repeats times; the table gives the median (min..max) per second
 of the process's CPU time and of wall time. On a machine shared with other work the
 wall rate swings with the load; the CPU rate is what the code costs.
-Over HTTP: a `kvpath reservation` server in its own process, a client keeping 8
-requests in flight; p50/p99 latency of /v1/reserve.
+Over HTTP: a `kvpath reservation` server in its own process (its token in the
+environment, never on its command line), its pairs' lanes registered first, a client
+keeping 8 requests in flight as the proxy asks (no lanes named); p50/p99 latency of
+/v1/reserve.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -29,6 +33,7 @@ from rich.table import Table
 
 from kvpath.fabric import FabricSpec
 from kvpath.reservation import MODES, LaneInfo, ReservationService
+from kvpath.reservation_wire import TOKEN_ENV as RESERVATION_TOKEN_ENV
 from kvpath.testbed.readiness import free_port, wait_http
 
 SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)
@@ -82,16 +87,20 @@ def spread(v: list[float]) -> str:
     return f"{statistics.median(v):,.0f} ({min(v):,.0f}..{max(v):,.0f})"
 
 
-async def _http(url: str, n: int, conc: int) -> list[float]:
+async def _http(url: str, n: int, conc: int, token: str) -> list[float]:
     pairs = workload(n, seed=1)
     lanes = [{"lane": i, "src_port": 40000 + 17 * i} for i in range(8)]
     lat: list[float] = []
     sem = asyncio.Semaphore(conc)
-    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=conc)) as c:
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=conc),
+                                 headers={"Authorization": f"Bearer {token}"}) as c:
+        for s, d in sorted({(s, d) for s, d, _ in pairs}):  # as P's connectors do (not timed)
+            (await c.post(url + "/v1/lanes", json={"src_host": s, "dst_host": d, "lanes": lanes})).raise_for_status()
+
         async def one(i, s, d, b):
             async with sem:
                 t = time.perf_counter()
-                r = await c.post(url + "/v1/reserve", json={"src_host": s, "dst_host": d, "bytes": b, "lanes": lanes,
+                r = await c.post(url + "/v1/reserve", json={"src_host": s, "dst_host": d, "bytes": b,
                                                            "transfer_id": f"h{i}"})
                 lat.append(time.perf_counter() - t)
                 r.raise_for_status()
@@ -110,13 +119,14 @@ def bench_http(n: int, conc: int) -> dict:
     port = free_port()
     spec_file = Path(tempfile.mkdtemp()) / "fabric.json"
     spec_file.write_text(json.dumps(SPEC.to_dict()))
+    token = secrets.token_urlsafe(24)
     proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", str(port), "--mode", "cc",
-                             "--fabric", str(spec_file)])
+                             "--fabric", str(spec_file)], env={**os.environ, RESERVATION_TOKEN_ENV: token})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout_s=30, interval_s=0.1)
         t0 = time.perf_counter()
-        lat = asyncio.run(_http(url, n, conc))
+        lat = asyncio.run(_http(url, n, conc, token))
         el = time.perf_counter() - t0
     finally:
         proc.terminate()

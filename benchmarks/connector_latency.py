@@ -115,12 +115,13 @@ PHASES = (
 )
 
 
-def _latency_one(mib: float, reps: int, port: int) -> dict:
+def _latency_one(mib: float, reps: int, port: int, **knobs) -> dict:
+    """``knobs``: more connector knobs for both sides (section 7: kv_verify)."""
     blen, nb, nbytes = plan_push(mib)
     p_spec = BufferSpec(regions=REGIONS, num_blocks=nb, block_len=blen, block_size=16)
     d_spec = BufferSpec(regions=REGIONS, num_blocks=nb * CONC, block_len=blen, block_size=16)
     cfg = KVPathConfig(lanes=LANES, side_channel_port=port, ucx_net_devices="lo", lease_timeout_s=30,
-                       registration_timeout_s=60, **CONTROL_KNOBS)
+                       registration_timeout_s=60, **CONTROL_KNOBS, **knobs)
     bufs = make_buffers(p_spec, "random", seed=2)
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
     lay = layout_from_buffers(spans, nb, 16)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvpath.connector import messages as M
+from kvpath.connector.kv_verify import parse_mode as parse_kv_verify, require_hash as require_kv_hash
+from kvpath.credentials import CredentialError, read_secret_file
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.reservation_wire import RESERVE_AT
 
@@ -53,6 +55,10 @@ class KVPathConfig:
     # A directory where each push's KV is copied, as sent by P and as landed on D
     # (kvpath.connector.kv_dump), to check transfer fidelity. Debugging only.
     kv_dump_dir: str | None = None
+    # The KV integrity check (kvpath.connector.kv_verify): "off", "all", or "sample:N"
+    # (one push in N, chosen by transfer id). P sends a digest of each checked push with
+    # its completion, D hashes what landed before decoding; a mismatch fails the request.
+    kv_verify: str = "off"
     # P's control (side-channel) socket: D workers send registrations here.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = KV_SIDE_CHANNEL_PORT
@@ -84,7 +90,11 @@ class KVPathConfig:
     # In the testbed: the fabric's namespace prefix (e.g. "kvp-ab12"). Lanes are then
     # picked by the kernel's own answer (ip route get) instead of the spec's hash.
     kernel_oracle: str | None = None
-    # Bearer token for the reservation service's lane registration, when it has one.
+    # The reservation service's token (every call but /health needs it): a file holding
+    # it (keep it 0600), else the KVPATH_RESERVATION_TOKEN environment variable.
+    reservation_token_file: str | None = None
+    # Deprecated (a warning when used): the token itself, which this knob puts on
+    # vLLM's command line and in its "non-default args" log line.
     reservation_token: str | None = None
     # When a push's lane is reserved: "admission" takes the lane the proxy put in the
     # request's kv_transfer_params (reserved when it admitted the request); "push" has
@@ -186,8 +196,21 @@ class KVPathConfig:
                               f"got {self.reserve_at!r}")
         if self.reserve_at == RESERVE_AT_PUSH and not (self.reservation_url and self.fabric_host):
             raise ConfigError("kv_connector_extra_config.reserve_at=push needs reservation_url and fabric_host")
+        try:
+            if parse_kv_verify(self.kv_verify).on:
+                require_kv_hash()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not self.ucx_transport:
             raise ConfigError("kv_connector_extra_config.ucx_transport must not be empty")
+        if self.reservation_token and self.reservation_token_file:
+            raise ConfigError("kv_connector_extra_config.reservation_token_file: give it or the deprecated "
+                              "reservation_token, not both")
+        if self.reservation_token_file:  # a bad file fails at start-up, naming the knob
+            try:
+                read_secret_file(self.reservation_token_file, "kv_connector_extra_config.reservation_token_file")
+            except CredentialError as e:
+                raise ConfigError(str(e)) from None
         self.validate_security()
 
     def validate_security(self) -> None:

@@ -20,6 +20,7 @@ import zmq
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.kv_dump import KVDump
+from kvpath.connector.kv_verify import Verifier
 from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
@@ -39,6 +40,7 @@ LINGER_S = 1.0
 class EngineThread:
     STOP_TIMEOUT_S = 10.0  # close() waits this long for the thread (a lane probe takes up to 5 s)
     kv_dump: KVDump | None = None  # the kv_dump_dir knob's writer, when set
+    kv_verify: Verifier | None = None  # the kv_verify knob's hashing, when on
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class EngineThread:
         # Without vLLM (tests, benchmarks) only the layout is known.
         self.compat = compat or M.Compat(block_size=layout.block_size, kv_layout=layout.shape(), tp_rank=rank)
         self.kv_dump = KVDump(cfg.kv_dump_dir, id_prefix, rank) if cfg.kv_dump_dir else None
+        self.kv_verify = Verifier.make(cfg.kv_verify, layout, spans, id_prefix)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

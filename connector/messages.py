@@ -15,6 +15,9 @@ import hashlib
 import msgspec
 
 NOTIF_PREFIX = b"kvpath:done:"
+# A completion notification that carries kv_verify's check (digest of the pushed bytes):
+# "kvpath:done+<check>:<transfer id>". A D without kv_verify's code ignores it.
+NOTIF_CHECK_PREFIX = b"kvpath:done+"
 # Bounds a peer's timing fields must keep: a heartbeat asked every microsecond would
 # spin P's writer, a post_by_s of inf would hold a registration forever.
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
@@ -247,11 +250,29 @@ def validate_register(reg: Register) -> None:
         raise MalformedMessage(f"register with post_by_s {reg.post_by_s} outside (0, {MAX_POST_BY_S}]")
 
 
-def parse_notif(msg: bytes) -> str | None:
+def split_notif(msg: bytes) -> tuple[str, bytes | None] | None:
+    """(transfer id, kv_verify check or None) of a completion notification; None when
+    the message is not one. With a check (``NOTIF_CHECK_PREFIX``, connector/kv_verify.py)
+    the check comes first and holds no ``:``, the transfer id last."""
     if msg.startswith(NOTIF_PREFIX):
-        return msg[len(NOTIF_PREFIX):].decode("utf-8", "replace")
+        return msg[len(NOTIF_PREFIX):].decode("utf-8", "replace"), None
+    if msg.startswith(NOTIF_CHECK_PREFIX):
+        check, sep, tid = msg[len(NOTIF_CHECK_PREFIX):].partition(b":")
+        if sep:
+            return tid.decode("utf-8", "replace"), check
     return None
 
 
-def make_notif(transfer_id: str) -> bytes:
+def parse_notif(msg: bytes) -> str | None:
+    parsed = split_notif(msg)
+    return parsed[0] if parsed is not None else None
+
+
+def make_notif(transfer_id: str, check: bytes = b"") -> bytes:
+    """The completion notification; ``check`` (kv_verify's digest, no ``:`` in it) only
+    for a push that kv_verify checks: without one it is the same bytes as ever."""
+    if check:
+        if b":" in check:
+            raise ValueError("a notification's check must not hold ':'")
+        return NOTIF_CHECK_PREFIX + check + b":" + transfer_id.encode()
     return NOTIF_PREFIX + transfer_id.encode()

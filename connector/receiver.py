@@ -467,12 +467,15 @@ class PushReceiver(PeerLinks, EngineThread):
         notifs = self.agent.get_new_notifs()
         for sender, msgs in notifs.items():  # keyed by the sending agent's NIXL name
             for raw in msgs:
-                tid = M.parse_notif(raw)
-                if tid is None:
+                parsed = M.split_notif(raw)
+                if parsed is None:
                     continue
+                tid, check = parsed
+                # kv_verify: hashed before the flow ends (the blocks are still the request's)
+                bad = self.kv_verify.check_landed(self, tid, sender, check) if self.kv_verify is not None else ""
                 copied = None
                 with self._lock:
-                    w = self.state.on_done(tid, sender, self._agents)
+                    w = self.state.on_done(tid, sender, self._agents, bad)
                     if w is not None and self.kv_dump is not None and tid not in self.state.by_tid:
                         # every flow of it into this rank has landed; copied under the lock, so
                         # the engine cannot take the release (and reuse the blocks) first
@@ -485,7 +488,11 @@ class PushReceiver(PeerLinks, EngineThread):
                     self.stats.inc("notifs_stray")
                     logger.warning("dropped notification for transfer %s from agent %s", tid, sender)
                     continue
-                if not w.failed:
+                if bad:
+                    self.stats.inc("kv_verify_mismatch")
+                    self.stats.inc("recv_failed")
+                    logger.error("%s: request %s fails", bad, w.request_id)
+                elif not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
                     self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,

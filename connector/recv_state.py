@@ -210,17 +210,29 @@ class ReceiverState:
                 need = "fast"
         return need
 
-    def on_done(self, transfer_id: str, agent: str, agents: Callable[[str, str], Collection[str]]) -> Waiting | None:
+    def on_done(self, transfer_id: str, agent: str, agents: Callable[[str, str], Collection[str]],
+                bad: str = "") -> Waiting | None:
         """The push completed: the KV is there, even if D had given up meanwhile.
         Accepted only for a sent registration and from ``agent`` among
         ``agents(peer, instance)``, the NIXL agents of the P process it was sent to;
-        anything else is stray (None), and the caller counts it."""
-        w = next((f for f in self.by_tid.get(transfer_id, {}).values()
-                  if f.sent and agent in agents(f.peer, f.instance)), None)
+        anything else is stray (None), and the caller counts it.
+        ``bad``: the push completed (no more bytes come) but what landed is wrong
+        (kv_verify's mismatch): the flow fails, released at once as a completed one."""
+        w = self.done_flow(transfer_id, agent, agents)
         if w is None:
             return None
-        self._flow_ended(w, ok=True)
+        if bad:
+            self._end(w, bad)
+        else:
+            self._flow_ended(w, ok=True)
         return w
+
+    def done_flow(self, transfer_id: str, agent: str, agents: Callable[[str, str], Collection[str]]
+                  ) -> Waiting | None:
+        """The flow that a completion notification of ``transfer_id`` from ``agent``
+        ends (see ``on_done``), without ending it; None: stray."""
+        return next((f for f in self.by_tid.get(transfer_id, {}).values()
+                     if f.sent and agent in agents(f.peer, f.instance)), None)
 
     def on_ended(self, transfer_id: str, posted: bool, why: str = "", *, instance: str,
                  peer: str | None = None) -> tuple[str, Waiting | None]:

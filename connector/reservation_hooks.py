@@ -20,9 +20,31 @@ import msgspec
 
 from kvpath import reservation_wire as wire
 from kvpath.connector.telemetry import Stats
+from kvpath.credentials import CredentialError, load_secret
 from kvpath.reservation_wire import LaneInfo, ReservedCallback
 
 logger = logging.getLogger(__name__)
+
+
+def reservation_token(cfg: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """The reservation service's token for P's connector (``cfg``: its KVPathConfig):
+    the file ``reservation_token_file`` names, else the deprecated literal
+    ``reservation_token`` knob (with a warning: a knob of kv_connector_extra_config is
+    on vLLM's command line and in its "non-default args" log line), else the
+    environment variable ``KVPATH_RESERVATION_TOKEN``. A bad file, or a token that is
+    not one word of printable ASCII, raises :class:`~kvpath.credentials.CredentialError`
+    naming where it came from. The token itself is never logged."""
+    if cfg.reservation_token and not cfg.reservation_token_file:
+        logger.warning("kv_connector_extra_config.reservation_token is deprecated: it puts the token on vLLM's "
+                       "command line and in its log; use reservation_token_file (a 0600 file) or %s", wire.TOKEN_ENV)
+        token, field = cfg.reservation_token, "kv_connector_extra_config.reservation_token"
+    else:
+        field = "kv_connector_extra_config.reservation_token_file" if cfg.reservation_token_file else wire.TOKEN_ENV
+        token = load_secret(field, cfg.reservation_token_file, wire.TOKEN_ENV,
+                            None if environ is None else dict(environ))
+    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+        raise CredentialError(f"{field}: a token must be one word of printable ASCII (it travels in an HTTP header)")
+    return token
 
 
 class _Call(NamedTuple):
@@ -41,7 +63,8 @@ def _lane(row: LaneInfo | tuple[int, int] | Mapping[str, Any]) -> LaneInfo:
 
 class ReservationNotifier:
     def __init__(self, base_url: str, stats: Stats | None = None, timeout_s: float = 1.0, token: str | None = None):
-        """``token``: the service's admin token, which lane registrations need when it has one."""
+        """``token``: the service's token, sent with every call (the service refuses
+        them without it); see :func:`reservation_token`."""
         self.base_url = base_url.rstrip("/")
         self.stats = stats or Stats()
         self.timeout_s = timeout_s

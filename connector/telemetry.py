@@ -54,6 +54,9 @@ COUNTERS = (
     "peers_over_limit",
     "lane_registrations_skipped",
     "worker_pair_collisions",
+    "kv_verify_ok",
+    "kv_verify_mismatch",
+    "kv_verify_skipped",
 )
 
 

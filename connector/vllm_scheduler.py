@@ -63,9 +63,10 @@ class KVPathScheduler:
         # push, the others wait for it and take its blocks from the prefix cache.
         self._d_owner: dict[str, str] = {}
         self._owned: dict[str, str] = {}  # request id -> the transfer id it owns
+        self._owner_prompt: dict[str, list[int]] = {}  # transfer id -> its owner's prompt
         # transfers whose owner ended (the last SPENT_REMEMBERED): a child that comes
         # later computes its prefill locally instead of registering a spent id again
-        self._spent: OrderedDict[str, None] = OrderedDict()
+        self._spent: OrderedDict[str, int] = OrderedDict()  # -> hash of its prompt
         self.prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -87,12 +88,17 @@ class KVPathScheduler:
             self._role_errors[request.request_id] = why
             return 0, False
         owner = self._d_owner.get(dp.transfer_id)
-        if owner is not None and owner != request.request_id:
+        if owner is not None and owner != request.request_id and self._same_prompt(dp.transfer_id, request):
             return self._sibling(request, owner, num_computed_tokens)
-        if owner is None and dp.transfer_id in self._spent:
+        if owner is None and self._spent.get(dp.transfer_id) == hash(tuple(request.prompt_token_ids or ())):
             return self._sibling(request, "", num_computed_tokens)
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _same_prompt(self, transfer_id: str, request: "Request") -> bool:
+        """A child of the owner's request (same prompt). Another prompt under a taken
+        transfer id is a reused id: it registers and fails at once as a duplicate."""
+        return self._owner_prompt.get(transfer_id) == list(request.prompt_token_ids or [])
 
     def _sibling(self, request: "Request", owner: str, num_computed_tokens: int) -> tuple[int | None, bool]:
         """A request (a child of an ``n`` > 1 request) whose transfer another live request
@@ -124,6 +130,7 @@ class KVPathScheduler:
         self._d_waiting.add(request.request_id)
         self._d_owner[dp.transfer_id] = request.request_id
         self._owned[request.request_id] = dp.transfer_id
+        self._owner_prompt[dp.transfer_id] = list(request.prompt_token_ids or [])
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
@@ -138,7 +145,7 @@ class KVPathScheduler:
         tid = self._owned.pop(rid, None)
         if tid is not None and self._d_owner.get(tid) == rid:
             del self._d_owner[tid]  # siblings still waiting compute their prefill locally
-            self._spent[tid] = None
+            self._spent[tid] = hash(tuple(self._owner_prompt.pop(tid)))
             if len(self._spent) > SPENT_REMEMBERED:
                 self._spent.popitem(last=False)
         role_error = self._role_errors.pop(rid, None)

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import RESERVE_AT_PUSH
+from kvpath.connector.kv_verify import tokens_written
 from kvpath.connector.layout import build_descs
 from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.connector.push_state import FinishedPrefill, Match
@@ -126,15 +127,18 @@ class WriteLoop:
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
             loc, rem, nbytes = self._descs(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
+            # kv_verify: a digest of the source bytes, from blocks held until the WRITE ends
+            notif = (M.make_notif(fp.transfer_id) if self.kv_verify is None else self.kv_verify.p_notif(
+                fp.transfer_id, self.layout, self.compat, peer.hello, fp.block_ids, reg, loc))
             rec.submit_at = time.time()
             h = None
             if len(loc) == 0:  # this rank writes no head of D's: the notification alone
                 self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", instance=self.instance))
-                agent.send_notif(reg.agent_name, M.make_notif(fp.transfer_id))
+                agent.send_notif(reg.agent_name, notif)
             else:
                 l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
                 r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
-                h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, M.make_notif(fp.transfer_id))
+                h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, notif)
         except Exception as e:  # nothing was posted
             self._fail(m, f"preparing the WRITE failed: {e}", rec)
             return
@@ -168,7 +172,7 @@ class WriteLoop:
         d_bs = hello.layout.block_size
         # The tokens both sides' blocks hold: past the prompt's last token they are the
         # last blocks' unused rows (decode's, on D), never another request's block.
-        n = min(len(p_blocks) * self.layout.block_size, (reg.skip_blocks + len(reg.block_ids)) * d_bs)
+        n = tokens_written(self.layout.block_size, len(p_blocks), d_bs, reg.skip_blocks + len(reg.block_ids))
         # D's skipped blocks (its prefix hits) are not written: placeholders, never read
         return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks,
                     [0] * reg.skip_blocks + list(reg.block_ids), n, reg.skip_blocks * d_bs)

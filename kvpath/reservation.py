@@ -38,10 +38,10 @@ from typing import Callable, NamedTuple, Sequence
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.oracle import ModelOracle, PathOracle
-from kvpath.reservation_wire import METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
+from kvpath.reservation_wire import MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
 
 __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "ReservationError", "ReservationService",
-           "WorkerPair", "default_lane"]
+           "UnregisteredLanes", "WorkerPair", "default_lane"]
 
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
@@ -56,6 +56,10 @@ def default_lane(transfer_id: str, n_lanes: int) -> int:
 
 class ReservationError(ValueError):
     """Bad reservation input; the message names the field."""
+
+
+class UnregisteredLanes(ReservationError):
+    """A reservation named lanes the service does not know for the pair (the field: ``lanes``)."""
 
 
 class _Registered(NamedTuple):
@@ -227,6 +231,28 @@ class ReservationService:
         got = self._lanes.get(key, {}).get(self._pair_key(worker, pair))
         return list(got.lanes) if got else []
 
+    def check_registered(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo],
+                         scope: FlowScope | None = None) -> None:
+        """An :class:`UnregisteredLanes` error unless every one of ``lanes`` is a
+        lane registered for the host pair by a worker pair in ``scope`` (same lane id,
+        ports and protocol; addresses, when given, the registered ones). The HTTP
+        service asks this before a reservation that names its lanes: a caller may narrow
+        the candidates to lanes P has, never make up a lane (a 5-tuple P never opened)."""
+        src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
+        scope = scope if isinstance(scope, FlowScope) else _UNSCOPED
+        known: dict[tuple[int, int, int, str], list[LaneInfo]] = {}
+        for reg in self._lanes.get((src, dst), {}).values():
+            if scope.matches(reg.pair):
+                for ln in reg.lanes:
+                    known.setdefault((ln.lane, ln.src_port, ln.dst_port, ln.proto), []).append(ln)
+        for ln in lanes:
+            same = known.get((ln.lane, ln.src_port, ln.dst_port, ln.proto), ())
+            if not any((not ln.src_ip or ln.src_ip == r.src_ip) and (not ln.dst_ip or ln.dst_ip == r.dst_ip)
+                       for r in same):
+                raise UnregisteredLanes(f"lanes: lane {ln.lane} (source port {ln.src_port}) is not a lane registered "
+                                       f"for {src}->{dst}" + ("" if scope.is_empty() else " in this scope")
+                                       + ": only lanes P's connector registered can be reserved")
+
     @staticmethod
     def _pair_key(worker: str, pair: WorkerPair | None) -> str:
         if not isinstance(worker, str) or len(worker) > 512:
@@ -245,15 +271,15 @@ class ReservationService:
         now = self.clock()
         self.expire(now)
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ReservationError(f"bytes must be a non-negative integer, got {nbytes!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
+            raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
         if lanes:
             self._check_lanes(lanes)
         if scope is not None and not isinstance(scope, FlowScope):
             raise ReservationError(f"scope must be a FlowScope, got {type(scope).__name__}")
         scope = scope or _UNSCOPED
-        # a sequence number for logs, and a random part so that a stranger cannot end
-        # other clients' reservations by guessing their ids (release is unauthenticated)
+        # a sequence number for logs, and a random part so that one client cannot end
+        # another's reservations by guessing their ids (every client holds the one token)
         lease_id = f"r{next(self._ids)}-{secrets.token_hex(6)}"
         tid = transfer_id or lease_id
         cands = self._candidates(src, dst, lanes, scope)

@@ -33,20 +33,29 @@ MODES: Final = ("ecmp", "cc", "dc")  # hash-chosen lane, central decision, distr
 METRICS: Final = ("flows", "bytes")  # what cc/dc count on a link when they compare lanes
 RESERVE_AT: Final = ("admission", "push")  # the proxy reserves at admission, or P's connector at push start
 
+# ---- credentials ------------------------------------------------------------
+# Every route but HEALTH_PATH and METRICS_PATH needs ``Authorization: Bearer TOKEN``:
+# the service and its clients (the proxy, P's connectors) read TOKEN from a file or
+# from this environment variable, never from a command line (docs/reservation.md).
+TOKEN_ENV: Final = "KVPATH_RESERVATION_TOKEN"
+
 # ---- routes ---------------------------------------------------------------
-RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer
-RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent)
-LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (needs the admin token when the service has one)
-UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (admin token as LANES_PATH)
-STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters
-DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/decision_replay.py)
-HEALTH_PATH: Final = "/health"
-METRICS_PATH: Final = "/metrics"  # Prometheus
+RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer (token)
+RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent; token)
+LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (token)
+UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (token)
+STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters (token)
+DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/decision_replay.py; token)
+HEALTH_PATH: Final = "/health"  # open
+METRICS_PATH: Final = "/metrics"  # Prometheus; open
 
 # ---- bodies ---------------------------------------------------------------
 # Bounds a client cannot exceed: names and lists come from the network.
 Host = Annotated[str, Meta(min_length=1, max_length=64)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
+# One transfer's bytes: a whole 128k-token prompt of a large model is tens of GiB; a
+# number past this is a caller's bug or an attempt to skew every later decision.
+MAX_TRANSFER_BYTES: Final = 1 << 40  # 1 TiB
 
 
 class LaneInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -118,15 +127,16 @@ class FlowScope(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class ReserveRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Ask for a lane for one transfer of ``bytes`` from ``src_host`` to ``dst_host``
-    (fabric host names or IPs). ``lanes``: the candidates, when the caller has them
-    (else the lanes P's connector registered); ``transfer_id``: names the decision;
-    ``scope``: which registered worker pairs carry it (else every pair of the host
-    pair, other engines' included)."""
+    """Ask for a lane for one transfer of ``bytes`` (0 to 1 TiB) from ``src_host`` to
+    ``dst_host`` (fabric host names or IPs). ``lanes``: narrows the candidates to these,
+    each a lane P's connector registered for the pair (in ``scope``): the service over
+    HTTP refuses others (a 422 naming ``lanes``); unset: every registered lane;
+    ``transfer_id``: names the decision; ``scope``: which registered worker pairs carry
+    it (else every pair of the host pair, other engines' included)."""
 
     src_host: Host
     dst_host: Host
-    bytes: Annotated[int, Meta(ge=0)]
+    bytes: Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
     lanes: Annotated[list[LaneInfo], Meta(max_length=1024)] | None = None
     transfer_id: Annotated[str, Meta(max_length=256)] = ""
     scope: FlowScope | None = None

@@ -23,6 +23,7 @@ from kvpath.proxy.bodies import INFERENCE, ChatBody, CompletionBody, InstanceBod
 from kvpath.proxy.core import Proxy
 from kvpath.proxy.errors import describe_validation_errors, error_response, is_invalid_json
 from kvpath.proxy.instances import Instance
+from kvpath.proxy.upstream import engine_error, exc_text
 
 __all__ = ["create_app"]
 
@@ -96,10 +97,13 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
         d = next((i for i in ds if i.healthy), ds[0])
         assert proxy.session is not None
         try:
-            async with proxy.session.get(d.url + "/v1/models", timeout=proxy.answer_timeout) as r:
+            async with proxy.session.get(d.url + "/v1/models", headers=proxy.engine_headers,
+                                         timeout=proxy.answer_timeout) as r:
+                if r.status in (401, 403):  # the proxy's engine key, not the client's
+                    return error_response(502, engine_error(d, r.status, await r.text(), r.headers).message)
                 return Response(await r.read(), status_code=r.status, media_type="application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return error_response(502, f"decode {d.url} unreachable: {e!r}")
+            return error_response(502, f"decode {d.url} unreachable: {exc_text(e)}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -107,8 +111,14 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
         return JSONResponse({"status": "ok" if ok else "no instances"}, status_code=200 if ok else 503)
 
     @app.get("/status")
-    async def status() -> dict:
-        return proxy.status()
+    async def status(request: Request) -> Response:
+        # engine URLs and addresses only with the admin token; without one, counts and
+        # health by role and position; a token that is wrong is told so (not answered
+        # with the short view, which would hide a misconfigured dashboard)
+        if request.headers.get("authorization") is not None and not proxy.authorized(request):
+            return error_response(401, "admin token required for the full status (without an Authorization "
+                                       "header: the view without engine addresses)")
+        return JSONResponse(proxy.status(full=proxy.authorized(request)))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -118,7 +128,7 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
     async def add_instance(request: Request) -> Response:
         if not proxy.authorized(request):
             return error_response(401 if proxy.cfg.admin_token else 403, "admin token required" if proxy.cfg.admin_token
-                                  else "admin endpoints are disabled (start the proxy with --admin-token)")
+                                  else "admin endpoints are disabled (give the proxy an admin token: --admin-token-file or KVPATH_ADMIN_TOKEN)")
         try:
             b = InstanceBody.model_validate_json(await request.body())
         except ValidationError as e:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvpath.credentials import CredentialError, load_secret
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
 from kvpath.reservation import ReservationError, ReservationService
-from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT
+from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id", "tp")
@@ -53,6 +54,34 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+ADMIN_TOKEN_ENV = "KVPATH_ADMIN_TOKEN"  # the proxy's /admin token (else --admin-token-file)
+
+
+def secret_arg(args: argparse.Namespace, prog: str, file_opt: str, env: str, argv_opt: str = "") -> str | None:
+    """A token from ``file_opt`` (a file), else from the deprecated ``argv_opt`` (the
+    token itself on the command line, with a warning), else from the environment
+    variable ``env``; None when none is given. A bad file is a ``kvpath PROG: error``
+    naming the option, never a traceback; the token itself is never logged."""
+    dest = lambda opt: opt.lstrip("-").replace("-", "_")  # noqa: E731
+    path = getattr(args, dest(file_opt), None)
+    literal = getattr(args, dest(argv_opt), None) if argv_opt else None
+    if path and literal:
+        raise SystemExit(f"kvpath {prog}: error: give {file_opt} or the deprecated {argv_opt}, not both")
+    if literal:
+        logger.warning("%s is deprecated: a command line is readable by every local user (ps, /proc/PID/cmdline); "
+                       "use %s PATH (a 0600 file) or the %s environment variable", argv_opt, file_opt, env)
+        token, source = literal, argv_opt
+    else:
+        try:
+            token, source = load_secret(file_opt, path, env), file_opt if path else f"${env}"
+        except CredentialError as e:
+            raise SystemExit(f"kvpath {prog}: error: {e}") from None
+    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+        # it travels in an HTTP header: anything else could never match, or never be sent
+        raise SystemExit(f"kvpath {prog}: error: {source}: a token must be one word of printable ASCII")
+    return token
+
+
 def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
     p.add_argument("--fabric", help="fabric preset (small, rack3, rack4, rack4-os2, rack8) or spec file, JSON or YAML "
                                     "(default: 4 leaves x 4 spines x 4 hosts)")
@@ -88,11 +117,40 @@ def cmd_reservation(args: argparse.Namespace) -> int:
 
     from kvpath.proxy.reservation_app import create_app
 
+    token = secret_arg(args, "reservation", "--token-file", RESERVATION_TOKEN_ENV, "--admin-token")
+    if not token:
+        raise SystemExit(f"kvpath reservation: error: no token: give --token-file PATH (a file holding it) or set "
+                         f"{RESERVATION_TOKEN_ENV}; every call but /health and /metrics needs it, and the proxy and "
+                         f"P's connectors send it (docs/reservation.md)")
     svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
-    uvicorn.run(create_app(svc, admin_token=args.admin_token), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(svc, token=token), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+ENGINE_API_KEY_ENV = ("KVPATH_ENGINE_API_KEY", "VLLM_API_KEY")  # the proxy's own first, then vLLM's
+
+
+def load_engine_api_key(path: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The engines' API key (vLLM's ``--api-key``): from ``--engine-api-key-file``, else
+    $KVPATH_ENGINE_API_KEY, else $VLLM_API_KEY (what vLLM itself reads), else None. Never
+    from argv. Logs where it came from, never the key."""
+    from kvpath.credentials import CredentialError, load_secret
+
+    key, source = None, "none"
+    try:
+        if path:
+            key, source = load_secret("--engine-api-key-file", path), "--engine-api-key-file"
+        for env in ENGINE_API_KEY_ENV:
+            if key is None:
+                key, source = load_secret(env, env=env, environ=environ), f"${env}"
+    except CredentialError as e:
+        raise SystemExit(f"kvpath proxy: error: {e}") from None
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise SystemExit(f"kvpath proxy: error: {source}: the engine API key must be one line of printable ASCII")
+    logger.info("engine API key: %s", f"from {source}" if key else "none (the engines must run without --api-key)")
+    return key
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -113,19 +171,30 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
     if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
         raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
+    deprecated_admin_token = args.admin_token  # (the old --admin-token also guarded the mounted service)
+    args.admin_token = secret_arg(args, "proxy", "--admin-token-file", ADMIN_TOKEN_ENV, "--admin-token")
+    res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV) or deprecated_admin_token
     reserver: AsyncReserver | None = None
     res_app = None
     if args.mode == "push":
+        need = ("--reservation-url" if args.reservation_url and args.reserve_at == "admission"
+                else "--reservation inproc" if not args.reservation_url and args.reservation == "inproc" else "")
+        if need and not res_token:
+            raise SystemExit(f"kvpath proxy: error: {need} needs the reservation service's token: give "
+                             f"--reservation-token-file PATH (a file holding it) or set {RESERVATION_TOKEN_ENV} "
+                             f"(docs/reservation.md)")
         if args.reservation_url:
-            reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s)
+            reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s, token=res_token)
         elif args.reservation == "inproc":
             svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
             reserver = InProcessReserver(svc)
-            res_app = create_reservation_app(svc, admin_token=args.admin_token)
+            res_app = create_reservation_app(svc, token=res_token)
         if args.reserve_at == "push":
             reserver = None  # P's connectors reserve when their pushes start (reserve_at=push)
+    engine_api_key = load_engine_api_key(args.engine_api_key_file)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
+                      engine_api_key=engine_api_key,
                       first_byte_timeout_s=args.first_byte_timeout_s, chunk_gap_timeout_s=args.chunk_gap_timeout_s,
                       connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
                       health_timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
@@ -146,10 +215,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     r.add_argument("--port", type=int, default=8900, help="TCP port to listen on (default %(default)s)")
-    r.add_argument("--admin-token", help="POST /v1/lanes and /v1/lanes/unregister, GET /v1/state and "
-                                         "GET /v1/decisions then need "
-                                         "'Authorization: Bearer TOKEN' (/v1/reserve, /v1/release, /health and "
-                                         "/metrics stay open)")
+    r.add_argument("--token-file", metavar="PATH",
+                   help=f"a file holding the service's token (else the {RESERVATION_TOKEN_ENV} environment variable; "
+                        "one of the two is needed): every call but /health and /metrics needs "
+                        "'Authorization: Bearer TOKEN'")
+    r.add_argument("--admin-token", metavar="TOKEN",
+                   help="deprecated (every local user can read a command line): the token itself")
     add_reservation_args(r)
     r.set_defaults(func=cmd_reservation)
 
@@ -171,9 +242,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="round_robin",
                    help="how P and D instances are chosen: in turn, or fewest requests in flight "
                         "(default %(default)s)")
-    p.add_argument("--admin-token", help="enables /admin/instances with 'Authorization: Bearer TOKEN'; with "
-                                         "--reservation inproc, POST /reservation/v1/lanes and /reservation/v1/lanes/unregister, "
-                                         "GET /reservation/v1/state and /reservation/v1/decisions then need it too")
+    p.add_argument("--admin-token-file", metavar="PATH",
+                   help=f"a file holding the admin token (else the {ADMIN_TOKEN_ENV} environment variable): enables "
+                        "/admin/instances with 'Authorization: Bearer TOKEN' (without one they answer 403)")
+    p.add_argument("--admin-token", metavar="TOKEN",
+                   help="deprecated (every local user can read a command line): the admin token itself; also the "
+                        "reservation service's token when none is given otherwise")
+    p.add_argument("--engine-api-key-file", metavar="PATH",
+                   help="a file holding the engines' API key (vLLM's --api-key / VLLM_API_KEY), sent to them as "
+                        "'Authorization: Bearer KEY' on both legs and GET /v1/models; without it the key comes from "
+                        "$KVPATH_ENGINE_API_KEY, else $VLLM_API_KEY, else none is sent (never from the command line)")
     p.add_argument("--first-byte-timeout-s", type=float, default=300.0,
                    help="a leg with no first byte by then (a non-streamed answer: no answer) ends the request with 504")
     p.add_argument("--upstream-timeout-s", type=float, dest="first_byte_timeout_s", action=DeprecatedAlias,
@@ -200,5 +278,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "does not, and P's connectors (reserve_at=push) reserve when the push starts")
     p.add_argument("--reservation-timeout-s", type=float, default=0.05,
                    help="past this, a request goes on the hash-chosen lane (counted as a fallback)")
+    p.add_argument("--reservation-token-file", metavar="PATH",
+                   help=f"a file holding the reservation service's token (else the {RESERVATION_TOKEN_ENV} environment "
+                        "variable): sent to --reservation-url, and needed by every call to the service that "
+                        "--reservation inproc mounts at /reservation but /health and /metrics (needed with either)")
     add_reservation_args(p, "--reservation-mode")
     p.set_defaults(func=cmd_proxy)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from kvpath.proxy.instances import POLICIES
@@ -19,6 +19,9 @@ class ProxyConfig:
     mode: str = "push"  # one of kvpath.proxy.legs.MODES
     policy: str = "round_robin"
     admin_token: str | None = None
+    # sent to the engines as "Authorization: Bearer KEY" (vLLM's --api-key / VLLM_API_KEY)
+    # on both legs and GET /v1/models; never shown (repr) or logged
+    engine_api_key: str | None = field(default=None, repr=False)
     # Time to a leg's first byte (a non-streamed answer comes whole, so all of it);
     # never the length of a stream, which only the gap between chunks bounds.
     first_byte_timeout_s: float = 300.0
@@ -48,3 +51,7 @@ class ProxyConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.health_interval_s < 0 or self.unhealthy_after < 1:
             raise ValueError("health_interval_s must be >= 0 and unhealthy_after >= 1")
+        key = self.engine_api_key
+        if key is not None and not (key and key.isascii() and key.isprintable()):
+            # a header value: Starlette reads it back as latin-1, vLLM compares UTF-8
+            raise ValueError("the engine API key must be one line of printable ASCII")

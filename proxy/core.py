@@ -36,7 +36,8 @@ from kvpath.proxy.instances import Instance, InstancePool, NoInstance
 from kvpath.proxy.metrics import ProxyMetrics
 from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
-from kvpath.proxy.upstream import UpstreamError, engine_error, first_byte_timeout, is_transport_failure, transport_error
+from kvpath.proxy.upstream import (UpstreamError, engine_error, exc_text, first_byte_timeout, is_transport_failure,
+                                   transport_error)
 from kvpath.reservation_wire import AsyncReserver, FlowScope, LaneGrant
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 # below uvicorn's (so vLLM's) default keep-alive timeout of 5 s, with room for this
 # proxy's loop being late to read an answer (the idle clock starts when it does)
 IDLE_KEEPALIVE_S = 2.0
+# where an instance is: shown by GET /status only with the admin token
+PRIVATE_INSTANCE_FIELDS = ("url", "kv_addr", "fabric_host", "engine_id")
 POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection turned out closed (below)
 RESEND_WINDOW_S = 0.5  # ... and only when that showed within this long of writing it
 
@@ -111,6 +114,10 @@ class Proxy:
         for role, pool in self.pools.items():
             self.metrics.healthy.labels(role).set_function(pool.healthy_count)
         self.health = HealthChecker(self.pools, cfg.health_interval_s, cfg.health_timeout_s, cfg.unhealthy_after)
+        # what every request to an engine's API carries: vLLM's --api-key guards /v1/*
+        # (not /health or /metrics, which the probes and scrapers use without it)
+        self.engine_headers: dict[str, str] = (
+            {"Authorization": f"Bearer {cfg.engine_api_key}"} if cfg.engine_api_key else {})
         self.session: aiohttp.ClientSession | None = None
         # whole non-streamed answers (P's leg, D's when not streaming, /v1/models)
         self.answer_timeout = aiohttp.ClientTimeout(total=cfg.first_byte_timeout_s, sock_connect=cfg.connect_timeout_s)
@@ -156,7 +163,7 @@ class Proxy:
             return self._count(endpoint, error_response(422, msg, fields=fields), "schema")
         refused = legs.unsupported_field(body, self.cfg.mode)
         if refused:
-            return self._count(endpoint, error_response(422, refused[1], fields=[refused[0]]), "unsupported")
+            return self._count(endpoint, error_response(400, refused[1], fields=[refused[0]]), "unsupported")
         body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
         try:
             p, d = self.pools["prefill"].pick(), self.pools["decode"].pick()
@@ -185,7 +192,9 @@ class Proxy:
                    tid: str) -> Response:
         assert self.session is not None
         stream = bool(body.get("stream"))
-        headers = {"X-Request-Id": tid}
+        # built here, never copied from the client's request: its own Authorization (a
+        # key for this proxy, or a guess) never reaches an engine, the proxy's key does
+        headers = {"X-Request-Id": tid, **self.engine_headers}
         answer_headers = {TRANSFER_ID_HEADER: tid}
         grant = LaneGrant()
         self._enter(p, d)
@@ -270,7 +279,7 @@ class Proxy:
         except (aiohttp.ClientError, ChunkGapTimeout) as e:
             # the client has its 200 already: say it in the stream, as vLLM does
             code = 504 if isinstance(e, ChunkGapTimeout) else 502
-            message = str(e) if code == 504 else f"decode {d.url} stream broke: {e!r}"
+            message = str(e) if code == 504 else f"decode {d.url} stream broke: {exc_text(e)}"
             status = str(code)
             self._leg_failed(d, e)
             self.metrics.errors.labels("upstream_stream_error").inc()
@@ -393,14 +402,14 @@ class Proxy:
                 if attempt == POST_ATTEMPTS - 1 or not closed_before_read(e, ctx, loop.time()) or not (
                         resend or unwritten(e)):
                     raise
-                logger.info("a pooled connection to %s was closed before the request was read (%r): sent again",
-                            url, e)
+                logger.info("a pooled connection to %s was closed before the request was read (%s): sent again",
+                            url, exc_text(e))
         raise AssertionError("unreachable")
 
     def _leg_failed(self, inst: Instance, exc: BaseException) -> None:
         inst.errors += 1
         if is_transport_failure(exc):
-            self.health.failed(inst, f"leg failed: {exc!r}")
+            self.health.failed(inst, f"leg failed: {exc_text(exc)}")
 
     def _leg_timed_out(self, inst: Instance) -> UpstreamError:
         inst.errors += 1
@@ -475,10 +484,21 @@ class Proxy:
     def authorized(self, request: Request) -> bool:
         return bearer_ok(request.headers.get("authorization"), self.cfg.admin_token)
 
-    def status(self) -> dict:
+    def status(self, full: bool = False) -> dict:
+        """The proxy's state. ``full`` (the admin token was given): every instance with
+        its URL, KV address, fabric host and engine id; else each instance by its role
+        and position only, with its counts and health (dashboards, readiness checks)."""
+        def view(i: int, inst: Instance) -> dict:
+            d = inst.to_dict()
+            if not full:
+                for k in PRIVATE_INSTANCE_FIELDS:
+                    d.pop(k, None)
+            return {"index": i, **d}
+
         return {
             "mode": self.cfg.mode, "policy": self.cfg.policy,
             "reservation": type(self.reserver).__name__ if self.reserver else None,
-            "prefill": [i.to_dict() for i in self.pools["prefill"].all()],
-            "decode": [i.to_dict() for i in self.pools["decode"].all()],
+            "prefill": [view(n, i) for n, i in enumerate(self.pools["prefill"].all())],
+            "decode": [view(n, i) for n, i in enumerate(self.pools["decode"].all())],
+            "redacted": not full,
         }

@@ -1,6 +1,6 @@
 """``kvpath reservation``: the reservation service over HTTP (FastAPI).
 
-POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?} -> lane, path, lease
+POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?, scope?} -> lane, path, lease
 POST /v1/release   {lease_id} -> {released}   (idempotent)
 POST /v1/lanes     {src_host, dst_host, pair?, worker?, lanes} (P connectors register the lanes
                    they opened: per (P worker, D worker) pair, each lane's full 5-tuple)
@@ -10,13 +10,14 @@ GET  /v1/state, /v1/decisions?since=UNIX_S, /health, /metrics
 The routes and bodies are kvpath.reservation_wire's (one definition for the service
 and its clients).
 
-With an admin token, POST /v1/lanes and /v1/lanes/unregister need ``Authorization:
-Bearer <token>``: a forged registration would steer every later flow of that host pair
-(or point it at lanes P does not have). /v1/reserve and /v1/release stay open: the
-proxy and P connectors call them per request, and what a stranger could do with them
-(add load records, end others') only skews the loads decisions see until leases or
-pushes end. The reads GET /v1/state and /v1/decisions name P/D agents and live
-transfer ids, so they need the token too; /health and /metrics stay open.
+Every route but /health and /metrics needs ``Authorization: Bearer <token>``: the
+lane registry steers every later flow of a host pair (a forged registration, or a
+removal, moves them); reserve and release skew the loads every decision sees and end
+other clients' leases; the reads name P/D agents, live transfer ids and lease ids.
+A service built without a token answers those routes 403 (``kvpath reservation`` and
+``kvpath proxy --reservation inproc`` refuse to start without one). A reservation that
+names its ``lanes`` may name only lanes registered for the pair (a 422 naming
+``lanes`` otherwise): a caller narrows the candidates, it never makes lanes up.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvpath import reservation_wire as wire
 from kvpath.proxy.auth import bearer_ok
 from kvpath.proxy.body_limit import BodyLimit
 from kvpath.proxy.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
-from kvpath.reservation import ReservationError, ReservationService
+from kvpath.reservation import ReservationError, ReservationService, UnregisteredLanes
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +100,9 @@ def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"error": msg, "fields": fields}, status_code=422)
 
 
-def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token: str | None = None) -> FastAPI:
-    """``admin_token``: required by the calls that change the lane registry and by the
-    reads of state and decisions (see above)."""
+def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str | None = None) -> FastAPI:
+    """``token``: what every call but /health and /metrics needs (see above); without
+    one those calls answer 403."""
     reg = CollectorRegistry()
     m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
     m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)
@@ -126,22 +127,40 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.state.svc = svc
 
-    def check_admin(request: Request) -> None:
-        if admin_token and not bearer_ok(request.headers.get("authorization"), admin_token):
-            raise HTTPException(401, "admin token required (Authorization: Bearer TOKEN)",
+    def check_token(request: Request) -> None:
+        if not token:
+            raise HTTPException(403, "the reservation service's API is disabled: it was started without a token "
+                                     f"(--token-file PATH or {wire.TOKEN_ENV})")
+        if not bearer_ok(request.headers.get("authorization"), token):
+            raise HTTPException(401, "token required (Authorization: Bearer TOKEN)",
                                 headers={"WWW-Authenticate": "Bearer"})
+
+    async def authorized_body(request: Request, kind: type[Body]) -> Body:
+        """The body as ``kind``, after the token: a body that is not JSON at all is a
+        400 even before it, any other fault of the body (422) only after it."""
+        raw = await request.body()
+        if not (token and bearer_ok(request.headers.get("authorization"), token)):
+            if raw.strip():  # an empty body is the fields' error (422), after the token
+                parse_json(raw)
+            check_token(request)  # raises
+        return parse_body(raw, kind)  # one decode on the way every client with the token takes
 
     # Handlers are async on purpose: the event loop serializes them, so the
     # in-process service needs no lock. Bodies are the wire's types (msgspec).
     @app.post(wire.RESERVE_PATH)
     async def reserve(request: Request) -> Response:
         try:
-            body = parse_body(await request.body(), wire.ReserveRequest)
+            body = await authorized_body(request, wire.ReserveRequest)
         except BadBody as e:
             return e.response
         t0 = time.perf_counter()
         try:
+            if body.lanes:  # only lanes P registered: a made-up lane would steer the flow off P's paths
+                svc.check_registered(body.src_host, body.dst_host, body.lanes, body.scope)
             r = svc.reserve(body.src_host, body.dst_host, body.bytes, body.lanes, body.transfer_id, body.scope)
+        except UnregisteredLanes as e:
+            m_dec.labels(svc.mode, "rejected").inc()
+            return BadBody(422, str(e), ["lanes"]).response
         except ReservationError as e:
             m_dec.labels(svc.mode, "rejected").inc()
             raise HTTPException(422, str(e)) from None
@@ -152,7 +171,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
     @app.post(wire.RELEASE_PATH)
     async def release(request: Request) -> Response:
         try:
-            body = parse_body(await request.body(), wire.ReleaseRequest)
+            body = await authorized_body(request, wire.ReleaseRequest)
         except BadBody as e:
             return e.response
         ok = svc.release(body.lease_id)
@@ -161,12 +180,8 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
 
     @app.post(wire.LANES_PATH)
     async def lanes(request: Request) -> Response:
-        raw = await request.body()
         try:
-            if raw.strip():  # an empty body is the fields' error (422), after the token
-                parse_json(raw)  # a body that is not JSON at all is a 400 even before the token
-            check_admin(request)  # then the token, before the body's fields are looked at
-            body = parse_body(raw, wire.LanesRequest)
+            body = await authorized_body(request, wire.LanesRequest)
         except BadBody as e:
             return e.response
         try:
@@ -177,12 +192,8 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
 
     @app.post(wire.UNREGISTER_PATH)
     async def unregister(request: Request) -> Response:
-        raw = await request.body()
         try:
-            if raw.strip():
-                parse_json(raw)
-            check_admin(request)
-            body = parse_body(raw, wire.LanesRemoval)
+            body = await authorized_body(request, wire.LanesRemoval)
         except BadBody as e:
             return e.response
         try:
@@ -191,16 +202,16 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, admin_token
             raise HTTPException(422, str(e)) from None
         return _json(wire.LanesAnswer(n > 0, n))
 
-    # The reads name P/D agents and live transfer ids: behind the token when there is one.
+    # The reads name P/D agents, live transfer ids and lease ids: behind the token.
     @app.get(wire.STATE_PATH)
     async def state(request: Request) -> dict:
-        check_admin(request)
+        check_token(request)
         return svc.state()
 
     @app.get(wire.DECISIONS_PATH)
     async def decisions(request: Request, since: float = 0.0) -> dict:
         """The service's last decisions (up to 100,000), those made after ``since`` (unix s)."""
-        check_admin(request)
+        check_token(request)
         return {"decisions": [d for d in svc.decisions if d["at"] > since]}
 
     @app.get(wire.HEALTH_PATH)

@@ -44,11 +44,17 @@ class InProcessReserver:
 
 
 class HttpReserver:
-    """A ``kvpath reservation`` service (``--reservation-url``)."""
+    """A ``kvpath reservation`` service (``--reservation-url``). ``token``: the
+    service's token, sent as ``Authorization: Bearer`` with every call (the service
+    refuses reserve and release without it: ``http_401``, ``http_403``).
+    ``transport``: httpx's, for tests."""
 
-    def __init__(self, url: str, timeout_s: float = 0.05):
+    def __init__(self, url: str, timeout_s: float = 0.05, token: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.url = url.rstrip("/")
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=64))
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=64), headers=headers,
+                                        transport=transport)
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                       transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant:

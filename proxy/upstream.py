@@ -30,10 +30,24 @@ def engine_status(code: int) -> tuple[int, str]:
 
 
 def engine_error(inst: Instance, status: int, text: str, headers: Mapping[str, str]) -> UpstreamError:
+    if status in (401, 403):
+        # the engine refused the proxy's credentials, not the client's: the proxy's fault
+        return UpstreamError(502, "upstream_auth", f"{inst.role} {inst.url} refused the proxy's engine API key "
+                             f"({status} {engine_message(text)}): give the proxy the engines' key "
+                             f"(--engine-api-key-file, $KVPATH_ENGINE_API_KEY or $VLLM_API_KEY)")
     code, kind = engine_status(status)
     retry = headers.get("Retry-After")
     return UpstreamError(code, kind, f"{inst.role} {inst.url}: {engine_message(text)}",
                          {"Retry-After": retry} if retry and code in (429, 503) else None)
+
+
+def exc_text(exc: BaseException) -> str:
+    """``repr(exc)`` for messages and logs, except aiohttp's ClientResponseError family
+    (a malformed answer, too many redirects), whose repr holds the request's headers and
+    so the engine API key: its type and ``str`` (status, message, URL) instead."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{type(exc).__name__}({exc})"
+    return repr(exc)
 
 
 def transport_error(inst: Instance, exc: BaseException, what: str) -> UpstreamError:
@@ -42,7 +56,7 @@ def transport_error(inst: Instance, exc: BaseException, what: str) -> UpstreamEr
         return UpstreamError(504, "upstream_timeout", f"upstream {inst.role} {inst.url} timed out: {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         return first_byte_timeout(inst)
-    return UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} {what}: {exc!r}")
+    return UpstreamError(502, "upstream_error", f"upstream {inst.role} {inst.url} {what}: {exc_text(exc)}")
 
 
 def first_byte_timeout(inst: Instance) -> UpstreamError:

@@ -74,8 +74,8 @@ else
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$DI/METADATA"
   printf 'vllm-0.32.0+cpu.dist-info/METADATA,,\nvllm-0.32.0+cpu.dist-info/RECORD,,\n' > "$DI/RECORD"
 fi
-log "installing plotting (matplotlib), the testbed's netlink library (pyroute2) and the bridge's ns-3 and pyarrow"
-"${PIP[@]}" -r requirements/plots.txt -r requirements/testbed.txt -r requirements/bridge.txt
+log "installing plotting (matplotlib), the testbed's netlink library (pyroute2), the bridge's ns-3 and pyarrow, and xxhash"
+"${PIP[@]}" -r requirements/plots.txt -r requirements/testbed.txt -r requirements/bridge.txt -r requirements/connector.txt
 log "installing selenium (the report's browser test drives chromium with it)"
 "${PIP[@]}" -r requirements/test.txt
 log "installing Ray (the bridge's sweep runs on a Ray cluster when given its address)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
         keys = wd / "keys"
         shutil.rmtree(keys, ignore_errors=True)
         common = dict(lanes=lanes, ucx_net_devices="lo", keys_dir=keys)
-        p = VLLMServer(model, base_port, cpu=0, log_path=str(wd / "p.log"),
+        # the engines' API key (vLLM's --api-key, given as VLLM_API_KEY: never in argv),
+        # made for this demo and held in memory only: the demo's client sends it
+        api_key = secrets.token_urlsafe(24)
+        p = VLLMServer(model, base_port, cpu=0, log_path=str(wd / "p.log"), api_key=api_key,
                        kv_transfer_config=connector_config("kv_producer", base_port + 500, trace_path=str(trace), **common))
-        d = VLLMServer(model, base_port + 100, cpu=1, log_path=str(wd / "d.log"),
+        d = VLLMServer(model, base_port + 100, cpu=1, log_path=str(wd / "d.log"), api_key=api_key,
                        kv_transfer_config=connector_config("kv_consumer", base_port + 600, **common))
         try:
             p.start()
@@ -56,7 +60,7 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
             prog.update(t, description=f"sending {n_requests} requests decode-only, then P-then-D")
             try:
                 refs, results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests,
-                                                  max_tokens))
+                                                  max_tokens, p.headers))
             except httpx.HTTPError as e:  # an engine answered with an error or not at all: one line, not a traceback
                 console.print(f"[red]kvpath connector demo: error: {type(e).__name__}: {e}[/red] (logs in {wd})")
                 return 1
@@ -104,6 +108,7 @@ def _lane(ln: LaneRecord) -> str:
     return f"lane {ln.lane} {where}" + (f" via {ln.path}" if ln.path else "")
 
 
-async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int) -> tuple[list[str], list[PDResult]]:
-    async with httpx.AsyncClient(timeout=120) as client:
+async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int,
+                headers: dict[str, str] | None = None) -> tuple[list[str], list[PDResult]]:
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:  # headers: the engines' API key
         return await pd_and_decode_only(client, p_url, d_url, peer, corpus_prompts(n), max_tokens)

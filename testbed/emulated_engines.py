@@ -50,7 +50,7 @@ class EmulatedEngines:
             "--reservation-url", f"{proxy_url}/reservation", "--trace", str(site.transfer_trace(host)),
             "--engine-id", engine_id(role, host), "--reserve-at", cfg.reserve_at,
             "--control-key", keys["control_key"], "--control-trusted-keys", keys["control_trusted_keys"],
-            f"--reservation-token={site.admin_token}",  # one argv word: a token may start with "-"
+            "--reservation-token-file", str(site.token_file),  # the file's path: the token never in argv
         ])
 
     def start(self, proxy_url: str) -> None:

@@ -188,7 +188,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                        reserve_at=args.reserve_at, control_key=args.control_key or None,
                        control_trusted_keys=args.control_trusted_keys or None,
                        control_plaintext=args.control_plaintext,
-                       reservation_token=args.reservation_token or None,
+                       reservation_token_file=args.reservation_token_file or None,
                        idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0)
     cfg.validate()
     if args.role == "prefill":
@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control-key", default="", help="the connector's control_key (a NAME.key_secret file)")
     ap.add_argument("--control-trusted-keys", default="", help="the connector's control_trusted_keys (a directory)")
     ap.add_argument("--control-plaintext", action="store_true", help="no keys (loopback only)")
-    ap.add_argument("--reservation-token", default="", help="the connector's reservation_token")
+    ap.add_argument("--reservation-token-file", default="",
+                    help="the connector's reservation_token_file (a file holding the reservation service's token)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

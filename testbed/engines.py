@@ -59,17 +59,26 @@ class RunSite:
         return self.out / f"transfers-{host}.jsonl"
 
     @property
-    def admin_token(self) -> str:
-        """The run's token for the reservation service's lane registration and reads (the
-        proxy mounts it with --admin-token; P connectors send it as reservation_token)."""
+    def token_file(self) -> Path:
+        """The run's token for the reservation service the proxy mounts, in a 0600 file
+        made on first use: the proxy reads it (--reservation-token-file), P connectors too
+        (reservation_token_file). Processes get the file's path, never the token on argv."""
         path = self.out / "keys" / "admin-token"
         if not path.exists():
             import secrets
 
+            from kvpath.credentials import write_secret_file
+
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path.write_text(secrets.token_urlsafe(24))
-            path.chmod(0o600)
-        return path.read_text()
+            write_secret_file(path, secrets.token_urlsafe(24))
+        return path
+
+    @property
+    def admin_token(self) -> str:
+        """The token in :attr:`token_file` (what this process sends to read the service)."""
+        from kvpath.credentials import read_secret_file
+
+        return read_secret_file(self.token_file, "the run's reservation token")
 
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}

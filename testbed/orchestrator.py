@@ -255,9 +255,12 @@ def proxy_argv(site: RunSite, engines: Engines) -> list[str]:
                  "--fabric", str(site.spec_file), "--kernel-oracle", fabric.prefix, "--dc-delay-s", str(cfg.dc_delay_s),
                  "--kv-bytes-per-token", str(engines.kv_bytes_per_token()), "--lease-s", "60",
                  "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric,
-                 f"--admin-token={site.admin_token}"]  # one argv word: a token may start with "-"
+                 "--reservation-token-file", str(site.token_file)]  # the file's path: the token never in argv
     else:  # vLLM's in-tree connectors: D pulls (NixlConnector), or P writes (NixlPushConnector)
         argv += ["--mode", "inproc-push" if cfg.connector == "nixl-push" else "pull"]
+    key_file = getattr(engines, "api_key_file", None)  # real vLLM engines run with an API key
+    if key_file is not None:
+        argv += ["--engine-api-key-file", str(key_file)]  # the file's path: the key itself never in argv
     return argv + site.proxy_instance_args()
 
 
@@ -267,7 +270,9 @@ def wait_in_rotation(proxy_url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         st = httpx.get(f"{proxy_url}/status", timeout=10).json()
-        down = [i["url"] for role in ("prefill", "decode") for i in st[role] if not i["healthy"]]
+        # /status without the admin token names instances by role and position, not URL
+        down = [i.get("url") or f"{role} #{i['index']}" for role in ("prefill", "decode") for i in st[role]
+                if not i["healthy"]]
         if not down:
             return
         if time.monotonic() > deadline:

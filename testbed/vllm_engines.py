@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -55,6 +57,28 @@ class VllmEngines:
         self.model_name = MODEL_NAME
         self._servers: dict[str, VLLMServer] = {}  # host -> server
 
+    @property
+    def api_key_file(self) -> Path:
+        """The run's key for the engines' API (vLLM's --api-key), made on first use in the
+        run's keys folder (0600): the engines get it as VLLM_API_KEY, the proxy with
+        --engine-api-key-file, and neither ever on a command line."""
+        from kvpath.credentials import write_secret_file
+
+        path = self.site.out / "keys" / "engine-api-key"
+        if not path.exists():
+            write_secret_file(path, secrets.token_urlsafe(24))
+        return path
+
+    @property
+    def api_key(self) -> str:
+        from kvpath.credentials import read_secret_file
+
+        return read_secret_file(self.api_key_file, "engine API key")
+
+    @property
+    def api_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
     def kv_bytes_per_token(self) -> int:
         from kvpath.tiny_model import TinyModelSpec
 
@@ -78,7 +102,7 @@ class VllmEngines:
                                   trace_path=str(site.transfer_trace(pl.host)), lanes=cfg.lanes,
                                   reservation_url=f"{proxy_url}/reservation", fabric_spec=str(site.spec_file),
                                   kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at,
-                                  reservation_token=site.admin_token)
+                                  reservation_token_file=str(site.token_file))
             if len(set(cfg.tp_sizes)) > 1:
                 # an engine at TP=1 stepping back to back while it waits for a push starved
                 # the P rank sharing its core (docs/connector.md, "TP > 1 on a busy CPU")
@@ -105,7 +129,7 @@ class VllmEngines:
             extra = ["--tensor-parallel-size", str(tp)]
         return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip,
                           wrap=site.fabric.exec_argv(pl.host, []), log_path=str(site.engine_log(pl.role, pl.host)),
-                          env=env, extra_args=extra)
+                          env=env, extra_args=extra, api_key=self.api_key)
 
     def start(self, proxy_url: str) -> None:
         from kvpath.tiny_model import build_tiny_model
@@ -184,7 +208,7 @@ class VllmEngines:
     def decode_only(self, client: list[dict[str, Any]], workload: Any) -> dict[str, Any]:
         seed = self.site.cfg.seed
         prompts = {r.request_id: prompt_ids(i, r.prompt_tokens, seed) for i, r in enumerate(workload.requests)}
-        out = decode_only_check(self.site.url(self.site.p_hosts[0]), client, prompts)
+        out = decode_only_check(self.site.url(self.site.p_hosts[0]), client, prompts, self.api_headers)
         # at unequal TP sizes D decodes at another TP size than P alone does: its greedy
         # tokens may legitimately differ (tests/test_tp_vllm_e2e.py checks the KV bytes)
         out["required"] = len(set(self.site.cfg.tp_sizes)) == 1
@@ -205,13 +229,14 @@ async def _direct(client: httpx.AsyncClient, url: str, prompt: list[int], max_to
     return r.json()["choices"][0]["text"]
 
 
-def decode_only_check(p_url: str, rows: list[dict[str, Any]], prompts: dict[str, list[int]]) -> dict[str, Any]:
+def decode_only_check(p_url: str, rows: list[dict[str, Any]], prompts: dict[str, list[int]],
+                      headers: dict[str, str] | None = None) -> dict[str, Any]:
     """Every completed request again on P alone (prefill and decode in one engine, no KV
-    transfer): its text must equal what came back through P/D."""
+    transfer): its text must equal what came back through P/D. ``headers``: P's API key."""
     done = [r for r in rows if r["status"] == "ok"]
 
     async def go() -> list[str]:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, headers=headers) as c:
             sem = asyncio.Semaphore(8)
 
             async def one(r: dict[str, Any]) -> str:

@@ -60,11 +60,20 @@ class VLLMServer:
     block_size: int = 32  # CPU attention needs a multiple of 32
     host: str = "127.0.0.1"  # the API server's bind address
     wrap: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: run inside a namespace
+    # vLLM's API key: /v1/* then needs "Authorization: Bearer KEY" (/health and
+    # /metrics stay open). It reaches vLLM as VLLM_API_KEY in the child's environment,
+    # never on its command line (readable by every local user, and logged)
+    api_key: str | None = field(default=None, repr=False)
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request to this server's /v1/* carries (its API key, when it has one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def command(self) -> list[str]:
         cmd = [
@@ -82,6 +91,8 @@ class VLLMServer:
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         env.update(self.env)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         logger.info("starting %s", " ".join(self.command()))
         self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

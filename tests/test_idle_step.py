@@ -176,3 +176,25 @@ def test_children_of_an_n_above_one_request_share_one_push_on_d():
                                        status=None), [1, 2, 3, 4])
     assert s.get_num_new_matched_tokens(kid2, 32) == (0, False)  # never a second registration of a spent id
     assert kid2.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_another_prompt_under_a_taken_transfer_id_is_not_a_sibling():
+    from kvpath.connector.params import decode_leg_params
+
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    params = decode_leg_params("t1", "127.0.0.1:5600")
+    owner = SimpleNamespace(request_id="a", prompt_token_ids=list(range(100)), kv_transfer_params=dict(params))
+    blocks = SimpleNamespace(get_block_ids=lambda: [[1, 2, 3, 4]], get_unhashed_block_ids=lambda: [1, 2, 3, 4])
+    s.get_num_new_matched_tokens(owner, 0)
+    s.update_state_after_alloc(owner, blocks, 100)
+    reuse = SimpleNamespace(request_id="b", prompt_token_ids=list(range(1, 101)), kv_transfer_params=dict(params))
+    assert s.get_num_new_matched_tokens(reuse, 0) == (100, True)  # registers: D's state refuses the duplicate
+    # after the owner ended, only its own prompt is served from the cache
+    s.request_finished(SimpleNamespace(request_id="a", kv_transfer_params=owner.kv_transfer_params, status=None), [])
+    late = SimpleNamespace(request_id="c", prompt_token_ids=list(range(100)), kv_transfer_params=dict(params))
+    assert s.get_num_new_matched_tokens(late, 96) == (0, False)
+    stranger = SimpleNamespace(request_id="e", prompt_token_ids=[7] * 100, kv_transfer_params=dict(params))
+    assert s.get_num_new_matched_tokens(stranger, 0) == (100, True)

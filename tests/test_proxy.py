@@ -36,19 +36,46 @@ def wait_until(cond, timeout_s=10.0):
     return cond()
 
 
+class EngineKeyCheck:
+    """vLLM's ``--api-key`` check, as vllm/entrypoints/serve/middleware/authenticate.py
+    (0.32) does it: a path under /v1 needs ``Authorization: Bearer KEY`` (else 401
+    ``{"error": "Unauthorized"}``), /health and /metrics stay open. ``seen``: the
+    (path, Authorization) of every request."""
+
+    def __init__(self, app, key):
+        self.app, self.key, self.seen = app, key, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            self.seen.append((scope["path"], auth))
+            if scope["path"].startswith("/v1") and auth != f"Bearer {self.key}":
+                from starlette.responses import JSONResponse
+
+                return await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+RES_TOKEN = "r3s-t0ken"  # the reservation service's (the proxy's admin token is another)
+
+
 class Setup:
-    def __init__(self, mode="push", n_p=1, n_d=1, policy="round_robin", reservation="http", token="s3cret", **cfg):
+    def __init__(self, mode="push", n_p=1, n_d=1, policy="round_robin", reservation="http", token="s3cret",
+                 engine_key=None, **cfg):
         self.pb = [StubBehaviour() for _ in range(n_p)]
         self.db = [StubBehaviour() for _ in range(n_d)]
         self.servers = []
-        self.p = [self._serve(create_stub_app(f"P{i}", b)) for i, b in enumerate(self.pb)]
-        self.d = [self._serve(create_stub_app(f"D{i}", b)) for i, b in enumerate(self.db)]
+        self.guards = []  # with engine_key: every engine checks it, as vLLM's --api-key does
+        self.p = [self._serve(self._engine(create_stub_app(f"P{i}", b), engine_key)) for i, b in enumerate(self.pb)]
+        self.d = [self._serve(self._engine(create_stub_app(f"D{i}", b), engine_key)) for i, b in enumerate(self.db)]
+        if engine_key:
+            cfg["engine_api_key"] = engine_key
         self.svc = ReservationService(SPEC, "cc", lease_s=30)
         self.svc.register_lanes("l0h0", "l1h0", lanes(), pair=WorkerPair(p_engine="eng0", d_engine="deng0"))
         reserver = None
         if reservation == "http":
-            self.res = self._serve(create_reservation_app(self.svc))
-            reserver = HttpReserver(self.res.url, timeout_s=0.5)
+            self.res = self._serve(create_reservation_app(self.svc, token=RES_TOKEN))
+            reserver = HttpReserver(self.res.url, timeout_s=0.5, token=RES_TOKEN)
         elif reservation == "inproc":
             reserver = InProcessReserver(self.svc)
         self.proxy = Proxy(
@@ -57,9 +84,15 @@ class Setup:
             [Instance(s.url, "decode", "l1h0", engine_id=f"deng{i}") for i, s in enumerate(self.d)],
             reserver,
         )
-        res_app = create_reservation_app(self.svc, admin_token=token) if reservation == "inproc" else None
+        res_app = create_reservation_app(self.svc, token=RES_TOKEN) if reservation == "inproc" else None
         self.px = self._serve(create_app(self.proxy, res_app))
         self.url = self.px.url
+
+    def _engine(self, app, key):
+        if not key:
+            return app
+        self.guards.append(EngineKeyCheck(app, key))
+        return self.guards[-1]
 
     def _serve(self, app):
         s = ServerThread(app, next(_ports)).start()
@@ -378,24 +411,30 @@ def test_reservation_service_down_falls_back_and_counts(setup):
 
 @pytest.mark.parametrize("setup", [{"reservation": "inproc"}], indirect=True)
 def test_inproc_reservation_api_is_mounted_on_the_proxy(setup):
-    """With the service in the proxy, connectors register lanes at /reservation;
-    registering and reading need the proxy's admin token, reserving and releasing do not."""
+    """With the service in the proxy, connectors register lanes at /reservation; every
+    call but /health and /metrics needs the reservation service's token (not the
+    proxy's admin token: tests/test_reservation_auth.py)."""
     url = setup.url + "/reservation/v1/lanes"
     lanes_body = {"src_host": "l0h1", "dst_host": "l1h1", "lanes": [
         {"lane": 0, "src_port": 41000}, {"lane": 1, "src_port": 41001}]}
     assert httpx.post(url, json=lanes_body).status_code == 401
-    assert httpx.post(url, json=lanes_body, headers={"Authorization": "Bearer s3cre"}).status_code == 401
-    h = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(url, json=lanes_body, headers={"Authorization": "Bearer s3cret"}).status_code == 401
+    h = {"Authorization": f"Bearer {RES_TOKEN}"}
     r = httpx.post(url, json=lanes_body, headers=h)
     assert r.status_code == 200, r.text
     assert httpx.post(url, json={"src_host": "l0h1"}, headers=h).status_code == 422
     assert httpx.get(setup.url + "/reservation/v1/state").status_code == 401  # the reads name agents and transfers
     st = httpx.get(setup.url + "/reservation/v1/state", headers=h).json()
     assert st["lanes_known"]["l0h1->l1h1"] == {"": [[0, 41000, 0], [1, 41001, 0]]}
-    res = httpx.post(setup.url + "/reservation/v1/reserve", json={"src_host": "l0h1", "dst_host": "l1h1", "bytes": 1})
+    body = {"src_host": "l0h1", "dst_host": "l1h1", "bytes": 1}
+    assert httpx.post(setup.url + "/reservation/v1/reserve", json=body).status_code == 401
+    res = httpx.post(setup.url + "/reservation/v1/reserve", json=body, headers=h)
     assert res.status_code == 200 and res.json()["lane"] in (0, 1)
-    rel = httpx.post(setup.url + "/reservation/v1/release", json={"lease_id": res.json()["lease_id"]})
+    lease = {"lease_id": res.json()["lease_id"]}
+    assert httpx.post(setup.url + "/reservation/v1/release", json=lease).status_code == 401
+    rel = httpx.post(setup.url + "/reservation/v1/release", json=lease, headers=h)
     assert rel.status_code == 200 and rel.json()["released"] is True
+    assert httpx.get(setup.url + "/reservation/health").status_code == 200
     assert post(setup.url, BODY).status_code == 200  # l0h0 -> l1h0, lanes from the fixture
     kvp = setup.p_legs(1)[-1]["body"]["kv_transfer_params"]["kvpath"]
     assert kvp["lane"] is not None and kvp["lease_id"]
@@ -578,27 +617,207 @@ def test_a_dead_instance_leaves_rotation_after_failed_legs(setup):
     assert 'kvpath_proxy_healthy_instances{role="decode"} 1.0' in setup.metrics()
 
 
-@pytest.mark.parametrize("setup", [{"mode": "push"}, {"mode": "inproc-push"}, {"mode": "pull"}], indirect=True)
-def test_n_above_1_is_refused_in_the_push_modes(setup):
-    mode = setup.proxy.cfg.mode
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
-    asks = [("/v1/completions", {**BODY, "n": 2}, "n"), ("/v1/chat/completions", {**chat, "n": 3}, "n"),
-            ("/v1/completions", {**BODY, "best_of": 2}, "best_of"),
-            ("/v1/completions", {**BODY, "n": 2, "stream": True}, "n")]
-    for path, body, field in asks:
-        r = httpx.post(setup.url + path, json=body, timeout=10)
-        if mode == "pull":
-            assert r.status_code == 200, (path, body)  # pull mode passes n on, as before
-            continue
-        assert r.status_code == 422, (path, body)
-        err = r.json()["error"]
-        assert err["fields"] == [field] and "separate requests" in err["message"] and field in err["message"]
-    if mode == "pull":
-        assert setup.db[0].received[0]["body"]["n"] == 2
-    else:
-        assert not setup.db[0].received and not setup.pb[0].received
-        assert 'kvpath_proxy_errors_total{kind="unsupported"} 4.0' in setup.metrics()
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
+ALL_MODES = [{"mode": "push"}, {"mode": "inproc-push"}, {"mode": "pull"}]
+
+
+def refused(r, field):
+    """A 400 from the proxy itself, in its error shape, naming ``field``."""
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["fields"] == [field] and err["message"].startswith(f"{field}: ")
+    assert TRANSFER_ID_HEADER.lower() not in r.headers  # refused before any leg was sent
+    return err["message"]
+
+
+@pytest.mark.parametrize("setup", [{"mode": "inproc-push"}], indirect=True)
+def test_n_above_1_is_refused_in_inproc_push_mode(setup):
+    asks = [("/v1/completions", {**BODY, "n": 2}), ("/v1/chat/completions", {**CHAT, "n": 3}),
+            ("/v1/completions", {**BODY, "n": 2, "stream": True})]
+    for path, body in asks:
+        msg = refused(httpx.post(setup.url + path, json=body, timeout=10), "n")
+        assert "separate requests" in msg
+    assert not setup.db[0].received and not setup.pb[0].received
+    assert 'kvpath_proxy_errors_total{kind="unsupported"} 3.0' in setup.metrics()
     assert post(setup.url, {**BODY, "n": 1}).status_code == 200
+
+
+def test_n_above_1_is_served_in_push_mode_with_one_prefill_and_one_push(setup):
+    """D's child requests share one push: P's leg computes one prefill (n 1, no
+    best_of), D's leg keeps the client's n."""
+    for path, body in (("/v1/completions", {**BODY, "n": 2, "best_of": 1}),
+                       ("/v1/chat/completions", {**CHAT, "n": 3}),
+                       ("/v1/completions", {**BODY, "n": 4, "stream": True})):
+        r = httpx.post(setup.url + path, json=body, timeout=10)
+        assert r.status_code == 200, r.text
+    p_legs, d_legs = setup.p_legs(3), setup.db[0].received
+    assert [leg["body"]["n"] for leg in p_legs] == [1, 1, 1]
+    assert [leg["body"]["n"] for leg in d_legs] == [2, 3, 4]
+    assert all("best_of" not in leg["body"] for leg in p_legs) and d_legs[0]["body"]["best_of"] == 1
+    # one push per request: both legs of each carry the same one transfer id
+    assert [leg["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for leg in p_legs] == \
+        [leg["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for leg in d_legs]
+
+
+@pytest.mark.parametrize("setup", [{"mode": "pull"}], indirect=True)
+def test_pull_mode_passes_n_on(setup):
+    assert post(setup.url, {**BODY, "n": 2}).status_code == 200
+    assert setup.pb[0].received[0]["body"]["n"] == 2 and setup.db[0].received[0]["body"]["n"] == 2
+
+
+@pytest.mark.parametrize("setup", ALL_MODES, indirect=True)
+def test_n_must_be_an_integer_in_range_never_a_string(setup):
+    """vLLM's pydantic takes "2" for 2: passed on as a string, it would slip past every
+    check of n and fan out on the engines."""
+    for bad in ("2", "1", 2.0, 0, -1, 129, True, [2], {"n": 2}):
+        for path, body in (("/v1/completions", {**BODY, "n": bad}), ("/v1/chat/completions", {**CHAT, "n": bad})):
+            msg = refused(httpx.post(setup.url + path, json=body, timeout=10), "n")
+            assert "integer from 1 to 128" in msg
+    assert "the string '2'" in refused(post(setup.url, {**BODY, "n": "2"}), "n")
+    assert not setup.db[0].received and not setup.pb[0].received
+    assert post(setup.url, {**BODY, "n": None}).status_code == 200
+
+
+@pytest.mark.parametrize("setup", ALL_MODES, indirect=True)
+def test_best_of_above_1_or_not_an_integer_is_refused_in_every_mode(setup):
+    """vLLM 0.32's completions request has no best_of (it takes the field and ignores
+    it), so best_of 2 would silently not be the best of 2."""
+    assert "vLLM ignores best_of" in refused(post(setup.url, {**BODY, "best_of": 2}), "best_of")
+    for bad in ("3", "1", 1.0, 0, True):
+        refused(post(setup.url, {**BODY, "best_of": bad}), "best_of")
+    refused(httpx.post(setup.url + "/v1/chat/completions", json={**CHAT, "best_of": 2}, timeout=10), "best_of")
+    assert not setup.db[0].received and not setup.pb[0].received
+    assert post(setup.url, {**BODY, "best_of": 1}).status_code == 200
+    assert post(setup.url, {**BODY, "best_of": None}).status_code == 200
+
+
+@pytest.mark.parametrize("setup", ALL_MODES, indirect=True)
+def test_a_batch_of_prompts_is_refused_in_the_push_modes(setup):
+    """vLLM makes one request per prompt of a batch, all with the leg's one
+    kv_transfer_params: one push cannot serve them. A batch of one is one prompt."""
+    mode = setup.proxy.cfg.mode
+    batches = [["spine leaf", "lane path"], [[1, 2, 3], [4, 5, 6]], ["a", "b", "c"]]
+    for prompt in batches:
+        r = post(setup.url, {**BODY, "prompt": prompt})
+        if mode == "pull":
+            assert r.status_code == 200, r.text
+        else:
+            assert "batch of" in refused(r, "prompt")
+    if mode != "pull":
+        assert not setup.db[0].received and not setup.pb[0].received
+    for one in (["spine leaf"], [[1, 2, 3]], [1, 2, 3]):
+        assert post(setup.url, {**BODY, "prompt": one}).status_code == 200
+
+
+ENGINE_KEY = "ek-7Qx2-engine-key"
+
+
+@pytest.mark.parametrize("setup", [{"mode": m, "engine_key": ENGINE_KEY} for m in ("push", "inproc-push", "pull")],
+                         indirect=True)
+def test_both_legs_carry_the_engine_key_never_the_clients(setup):
+    """Engines run with vLLM's --api-key: the proxy's own key goes on both legs and on
+    GET /v1/models; a client's Authorization (a key for the proxy, or a guess) is never
+    forwarded in its place. Health probes need none (vLLM leaves /health open)."""
+    for client_auth in (None, "Bearer client-key", f"Bearer {ENGINE_KEY}-not"):
+        hdr = {"Authorization": client_auth} if client_auth else {}
+        r = httpx.post(setup.url + "/v1/completions", json=BODY, headers=hdr, timeout=10)
+        assert r.status_code == 200, r.text
+        r = httpx.post(setup.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=hdr, timeout=10)
+        assert r.status_code == 200 and b"chat.completion.chunk" in r.content
+    legs = setup.p_legs(6) + setup.db[0].received
+    assert len(legs) == 12 and all(leg["headers"]["authorization"] == f"Bearer {ENGINE_KEY}" for leg in legs)
+    r = httpx.get(setup.url + "/v1/models", headers={"Authorization": "Bearer client-key"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    seen = [auth for g in setup.guards for path, auth in g.seen if path.startswith("/v1")]
+    assert seen and set(seen) == {f"Bearer {ENGINE_KEY}"}
+    # the key is not part of what /status or the config's repr show
+    assert ENGINE_KEY not in httpx.get(setup.url + "/status", headers={"Authorization": "Bearer s3cret"}).text
+    assert ENGINE_KEY not in repr(setup.proxy.cfg)
+
+
+@pytest.mark.parametrize("setup", [{"engine_key": ENGINE_KEY}], indirect=True)
+def test_without_the_engine_key_engines_refuse_the_legs(setup):
+    """The stubs' check is what vLLM does with --api-key: a proxy without the key gets
+    401 from them (502 to the client), so the test above checks something real."""
+    assert httpx.post(setup.d[0].url + "/v1/completions", json=BODY).status_code == 401
+    assert httpx.get(setup.d[0].url + "/health").status_code == 200  # open, as in vLLM
+    setup.proxy.engine_headers = {}
+    r = post(setup.url, BODY)
+    assert r.status_code == 502 and "refused the proxy's engine API key (401" in r.json()["error"]["message"]
+    assert 'kvpath_proxy_errors_total{kind="upstream_auth"}' in setup.metrics()
+
+
+def _garbling_engine():
+    """A TCP server that answers every request with a malformed status line: aiohttp
+    then raises a ClientResponseError, whose repr holds the request's headers."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+
+    def serve():
+        while True:
+            try:
+                c, _ = sock.accept()
+            except OSError:
+                return
+            with c:
+                c.recv(65536)
+                c.sendall(b"HTTP/1.1 20x OK\r\nContent-Length: 2\r\n\r\nhi")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("setup", [{"engine_key": ENGINE_KEY, "health_interval_s": 0}], indirect=True)
+def test_an_engines_malformed_answer_never_shows_the_engine_key(setup, caplog):
+    sock, bad = _garbling_engine()
+    try:
+        setup.proxy.pools["decode"].add(Instance(bad, "decode", "l1h0", engine_id="deng0"))
+        setup.proxy.pools["decode"].remove(setup.d[0].url)
+        for body in (BODY, {**BODY, "stream": True}):
+            r = post(setup.url, body)
+            assert r.status_code == 502 and "ClientResponseError" in r.text and "20x" in r.text
+            assert ENGINE_KEY not in r.text
+        assert httpx.get(setup.url + "/v1/models").status_code == 502
+        assert ENGINE_KEY not in caplog.text and "ClientResponseError" in caplog.text
+    finally:
+        sock.close()
+
+
+def test_engine_api_key_must_be_one_printable_line():
+    for bad in ("", "two\nlines", "tab\tkey", "caf\u00e9"):
+        with pytest.raises(ValueError, match="engine API key"):
+            Proxy(ProxyConfig(engine_api_key=bad), [], [])
+
+
+def test_status_shows_engine_addresses_only_with_the_admin_token(setup):
+    assert post(setup.url, BODY).status_code == 200
+    private = ("url", "kv_addr", "fabric_host", "engine_id")
+    public = httpx.get(setup.url + "/status")
+    assert public.status_code == 200
+    st = public.json()
+    assert st["redacted"] is True and st["mode"] == "push"
+    for role in ("prefill", "decode"):
+        (inst,) = st[role]
+        assert not set(private) & set(inst)
+        assert inst["index"] == 0 and inst["healthy"] is True and inst["served"] >= 1 and inst["errors"] == 0
+    for where in (setup.p[0].url, setup.d[0].url, "127.0.0.1:", "l0h0", "eng0", "deng0"):
+        assert where.split("//")[-1] not in public.text, where
+    full = httpx.get(setup.url + "/status", headers={"Authorization": "Bearer s3cret"}).json()
+    assert full["redacted"] is False
+    assert full["prefill"][0]["url"] == setup.p[0].url and full["decode"][0]["url"] == setup.d[0].url
+    assert full["prefill"][0]["kv_addr"].startswith("127.0.0.1:") and full["prefill"][0]["engine_id"] == "eng0"
+    wrong = httpx.get(setup.url + "/status", headers={"Authorization": "Bearer s3creT"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401 and setup.p[0].url not in wrong.text
+
+
+@pytest.mark.parametrize("setup", [{"token": None}], indirect=True)
+def test_status_without_an_admin_token_configured_never_shows_addresses(setup):
+    assert setup.d[0].url not in httpx.get(setup.url + "/status").text
+    assert httpx.get(setup.url + "/status", headers={"Authorization": "Bearer s3cret"}).status_code == 401
 
 
 def test_admin_token_is_compared_in_constant_time(setup, monkeypatch):

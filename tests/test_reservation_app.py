@@ -18,15 +18,19 @@ from kvpath.reservation import ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]
+TOKEN = "t0ken"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def client():
-    with TestClient(create_app(ReservationService(SPEC, "cc", lease_s=5))) as c:
+    """A client that holds the token (tests/test_reservation_auth.py: the calls without it)."""
+    with TestClient(create_app(ReservationService(SPEC, "cc", lease_s=5), token=TOKEN), headers=AUTH) as c:
         yield c
 
 
 def test_reserve_release_roundtrip(client):
+    assert client.post("/v1/lanes", json={"src_host": "l0h0", "dst_host": "l1h1", "lanes": LANES}).status_code == 200
     r = client.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h1", "bytes": 1000, "lanes": LANES})
     assert r.status_code == 200
     d = r.json()
@@ -93,46 +97,25 @@ def test_invalid_json_is_400(client, path, raw):
     assert r.status_code == 400 and "JSON" in r.json()["error"]
 
 
-TOKEN = "t0ken"
 LANES_BODY = {"src_host": "l0h0", "dst_host": "l1h0", "lanes": LANES}
 
 
-@pytest.fixture
-def guarded():
-    with TestClient(create_app(ReservationService(SPEC, "cc", lease_s=5), admin_token=TOKEN)) as c:
-        yield c
-
-
-def test_with_a_token_lane_registration_and_the_reads_need_it_and_reservations_stay_open(guarded):
-    assert guarded.post("/v1/lanes", json=LANES_BODY).status_code == 401
-    r = guarded.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}x"})
-    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-    assert guarded.post("/v1/lanes", json={"src_host": "l0h0"}).status_code == 401  # before looking at the body
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    # the reads name agents and live transfer ids
-    assert guarded.get("/v1/state").status_code == 401 and guarded.get("/v1/decisions").status_code == 401
-    assert guarded.get("/v1/state", headers=auth).json()["lanes_known"] == {}
-    assert guarded.post("/v1/lanes", json=LANES_BODY, headers=auth).status_code == 200
-    # the proxy and P connectors reserve and release per request, without the token
-    r = guarded.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5})
+def test_every_call_needs_the_token_before_its_body_is_looked_at(client):
+    bare = {"authorization": ""}
+    assert client.post("/v1/lanes", json={"src_host": "l0h0"}, headers=bare).status_code == 401
+    assert client.post("/v1/reserve", json={"src_host": "l0h0"}, headers=bare).status_code == 401
+    assert client.post("/v1/release", json={}, headers=bare).status_code == 401
+    # the reads name agents, live transfer ids and lease ids
+    assert client.get("/v1/state", headers=bare).status_code == 401
+    assert client.get("/v1/decisions", headers=bare).status_code == 401
+    assert client.get("/v1/state").json()["lanes_known"] == {}
+    assert client.post("/v1/lanes", json=LANES_BODY).status_code == 200
+    r = client.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5})
     assert r.status_code == 200 and r.json()["lane"] is not None
-    assert guarded.post("/v1/release", json={"lease_id": r.json()["lease_id"]}).json()["released"] is True
-    assert guarded.get("/v1/decisions", headers=auth).json()["decisions"][0]["transfer_id"] is not None
-    assert guarded.get("/health").status_code == 200
-    assert guarded.get("/metrics").status_code == 200
-
-
-def test_reservation_command_takes_an_admin_token(monkeypatch):
-    import uvicorn
-
-    from kvpath.cli import main
-
-    apps = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
-    assert main(["reservation", "--admin-token", TOKEN, "--port", "1"]) == 0
-    with TestClient(apps[0]) as c:
-        assert c.post("/v1/lanes", json=LANES_BODY).status_code == 401
-        assert c.post("/v1/lanes", json=LANES_BODY, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert client.post("/v1/release", json={"lease_id": r.json()["lease_id"]}).json()["released"] is True
+    assert client.get("/v1/decisions").json()["decisions"][0]["transfer_id"] is not None
+    assert client.get("/health", headers=bare).status_code == 200
+    assert client.get("/metrics", headers=bare).status_code == 200
 
 
 def test_p_connector_notifier_sends_the_token():
@@ -140,7 +123,7 @@ def test_p_connector_notifier_sends_the_token():
     from kvpath.testbed.stub_engine import ServerThread
 
     svc = ReservationService(SPEC, "cc", lease_s=5)
-    with ServerThread(create_app(svc, admin_token=TOKEN), free_port()) as srv:
+    with ServerThread(create_app(svc, token=TOKEN), free_port()) as srv:
         for token in (None, TOKEN):
             n = ReservationNotifier(srv.url, token=token)
             n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)])
@@ -164,8 +147,8 @@ def test_p_connector_reserves_a_lane_at_push_time_and_gets_none_when_the_service
         got.append((tid, lane, lease))
         done.set()
 
-    with ServerThread(create_app(svc), free_port()) as srv:
-        n = ReservationNotifier(srv.url)
+    with ServerThread(create_app(svc, token=TOKEN), free_port()) as srv:
+        n = ReservationNotifier(srv.url, token=TOKEN)
         n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)])
         time.sleep(0.5)  # the registration is on the other thread: let it land first
         n.reserve("l0h1", "l1h1", 1_000_000, transfer_id="t1", done=answer)
@@ -186,6 +169,7 @@ ANSWER_FIELDS = ["lease_id", "transfer_id", "src_host", "dst_host", "bytes", "la
 
 
 def test_the_wire_answers_keep_their_json_shape(client):
+    assert client.post("/v1/lanes", json={"src_host": "l0h0", "dst_host": "l1h1", "lanes": LANES}).status_code == 200
     r = client.post("/v1/reserve", json={"src_host": "l0h0", "dst_host": "l1h1", "bytes": "1000", "lanes": LANES})
     assert r.status_code == 200 and list(r.json()) == ANSWER_FIELDS and r.json()["bytes"] == 1000  # "1000" read as 1000
     assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()  # compact, as FastAPI wrote it
@@ -254,8 +238,8 @@ def test_p_connector_notifier_registers_lanes_given_as_5_tuple_dicts_or_lane_inf
 
     svc = ReservationService(SPEC, "cc", lease_s=5)
     rows = [{"lane": 0, "src_ip": "10.0.2.1", "src_port": 41000, "dst_ip": "10.1.3.1", "dst_port": KV_SIDE_CHANNEL_PORT, "proto": "tcp"}]
-    with ServerThread(create_app(svc), free_port()) as srv:
-        n = ReservationNotifier(srv.url)
+    with ServerThread(create_app(svc, token=TOKEN), free_port()) as srv:
+        n = ReservationNotifier(srv.url, token=TOKEN)
         n.register_lanes("l0h0", "l1h1", rows, "w0")
         n.register_lanes("l0h0", "l1h1", [wire.LaneInfo(1, 41001, KV_SIDE_CHANNEL_PORT)], "w1")
         n.register_lanes("l0h0", "l1h1", [{"lane": 0, "src_port": 70000}], "w2")  # refused here, never sent
@@ -279,7 +263,7 @@ def test_a_worker_pairs_lanes_are_unregistered_when_its_engine_goes():
     from kvpath.testbed.stub_engine import ServerThread
 
     svc = ReservationService(SPEC, "cc", lease_s=5)
-    with ServerThread(create_app(svc, admin_token=TOKEN), free_port()) as srv:
+    with ServerThread(create_app(svc, token=TOKEN), free_port()) as srv:
         n = ReservationNotifier(srv.url, token=TOKEN)
         n.register_lanes("l0h1", "l1h1", [(0, 41000), (1, 41001)], worker="p/r0>d-a")
         n.register_lanes("l0h1", "l1h1", [(0, 42000)], worker="p/r0>d-b")

@@ -316,8 +316,9 @@ def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path)
     assert trace.requests[0].p_arrival_s == pytest.approx(0.925)  # P's server receiving it, on the trace's clock
 
 
-def test_a_token_that_starts_with_a_dash_reaches_the_proxy_and_the_engines_as_one_word(tmp_path):
-    # token_urlsafe starts with "-" once in 64 runs; argparse took it for an option and the run failed
+def test_the_run_token_reaches_the_proxy_and_the_engines_in_a_file_never_on_argv(tmp_path):
+    # token_urlsafe starts with "-" once in 64 runs: argparse once took it for an option;
+    # now only the file's path is on a command line (tests/test_reservation_auth.py too)
     from kvpath.cli import build_parser
 
     site = _site(tmp_path)
@@ -325,12 +326,14 @@ def test_a_token_that_starts_with_a_dash_reaches_the_proxy_and_the_engines_as_on
     (tmp_path / "keys" / "admin-token").write_text("-Xq3token")
     argv = proxy_argv(site, engines_for(site))
     args = build_parser().parse_args(argv[argv.index("proxy"):])
-    assert args.admin_token == "-Xq3token"
+    assert args.admin_token is None and args.reservation_token_file == str(tmp_path / "keys" / "admin-token")
+    assert not any("-Xq3token" in a for a in argv)
     engines = engines_for(site)
     assert isinstance(engines, EmulatedEngines)
     site.fabric.exec_argv = lambda host, argv: argv
     eargv = engines._argv("prefill", "l0h0", "http://10.255.0.1:18000")
-    assert "--reservation-token=-Xq3token" in eargv
+    assert not any("-Xq3token" in a for a in eargv) and args.reservation_token_file in eargv
+    assert site.admin_headers() == {"Authorization": "Bearer -Xq3token"}
 
 
 def test_at_tp2_every_rank_pair_is_its_own_flow_on_its_own_reserved_spine(tmp_path):

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from kvpath.connector.kv_verify import FAULT_ENV
 from kvpath.connector.pd_client import direct_request, engine_client, make_prompts, pd_and_decode_only
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.e2e
 
 P_PORT, D_PORT, P_SIDE, D_SIDE = 8310, 8320, 5810, 5820
 REG_TIMEOUT = 6.0
+FAULT_PREFIX = "kvverify-fault-"
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +29,13 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
+    # kv_verify=all: every push is checked (its output must still equal decode-only); D's
+    # test hook flips a byte of the pushes whose transfer id starts with FAULT_PREFIX
     common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0,
-                  keys_dir=tmp_path_factory.mktemp("keys"))
+                  keys_dir=tmp_path_factory.mktemp("keys"), kv_verify="all")
     p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
                    kv_transfer_config=connector_config("kv_producer", P_SIDE, trace_path=str(logs / "p_trace.jsonl"), **common))
-    d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"),
+    d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"), env={FAULT_ENV: FAULT_PREFIX},
                    kv_transfer_config=connector_config("kv_consumer", D_SIDE, **common))
     p.start()
     d.start()
@@ -83,6 +87,40 @@ def test_20_concurrent_requests_match_decode_only(servers, mode):
     assert metric(p.url, "vllm:kvpath_pushes_ok_total") - before == 20  # one push per request
     assert metric(p.url, "vllm:kvpath_pushes_failed_total") == 0
     assert metric(d.url, "vllm:kvpath_recv_ok_total") >= 20
+    # kv_verify=all: D checked every push it received against P's digest
+    assert metric(d.url, "vllm:kvpath_kv_verify_ok_total") >= 20
+    assert metric(d.url, "vllm:kvpath_kv_verify_mismatch_total") == 0
+
+
+def test_a_byte_flipped_in_a_landed_block_fails_that_request_by_name_and_is_not_cached(servers):
+    """kv_verify=all, D's test hook flipping one byte of one request's landed KV: that
+    request ends with an error (vLLM's kv_load_failure_policy is "fail" here), D's log
+    names kv_verify and the transfer id, one mismatch is counted, D frees its blocks, and
+    the same prompt pushed again decodes as decode-only does (nothing wrong was cached)."""
+    p, d, logs = servers
+    prompt = make_prompts(1, seed=51, min_words=60)[0]
+    ref = asyncio.run(_direct(p.url, prompt, 6))  # decode-only on P: D must not see the prompt first
+    before = metric(d.url, "vllm:kvpath_kv_verify_mismatch_total")
+
+    async def pd(tid):
+        async with engine_client(60) as c:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            dl = {"do_remote_prefill": True, "kvpath": {"transfer_id": tid, "peer": f"127.0.0.1:{P_SIDE}"}}
+            pl = {"do_remote_decode": True, "kvpath": {"transfer_id": tid}}
+            rd, rp = await asyncio.gather(c.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": dl}),
+                                          c.post(f"{p.url}/v1/completions",
+                                                 json={**body, "max_tokens": 1, "kv_transfer_params": pl}))
+            assert rp.status_code == 200, rp.text[:200]
+            return rd
+
+    r = asyncio.run(pd(FAULT_PREFIX + "1"))
+    assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
+    assert stepped_metric([d.url], "vllm:kvpath_kv_verify_mismatch_total", lambda v: v >= before + 1) == before + 1
+    assert wait_metric(d.url, "vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert f"kv_verify: transfer {FAULT_PREFIX}1: the KV that landed differs" in (logs / "d.log").read_text()
+    r = asyncio.run(pd("kvverify-after-1"))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref, r.text[:300]
+    assert metric(d.url, "vllm:kvpath_kv_verify_mismatch_total") == before + 1
 
 
 def test_bad_transfer_params_fall_back_to_local_prefill(servers):
@@ -156,8 +194,10 @@ def test_client_disconnect_on_d_cancels_and_frees_blocks(servers):
 
 def test_a_reused_transfer_id_ends_the_second_legs_fast_and_frees_every_block(servers):
     # legs by hand, as docs/connector.md describes them: two D legs and two P legs share one id
+    # (the same prompt under one id is served as n > 1 children are: one push, both answered;
+    # another prompt under a taken id is a reuse and fails at once)
     p, d, _ = servers
-    prompt = make_prompts(1, seed=31)[0]
+    prompt, other = make_prompts(2, seed=31)
     ref = asyncio.run(_direct(p.url, prompt, 6))
 
     async def go():
@@ -168,7 +208,8 @@ def test_a_reused_transfer_id_ends_the_second_legs_fast_and_frees_every_block(se
             t0 = time.monotonic()
             d1 = asyncio.create_task(c.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": dl}))
             await asyncio.sleep(0.3)
-            d2 = asyncio.create_task(c.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": dl}))
+            d2 = asyncio.create_task(c.post(f"{d.url}/v1/completions",
+                                            json={**body, "prompt": other, "kv_transfer_params": dl}))
             p1 = await c.post(f"{p.url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": pl})
             p2 = await c.post(f"{p.url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": pl})
             r2 = await d2

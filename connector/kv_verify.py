@@ -204,6 +204,9 @@ def tokens_written(p_block_size: int, p_blocks: int, d_block_size: int, d_blocks
     return min(p_blocks * p_block_size, d_blocks * d_block_size)
 
 
+MAX_P_BLOCKS_PER_D_BLOCK = 64  # vLLM's block sizes are 1-256 tokens, equal on P and D in practice
+
+
 def same_sizes(chk: Check, d_layout: M.BlockLayout, d_compat: M.Compat) -> bool:
     """P's WRITE copied whole blocks (layout.build_descs), as P decides (lane_setup.same_sizes)."""
     return chk.p_tp == d_compat.tp_size and chk.p_block_size == d_layout.block_size
@@ -236,6 +239,11 @@ def d_rows(d_layout: M.BlockLayout, d_compat: M.Compat, chk: Check, block_ids: S
     if not 0 < chk.tokens <= (skip_blocks + len(block_ids)) * d_layout.block_size:
         raise ValueError(f"P planned {chk.tokens} tokens, D's {skip_blocks + len(block_ids)} blocks hold "
                          f"{(skip_blocks + len(block_ids)) * d_layout.block_size}")
+    if n_p > MAX_P_BLOCKS_PER_D_BLOCK * (skip_blocks + len(block_ids)):
+        # the plan's size follows P's claimed block size: a tiny one would make D plan and
+        # hash millions of spans on its receiver thread
+        raise ValueError(f"P's block size {chk.p_block_size} is under 1/{MAX_P_BLOCKS_PER_D_BLOCK} of D's "
+                         f"{d_layout.block_size}")
     # P's side as the planner needs it: only D's rows are used (their order follows the
     # segments, cut at both sides' block boundaries, not P's addresses)
     blen = len(heads_of(chk.p_tp, chk.p_rank, dk.total_kv_heads)) * chk.p_block_size * dk.token_bytes

@@ -43,6 +43,10 @@ class _PeerLink:
     # P processes (instances) one of whose Welcomes said it could not list every lane
     # (a lane whose 5-tuple P could not learn): their fence is the time bound
     incomplete: set[str] = field(default_factory=set)
+    # the lanes the current P process's last Welcome listed (each lists them all): what
+    # the fence may attribute to a live P; lanes of processes gone are not (their
+    # addresses may be reused by an unannounced lane)
+    current_lanes: set[tuple[str, int]] = field(default_factory=set)
     # NIXL names of P's agents, per P process, as its Welcomes listed them: a push's
     # notification counts only from an agent of the process its registration went to.
     agents: dict[str, set[str]] = field(default_factory=dict)

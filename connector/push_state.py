@@ -198,7 +198,7 @@ class WriterState:
         if key in self.registrations or key in self.active or key in self._done or key not in pr.siblings:
             return "duplicate", None
         if fanned and (self._shape(tid, pr.siblings) != pr.siblings or tid in self.registrations
-                       or tid in self.active or tid in self._done):
+                       or tid in self.active or self._ended(tid, reply_to)):
             return "duplicate", None  # the id is taken by a transfer of another shape
         if not fanned and (tid in self._fan or tid in self._shares):
             return "duplicate", None
@@ -246,7 +246,7 @@ class WriterState:
         tid = fp.transfer_id
         if tid in self.prefills or tid in self.active or tid in self._shares or FLOW_SEP in tid:
             return "duplicate", []  # (params refuse a NUL in a transfer id: never a flow's key)
-        if tid in self._done:
+        if self._ended(tid):
             return "dead", []
         fp.deadline = self.clock() + self.lease_s
         siblings = self._fan.get(tid)
@@ -276,7 +276,7 @@ class WriterState:
         for k in keys:
             flow = dataclasses.replace(fp, key=k, share=share)
             pr = self.registrations.pop(k, None)
-            if k in self._done or k in self.prefills or k in self.active:  # ended (or, never, taken)
+            if self._ended(k) or k in self.prefills or k in self.active:  # ended (or, never, taken)
                 share.left -= 1
                 share.ended.add(k)
             elif pr is None:
@@ -441,6 +441,16 @@ class WriterState:
 
     def idle(self) -> bool:
         return not (self.prefills or self.registrations or self.active)
+
+    def _ended(self, key: str, by: bytes | None = None) -> bool:
+        """``key`` ended here, as far as a prefill (``by`` None) or the D worker ``by``
+        is concerned. A Cancel of a flow nobody had registered ended it for its sender
+        only: another D's request, and a prefill (which then waits for its registration
+        or its lease), are not ended by it."""
+        if key not in self._done:
+            return False
+        canceller = self._cancelled_by.get(key)
+        return canceller is None or canceller == by
 
     def _finish(self, key: str, status: str, posted: bool) -> None:
         self._done[key] = (status, posted)

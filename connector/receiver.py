@@ -357,6 +357,7 @@ class PushReceiver(PeerLinks, EngineThread):
             logger.warning("P at %s restarted (instance %s -> %s): %d waiting requests end once its old "
                            "connections are drained", link.addr, link.instance, msg.instance, len(gone))
         link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
+        link.current_lanes = {(ip, port) for ip, port in msg.lanes}
         if not msg.complete:  # sticky: a lane it could not list may still be open
             link.incomplete.add(msg.instance)
         link.agents.setdefault(msg.instance, set()).update(msg.agents)
@@ -414,7 +415,10 @@ class PushReceiver(PeerLinks, EngineThread):
         lanes = link.lanes.get(instance, set()) if link is not None else set()
         if not lanes or instance in link.incomplete:
             return None
-        announced = {lane for lk in self._links.values() for seen in lk.lanes.values() for lane in seen}
+        # lanes live P processes announced last (not the fenced process's own: its are
+        # ``lanes``): an open connection from any of those is another P's
+        announced = lanes | {lane for lk in self._links.values() if not (lk is link and lk.instance == instance)
+                             for lane in lk.current_lanes}
         return lanes_drained(set(self.listen_ports), lanes, announced)
 
     def _expire(self) -> None:

@@ -103,7 +103,7 @@ def lanes_drained(local_ports: set[int], lanes: set[tuple[str, int]],
         # a connection whose other end is a socket of this very process (UCX connects a
         # worker to itself) is not a peer's; any other could be this P's
         ours = own_socket_inodes()
-        ends = {s.local: s.inode for s in table}
-        if any(ends.get(s.remote) not in ours for s in unknown):
+        ends = {(s.local, s.remote): s.inode for s in table}  # the full 4-tuple: local ports are shared
+        if any(ends.get((s.remote, s.local)) not in ours for s in unknown):
             return None
     return True

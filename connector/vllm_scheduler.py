@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SPENT_REMEMBERED = 4096  # ended transfers whose late n > 1 children are told apart
+SIBLING_CACHE_STEPS = 4  # steps an n > 1 child waits after the push landed for the prefix cache
 
 
 @dataclass
@@ -63,7 +64,9 @@ class KVPathScheduler:
         # push, the others wait for it and take its blocks from the prefix cache.
         self._d_owner: dict[str, str] = {}
         self._owned: dict[str, str] = {}  # request id -> the transfer id it owns
-        self._owner_prompt: dict[str, list[int]] = {}  # transfer id -> its owner's prompt
+        self._owner_prompt: dict[str, int] = {}  # transfer id -> a hash of its owner's prompt
+        self._landed_step: dict[str, int] = {}  # transfer id -> the step its owner's KV landed
+        self._step = 0  # build_connector_meta calls: the scheduler's steps
         # transfers whose owner ended (the last SPENT_REMEMBERED): a child that comes
         # later computes its prefill locally instead of registering a spent id again
         self._spent: OrderedDict[str, int] = OrderedDict()  # -> hash of its prompt
@@ -88,28 +91,33 @@ class KVPathScheduler:
             self._role_errors[request.request_id] = why
             return 0, False
         owner = self._d_owner.get(dp.transfer_id)
-        if owner is not None and owner != request.request_id and self._same_prompt(dp.transfer_id, request):
-            return self._sibling(request, owner, num_computed_tokens)
-        if owner is None and self._spent.get(dp.transfer_id) == hash(tuple(request.prompt_token_ids or ())):
-            return self._sibling(request, "", num_computed_tokens)
+        if owner is not None or dp.transfer_id in self._spent:
+            prompt = hash(tuple(request.prompt_token_ids or ()))
+            if owner is not None and owner != request.request_id and self._owner_prompt.get(dp.transfer_id) == prompt:
+                return self._sibling(request, dp.transfer_id, owner, num_computed_tokens)
+            if owner is None and self._spent.get(dp.transfer_id) == prompt:
+                return self._sibling(request, dp.transfer_id, "", num_computed_tokens)
+            # another prompt under a taken transfer id is a reused id: it registers, and
+            # P or D refuses it at once as a duplicate
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _same_prompt(self, transfer_id: str, request: "Request") -> bool:
-        """A child of the owner's request (same prompt). Another prompt under a taken
-        transfer id is a reused id: it registers and fails at once as a duplicate."""
-        return self._owner_prompt.get(transfer_id) == list(request.prompt_token_ids or [])
-
-    def _sibling(self, request: "Request", owner: str, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """A request (a child of an ``n`` > 1 request) whose transfer another live request
-        receives: it waits (None: vLLM asks again next step) until that KV has landed and
-        the owner's full blocks are in the prefix cache, then computes the rest locally
-        (less than a block). Without prefix caching it computes its prefill at once."""
+    def _sibling(self, request: "Request", transfer_id: str, owner: str,
+                 num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A request (a child of an ``n`` > 1 request, same prompt) whose transfer another
+        live request receives: it waits (None: vLLM asks again next step) until that KV
+        has landed and the owner's full blocks are in the prefix cache, then computes the
+        rest locally (less than a block). It waits at most SIBLING_CACHE_STEPS steps after
+        the landing for the cache (some configurations never hit every full block: a
+        speculative decoder drops the last one), then computes what it lacks. Without
+        prefix caching it computes its prefill at once."""
         if self.prefix_caching and owner:
             if owner in self._d_waiting:
                 return None, False
             prompt = len(request.prompt_token_ids or [])
-            if num_computed_tokens < (prompt - 1) // self.block_size * self.block_size:
+            landed = self._landed_step.get(transfer_id, self._step)
+            if (num_computed_tokens < (prompt - 1) // self.block_size * self.block_size
+                    and self._step - landed < SIBLING_CACHE_STEPS):
                 return None, False  # landed; cached once the owner is scheduled (next step)
         request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
         logger.debug("request %s shares transfer of %s: %d tokens from the prefix cache", request.request_id,
@@ -128,13 +136,15 @@ class KVPathScheduler:
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
                                                 dp.peer_key, dp.transfer_key, dp.tp_size))
         self._d_waiting.add(request.request_id)
-        self._d_owner[dp.transfer_id] = request.request_id
-        self._owned[request.request_id] = dp.transfer_id
-        self._owner_prompt[dp.transfer_id] = list(request.prompt_token_ids or [])
+        if dp.transfer_id not in self._d_owner:  # a live owner is never replaced (a reused id fails)
+            self._d_owner[dp.transfer_id] = request.request_id
+            self._owned[request.request_id] = dp.transfer_id
+            self._owner_prompt[dp.transfer_id] = hash(tuple(request.prompt_token_ids or ()))
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
         meta, self._meta = self._meta, KVPathMetadata()
+        self._step += 1
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
@@ -145,7 +155,8 @@ class KVPathScheduler:
         tid = self._owned.pop(rid, None)
         if tid is not None and self._d_owner.get(tid) == rid:
             del self._d_owner[tid]  # siblings still waiting compute their prefill locally
-            self._spent[tid] = hash(tuple(self._owner_prompt.pop(tid)))
+            self._landed_step.pop(tid, None)
+            self._spent[tid] = self._owner_prompt.pop(tid)
             if len(self._spent) > SPENT_REMEMBERED:
                 self._spent.popitem(last=False)
         role_error = self._role_errors.pop(rid, None)
@@ -195,6 +206,9 @@ class KVPathScheduler:
             self._p_pending.discard(rid)
         for rid in out.finished_recving or ():
             self._d_waiting.discard(rid)
+            tid = self._owned.get(rid)
+            if tid is not None:
+                self._landed_step[tid] = self._step
             self._d_cancelled.discard(rid)
 
     def has_pending_push_work(self) -> bool:

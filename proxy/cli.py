@@ -171,9 +171,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
     if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
         raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
-    deprecated_admin_token = args.admin_token  # (the old --admin-token also guarded the mounted service)
     args.admin_token = secret_arg(args, "proxy", "--admin-token-file", ADMIN_TOKEN_ENV, "--admin-token")
-    res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV) or deprecated_admin_token
+    # never the admin token: every P connector holds the reservation token, and must not
+    # thereby hold the proxy's /admin (which redirects user traffic)
+    res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV)
     reserver: AsyncReserver | None = None
     res_app = None
     if args.mode == "push":

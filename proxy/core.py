@@ -174,8 +174,8 @@ class Proxy:
             resp = await self._run(request, endpoint, body, p, d, t0, tid)
         except UpstreamError as e:
             logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
-            return self._count(endpoint, error_response(e.status, e.message, {**e.headers, TRANSFER_ID_HEADER: tid}),
-                               e.kind)
+            return self._count(endpoint, error_response(e.status, self.for_client(e.message),
+                                                        {**e.headers, TRANSFER_ID_HEADER: tid}), e.kind)
         except ClientGone:
             # nobody reads this answer; 499 (nginx's "client closed request") keeps the metrics honest
             return self._count(endpoint, error_response(499, "client closed the request", {TRANSFER_ID_HEADER: tid}),
@@ -284,7 +284,7 @@ class Proxy:
             self._leg_failed(d, e)
             self.metrics.errors.labels("upstream_stream_error").inc()
             logger.warning("%s -> stream error %d: %s", endpoint, code, message)
-            yield error_event(message, code)
+            yield error_event(self.for_client(message), code)
         finally:
             watch.cancel()
             self.metrics.requests.labels(endpoint, status).inc()
@@ -483,6 +483,17 @@ class Proxy:
     # ---- admin -----------------------------------------------------------
     def authorized(self, request: Request) -> bool:
         return bearer_ok(request.headers.get("authorization"), self.cfg.admin_token)
+
+    def for_client(self, message: str) -> str:
+        """``message`` with every engine address (URL, host:port, side channel) named by
+        its role and index instead, as ``GET /status`` without the admin token shows them:
+        error answers reach clients, who must not learn where the engines listen (the
+        proxy's log keeps the addresses)."""
+        names = {addr: f"{role} #{n}" for role, pool in self.pools.items() for n, inst in enumerate(pool.all())
+                 for addr in (inst.url, inst.url.split("://", 1)[-1], inst.kv_addr) if addr}
+        for addr in sorted(names, key=len, reverse=True):  # longest first: one address may prefix another
+            message = message.replace(addr, names[addr])
+        return message
 
     def status(self, full: bool = False) -> dict:
         """The proxy's state. ``full`` (the admin token was given): every instance with

@@ -431,8 +431,12 @@ def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(from_a
     assert rcv._drained("h:1", "pA") is None  # sticky: the unlisted lane may still be open
     link.incomplete.clear()  # (a complete view of this P: only its own lanes count)
     assert rcv._drained("h:1", "pA") is None  # our established one is announced by nobody
-    link.lanes["pB"] = {remote}
-    assert rcv._drained("h:1", "pA") is True
+    link.lanes["pOld"] = {remote}  # announced by a process of that P that is gone: says nothing
+    assert rcv._drained("h:1", "pA") is None
+    other = _PeerLink("h:2", FakeDealer(), welcomed=True, instance="pB")
+    rcv._links["h:2"] = other
+    rcv._on_welcome(other, M.Welcome("pB", True, lanes=[remote], agents=["b"], complete=True))
+    assert rcv._drained("h:1", "pA") is True  # a live P's announced lane is that P's
 
 
 def test_p_says_its_welcome_is_incomplete_when_a_lanes_5_tuple_is_unknown():

@@ -198,3 +198,32 @@ def test_another_prompt_under_a_taken_transfer_id_is_not_a_sibling():
     assert s.get_num_new_matched_tokens(late, 96) == (0, False)
     stranger = SimpleNamespace(request_id="e", prompt_token_ids=[7] * 100, kv_transfer_params=dict(params))
     assert s.get_num_new_matched_tokens(stranger, 0) == (100, True)
+
+
+def test_a_sibling_waits_a_few_steps_for_the_cache_then_computes_and_a_reuse_never_replaces_the_owner():
+    from kvpath.connector.params import decode_leg_params
+    from kvpath.connector.vllm_scheduler import SIBLING_CACHE_STEPS
+
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    params = decode_leg_params("t1", "127.0.0.1:5600")
+
+    def req(rid, prompt):
+        return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=dict(params))
+
+    blocks = SimpleNamespace(get_block_ids=lambda: [[1, 2, 3, 4]], get_unhashed_block_ids=lambda: [1, 2, 3, 4])
+    owner, kid, reuse = req("0_x", list(range(100))), req("1_x", list(range(100))), req("r", [5] * 100)
+    s.get_num_new_matched_tokens(owner, 0)
+    s.update_state_after_alloc(owner, blocks, 100)
+    assert s.get_num_new_matched_tokens(reuse, 0) == (100, True)
+    s.update_state_after_alloc(reuse, blocks, 100)  # registers (and fails as a duplicate), owns nothing
+    assert s._d_owner == {"t1": "0_x"}
+    s.update_connector_output(SimpleNamespace(finished_sending=(), finished_recving={"0_x"}))
+    step = SimpleNamespace(total_num_scheduled_tokens=1)
+    for _ in range(SIBLING_CACHE_STEPS - 1):
+        s.build_connector_meta(step)
+        assert s.get_num_new_matched_tokens(kid, 64) == (None, False)  # a hit of 2 of 3 full blocks, for now
+    s.build_connector_meta(step)
+    assert s.get_num_new_matched_tokens(kid, 64) == (0, False)  # then it computes what it lacks

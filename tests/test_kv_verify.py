@@ -350,3 +350,18 @@ def test_the_bound_takes_rows_that_touch_across_two_regions(bound_path):
     V.check_inside(lay, rows, [0, 7])
     with pytest.raises(ValueError):
         V.check_inside(lay, np.array([[base + 7 * bl, 2 * bl]], dtype=np.uint64), [0, 7])  # one span over both
+
+
+def test_a_check_claiming_a_tiny_p_block_size_is_refused_before_planning():
+    """After review: the plan's size follows P's claimed block size; one far below D's
+    would make D build millions of spans on its receiver thread."""
+    import pytest as _pytest
+
+    from kvpath.connector import messages as M
+    from kvpath.connector.kv_verify import Check, d_rows
+
+    lay = M.BlockLayout([M.Region(4096, 1024, 1024)], 16, 128)  # 2 heads x 128 tokens x 4 B
+    compat = M.Compat(tp_size=1, kv_heads=2)
+    chk = Check("xxh3-128", "0" * 32, 1, 2, 0, 1, 128 * 4)
+    with _pytest.raises(ValueError, match="block size 1"):
+        d_rows(lay, compat, chk, [0, 1, 2, 3], 0)

@@ -542,3 +542,22 @@ def test_another_ds_cancel_of_a_flow_nobody_registered_does_not_take_the_owners_
     assert s3.cancel("x", b"d1")[0] == "cancelled"
     assert s3.add_registration(reg("x"), b"d1", 5.0)[0] == "duplicate"
     assert s3.add_registration(reg("x"), b"d2", 5.0)[0] == "waiting"
+
+
+def test_a_cancel_of_an_unseen_transfer_kills_neither_the_prefill_nor_a_fanned_owner():
+    """After review: a stranger's Cancel of a transfer id P has not seen (equal TP: the
+    bare id; D's TP above P's: the bare id from a D without a handshake) must not make the
+    owner's prefill "dead" nor the owner's fanned registration a duplicate."""
+    s = WriterState(lease_s=5)
+    assert s.cancel("t", b"mallory")[0] == "cancelled"
+    assert s.add_prefill(fp("t")) == ("waiting", [])  # waits for its registration or lease
+    assert add_reg(s, "t", ident=b"owner")[0] == "matched"
+    s2 = WriterState(lease_s=5)
+    assert s2.cancel("t", b"mallory")[0] == "cancelled"
+    assert fan_reg(s2, 0, ident=b"owner")[0] == "waiting"
+    status, ms = s2.add_prefill(fp("t"))
+    assert status == "matched" and [m.registration.reply_to for m in ms] == [b"owner"]
+    # the canceller's own record still ends things for itself
+    s3 = WriterState(lease_s=5)
+    s3.cancel("u", b"d1")
+    assert s3.add_registration(reg("u"), b"d1", 5.0)[0] == "duplicate"

@@ -233,14 +233,17 @@ def test_the_proxys_mounted_service_needs_the_reservation_token_and_admin_its_ow
         assert c.post("/admin/instances", json=add, headers={"Authorization": "Bearer adm1n"}).status_code == 201
 
 
-def test_the_proxys_deprecated_admin_token_still_guards_both(monkeypatch, caplog):
-    with caplog.at_level(logging.WARNING):
-        app = _run(monkeypatch, PROXY + ["--reservation", "inproc", "--admin-token", TOKEN])
+def test_the_proxys_deprecated_admin_token_guards_admin_only(monkeypatch, caplog):
+    """The old --admin-token still works for /admin (with a warning), but is never the
+    reservation token: every P connector holds that one, and must not hold /admin."""
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit, match="--reservation-token-file"):
+        _run(monkeypatch, PROXY + ["--reservation", "inproc", "--admin-token", TOKEN])
     assert any("--admin-token is deprecated" in r.getMessage() for r in caplog.records)
     assert not any(TOKEN in r.getMessage() for r in caplog.records)
+    app = _run(monkeypatch, PROXY + ["--reservation", "inproc", "--admin-token", TOKEN], {wire.TOKEN_ENV: "res-" + TOKEN})
     with TestClient(app) as c:
-        assert c.get("/reservation/v1/state").status_code == 401
-        assert c.get("/reservation/v1/state", headers=AUTH).status_code == 200
+        assert c.get("/reservation/v1/state", headers=AUTH).status_code == 401
+        assert c.get("/reservation/v1/state", headers={"Authorization": f"Bearer res-{TOKEN}"}).status_code == 200
         add = {"role": "decode", "url": "http://127.0.0.1:4", "fabric_host": "l1h1"}
         assert c.post("/admin/instances", json=add, headers=AUTH).status_code == 201
 

@@ -247,8 +247,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help=f"a file holding the admin token (else the {ADMIN_TOKEN_ENV} environment variable): enables "
                         "/admin/instances with 'Authorization: Bearer TOKEN' (without one they answer 403)")
     p.add_argument("--admin-token", metavar="TOKEN",
-                   help="deprecated (every local user can read a command line): the admin token itself; also the "
-                        "reservation service's token when none is given otherwise")
+                   help="deprecated (every local user can read a command line): the admin token itself (for "
+                        "/admin only; the reservation service's token is --reservation-token-file)")
     p.add_argument("--engine-api-key-file", metavar="PATH",
                    help="a file holding the engines' API key (vLLM's --api-key / VLLM_API_KEY), sent to them as "
                         "'Authorization: Bearer KEY' on both legs and GET /v1/models; without it the key comes from "

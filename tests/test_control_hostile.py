@@ -210,21 +210,26 @@ def test_a_cancel_is_answered_with_p_instance_and_what_p_recorded(keys):
 
 
 def test_registrations_held_across_a_broken_control_connection_complete(keys):
-    # D's liveness clock is 1 s; P's prefill comes 4 s after the break. P's heartbeats must
-    # reach D over the new connection (its routing id is D's own, not the connection's).
-    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=1.0, max_wait_s=20.0)
+    # D's liveness clock is 2 s; P's prefill comes 4.5 s after the break. P's heartbeats must
+    # reach D over the new connection (its routing id is D's own, not the connection's):
+    # else D gives up and its Cancel (over the new connection) ends the push. The reconnect
+    # itself can take a second or more when the cores are busy (with a 1 s clock and
+    # recv_timeout == 0 asserted, this failed about one run in ten on this 2-core machine,
+    # before and after issue 32), so what is asserted is the push's fate, not D's clock.
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
     p, bufs = start_p(pc)
     try:
         with PeerProcess(dc, SPEC) as d:
             d.call("register", "d1", "held", p.address, [3], 0)
             assert wait_for(lambda: p.state.registered_by("held") is not None)
             d.call("reconnect")
-            time.sleep(4.0)
+            time.sleep(4.5)
             p.submit_finished("p1", "held", [4])
             _, done, failed = d.call("wait", ["d1"], 10)
             assert done == ["d1"] and not failed, "the held registration failed across the reconnect"
             assert d.call("read", [3])[1] == [b.reshape(SPEC.num_blocks, SPEC.block_len)[[4]].tobytes() for b in bufs]
-            assert d.call("stats")[1]["recv_timeout"] == 0
+            assert wait_for(lambda: p.stats.snapshot()["pushes_ok"] == 1)  # P sees its WRITE end a moment later
+            assert p.stats.snapshot()["pushes_cancelled"] == 0
     finally:
         p.close()
 

@@ -20,7 +20,7 @@ import msgspec
 
 from kvpath import reservation_wire as wire
 from kvpath.connector.telemetry import Stats
-from kvpath.credentials import CredentialError, load_secret
+from kvpath.credentials import CredentialError, header_safe, load_secret
 from kvpath.reservation_wire import LaneInfo, ReservedCallback
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def reservation_token(cfg: Any, environ: Mapping[str, str] | None = None) -> str
         field = "kv_connector_extra_config.reservation_token_file" if cfg.reservation_token_file else wire.TOKEN_ENV
         token = load_secret(field, cfg.reservation_token_file, wire.TOKEN_ENV,
                             None if environ is None else dict(environ))
-    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+    if token is not None and not header_safe(token):
         raise CredentialError(f"{field}: a token must be one word of printable ASCII (it travels in an HTTP header)")
     return token
 

@@ -53,6 +53,13 @@ def load_secret(field: str, path: str | os.PathLike[str] | None = None, env: str
     return None
 
 
+def header_safe(value: str, spaces: bool = False) -> bool:
+    """Can ``value`` travel as a bearer credential in an HTTP header: printable ASCII
+    (Starlette reads header bytes back as latin-1, vLLM compares UTF-8), and one word
+    unless ``spaces``."""
+    return value.isascii() and value.isprintable() and (spaces or " " not in value)
+
+
 def write_secret_file(path: str | os.PathLike[str], secret: str) -> Path:
     """Write ``secret`` to ``path`` readable by its owner only (0600 from creation)."""
     p = Path(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvpath.credentials import CredentialError, load_secret
+from kvpath.credentials import CredentialError, header_safe, load_secret
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
@@ -76,7 +76,7 @@ def secret_arg(args: argparse.Namespace, prog: str, file_opt: str, env: str, arg
             token, source = load_secret(file_opt, path, env), file_opt if path else f"${env}"
         except CredentialError as e:
             raise SystemExit(f"kvpath {prog}: error: {e}") from None
-    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+    if token is not None and not header_safe(token):
         # it travels in an HTTP header: anything else could never match, or never be sent
         raise SystemExit(f"kvpath {prog}: error: {source}: a token must be one word of printable ASCII")
     return token
@@ -136,8 +136,6 @@ def load_engine_api_key(path: str | None, environ: dict[str, str] | None = None)
     """The engines' API key (vLLM's ``--api-key``): from ``--engine-api-key-file``, else
     $KVPATH_ENGINE_API_KEY, else $VLLM_API_KEY (what vLLM itself reads), else None. Never
     from argv. Logs where it came from, never the key."""
-    from kvpath.credentials import CredentialError, load_secret
-
     key, source = None, "none"
     try:
         if path:
@@ -147,7 +145,7 @@ def load_engine_api_key(path: str | None, environ: dict[str, str] | None = None)
                 key, source = load_secret(env, env=env, environ=environ), f"${env}"
     except CredentialError as e:
         raise SystemExit(f"kvpath proxy: error: {e}") from None
-    if key is not None and not (key.isascii() and key.isprintable()):
+    if key is not None and not header_safe(key, spaces=True):
         raise SystemExit(f"kvpath proxy: error: {source}: the engine API key must be one line of printable ASCII")
     logger.info("engine API key: %s", f"from {source}" if key else "none (the engines must run without --api-key)")
     return key

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvpath.credentials import header_safe
 from kvpath.proxy.instances import POLICIES
 from kvpath.proxy.legs import MODES
 
@@ -52,6 +53,6 @@ class ProxyConfig:
         if self.health_interval_s < 0 or self.unhealthy_after < 1:
             raise ValueError("health_interval_s must be >= 0 and unhealthy_after >= 1")
         key = self.engine_api_key
-        if key is not None and not (key and key.isascii() and key.isprintable()):
+        if key is not None and not (key and header_safe(key, spaces=True)):
             # a header value: Starlette reads it back as latin-1, vLLM compares UTF-8
             raise ValueError("the engine API key must be one line of printable ASCII")

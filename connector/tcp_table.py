@@ -40,8 +40,8 @@ def _addr(hexaddr: str) -> tuple[str, int]:
     return ip, int(port_hex, 16)
 
 
-def sockets(local_ports: set[int] | None = None) -> list[TcpSocket]:
-    """TCP sockets of this namespace (optionally only those on ``local_ports``)."""
+def sockets() -> list[TcpSocket]:
+    """TCP sockets of this namespace."""
     out: list[TcpSocket] = []
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -51,11 +51,8 @@ def sockets(local_ports: set[int] | None = None) -> list[TcpSocket]:
             continue
         for line in lines:
             parts = line.split()
-            local = _addr(parts[1])
-            if local_ports is not None and local[1] not in local_ports:
-                continue
             rx = int(parts[4].split(":")[1], 16)
-            out.append(TcpSocket(local, _addr(parts[2]), int(parts[3], 16), rx, int(parts[9])))
+            out.append(TcpSocket(_addr(parts[1]), _addr(parts[2]), int(parts[3], 16), rx, int(parts[9])))
     return out
 
 

@@ -30,6 +30,15 @@ SIBLING_CACHE_STEPS = 4  # steps an n > 1 child waits after the push landed for 
 
 
 @dataclass
+class _Owner:
+    """The live D request that registered a transfer (n > 1: its siblings wait for it)."""
+
+    request_id: str
+    prompt: int  # a hash of its prompt's token ids: only children with the same prompt share
+    landed_step: int | None = None  # the scheduler step its push landed at
+
+
+@dataclass
 class KVPathMetadata(StepCommands, KVConnectorMetadata):
     """The step's commands (:mod:`kvpath.connector.step_commands`) as vLLM's metadata."""
 
@@ -62,10 +71,8 @@ class KVPathScheduler:
         # transfer id -> the live D request that registered it. vLLM serves n > 1 as child
         # requests sharing the prompt and its kv_transfer_params: one of them receives the
         # push, the others wait for it and take its blocks from the prefix cache.
-        self._d_owner: dict[str, str] = {}
+        self._owners: dict[str, _Owner] = {}
         self._owned: dict[str, str] = {}  # request id -> the transfer id it owns
-        self._owner_prompt: dict[str, int] = {}  # transfer id -> a hash of its owner's prompt
-        self._landed_step: dict[str, int] = {}  # transfer id -> the step its owner's KV landed
         self._step = 0  # build_connector_meta calls: the scheduler's steps
         # transfers whose owner ended (the last SPENT_REMEMBERED): a child that comes
         # later computes its prefill locally instead of registering a spent id again
@@ -90,38 +97,37 @@ class KVPathScheduler:
             request.kv_transfer_params = None
             self._role_errors[request.request_id] = why
             return 0, False
-        owner = self._d_owner.get(dp.transfer_id)
+        owner = self._owners.get(dp.transfer_id)
         if owner is not None or dp.transfer_id in self._spent:
             prompt = hash(tuple(request.prompt_token_ids or ()))
-            if owner is not None and owner != request.request_id and self._owner_prompt.get(dp.transfer_id) == prompt:
-                return self._sibling(request, dp.transfer_id, owner, num_computed_tokens)
+            if owner is not None and owner.request_id != request.request_id and owner.prompt == prompt:
+                return self._sibling(request, owner, num_computed_tokens)
             if owner is None and self._spent.get(dp.transfer_id) == prompt:
-                return self._sibling(request, dp.transfer_id, "", num_computed_tokens)
+                return self._sibling(request, None, num_computed_tokens)
             # another prompt under a taken transfer id is a reused id: it registers, and
             # P or D refuses it at once as a duplicate
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _sibling(self, request: "Request", transfer_id: str, owner: str,
-                 num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _sibling(self, request: "Request", owner: "_Owner | None", num_computed_tokens: int) -> tuple[int | None, bool]:
         """A request (a child of an ``n`` > 1 request, same prompt) whose transfer another
         live request receives: it waits (None: vLLM asks again next step) until that KV
         has landed and the owner's full blocks are in the prefix cache, then computes the
         rest locally (less than a block). It waits at most SIBLING_CACHE_STEPS steps after
         the landing for the cache (some configurations never hit every full block: a
         speculative decoder drops the last one), then computes what it lacks. Without
-        prefix caching it computes its prefill at once."""
-        if self.prefix_caching and owner:
-            if owner in self._d_waiting:
+        prefix caching it computes its prefill at once. ``owner`` None: the owner ended."""
+        if self.prefix_caching and owner is not None:
+            if owner.request_id in self._d_waiting:
                 return None, False
             prompt = len(request.prompt_token_ids or [])
-            landed = self._landed_step.get(transfer_id, self._step)
+            landed = owner.landed_step if owner.landed_step is not None else self._step
             if (num_computed_tokens < (prompt - 1) // self.block_size * self.block_size
                     and self._step - landed < SIBLING_CACHE_STEPS):
                 return None, False  # landed; cached once the owner is scheduled (next step)
         request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
         logger.debug("request %s shares transfer of %s: %d tokens from the prefix cache", request.request_id,
-                     owner, num_computed_tokens)
+                     owner.request_id if owner is not None else "an ended request", num_computed_tokens)
         return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -136,10 +142,9 @@ class KVPathScheduler:
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
                                                 dp.peer_key, dp.transfer_key, dp.tp_size))
         self._d_waiting.add(request.request_id)
-        if dp.transfer_id not in self._d_owner:  # a live owner is never replaced (a reused id fails)
-            self._d_owner[dp.transfer_id] = request.request_id
+        if dp.transfer_id not in self._owners:  # a live owner is never replaced (a reused id fails)
+            self._owners[dp.transfer_id] = _Owner(request.request_id, hash(tuple(request.prompt_token_ids or ())))
             self._owned[request.request_id] = dp.transfer_id
-            self._owner_prompt[dp.transfer_id] = hash(tuple(request.prompt_token_ids or ()))
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVPathMetadata:
@@ -153,10 +158,8 @@ class KVPathScheduler:
 
         rid = request.request_id
         tid = self._owned.pop(rid, None)
-        if tid is not None and self._d_owner.get(tid) == rid:
-            del self._d_owner[tid]  # siblings still waiting compute their prefill locally
-            self._landed_step.pop(tid, None)
-            self._spent[tid] = self._owner_prompt.pop(tid)
+        if tid is not None:  # siblings still waiting compute their prefill locally
+            self._spent[tid] = self._owners.pop(tid).prompt
             if len(self._spent) > SPENT_REMEMBERED:
                 self._spent.popitem(last=False)
         role_error = self._role_errors.pop(rid, None)
@@ -208,7 +211,7 @@ class KVPathScheduler:
             self._d_waiting.discard(rid)
             tid = self._owned.get(rid)
             if tid is not None:
-                self._landed_step[tid] = self._step
+                self._owners[tid].landed_step = self._step
             self._d_cancelled.discard(rid)
 
     def has_pending_push_work(self) -> bool:

@@ -219,7 +219,7 @@ def test_a_sibling_waits_a_few_steps_for_the_cache_then_computes_and_a_reuse_nev
     s.update_state_after_alloc(owner, blocks, 100)
     assert s.get_num_new_matched_tokens(reuse, 0) == (100, True)
     s.update_state_after_alloc(reuse, blocks, 100)  # registers (and fails as a duplicate), owns nothing
-    assert s._d_owner == {"t1": "0_x"}
+    assert {t: o.request_id for t, o in s._owners.items()} == {"t1": "0_x"}
     s.update_connector_output(SimpleNamespace(finished_sending=(), finished_recving={"0_x"}))
     step = SimpleNamespace(total_num_scheduled_tokens=1)
     for _ in range(SIBLING_CACHE_STEPS - 1):

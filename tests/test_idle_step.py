@@ -29,6 +29,14 @@ def test_a_bad_wait_names_the_knob(bad):
         KVPathConfig.from_extra_config({"idle_step_wait_ms": bad, "control_plaintext": True})
 
 
+def _d_scheduler() -> KVPathScheduler:
+    """A decode engine's scheduler side, prefix caching on, block size 32."""
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
+                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    return KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+
+
 def _scheduler() -> KVPathScheduler:
     vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32),
                            kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
@@ -151,10 +159,7 @@ def test_children_of_an_n_above_one_request_share_one_push_on_d():
     cache, then compute under a block locally. They never register a second time."""
     from kvpath.connector.params import decode_leg_params
 
-    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
-                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    s = _d_scheduler()
     params = decode_leg_params("t1", "127.0.0.1:5600", transfer_key="k" * 24)
     kids = [SimpleNamespace(request_id=f"{i}_cmpl-x", prompt_token_ids=list(range(100)),
                             kv_transfer_params=dict(params, kvpath=dict(params["kvpath"]))) for i in range(2)]
@@ -181,10 +186,7 @@ def test_children_of_an_n_above_one_request_share_one_push_on_d():
 def test_another_prompt_under_a_taken_transfer_id_is_not_a_sibling():
     from kvpath.connector.params import decode_leg_params
 
-    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
-                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    s = _d_scheduler()
     params = decode_leg_params("t1", "127.0.0.1:5600")
     owner = SimpleNamespace(request_id="a", prompt_token_ids=list(range(100)), kv_transfer_params=dict(params))
     blocks = SimpleNamespace(get_block_ids=lambda: [[1, 2, 3, 4]], get_unhashed_block_ids=lambda: [1, 2, 3, 4])
@@ -204,10 +206,7 @@ def test_a_sibling_waits_a_few_steps_for_the_cache_then_computes_and_a_reuse_nev
     from kvpath.connector.params import decode_leg_params
     from kvpath.connector.vllm_scheduler import SIBLING_CACHE_STEPS
 
-    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=True),
-                           kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    s = KVPathScheduler(vcfg, KVPathConfig(), "d-engine")
+    s = _d_scheduler()
     params = decode_leg_params("t1", "127.0.0.1:5600")
 
     def req(rid, prompt):

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvpath.connector.step_commands import VllmTimes
 from kvpath.connector.messages import Register
 
 
@@ -65,6 +66,7 @@ class FinishedPrefill:
     deadline: float = 0.0
     key: str = ""  # this flow's key ("": the transfer id, one flow)
     share: Share | None = None  # several flows: the blocks are freed when the last ends
+    times: VllmTimes | None = None  # vLLM's own times of the P request (for the record)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.transfer_id

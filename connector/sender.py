@@ -32,6 +32,7 @@ from kvpath.connector.lanes import Lane
 from kvpath.connector.nixl_io import configure_ucx
 from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
+from kvpath.connector.step_commands import VllmTimes
 from kvpath.connector.reservation_hooks import ReservationNotifier, reservation_token
 from kvpath.connector.telemetry import Stats
 from kvpath.connector.write_loop import InFlight, WriteLoop
@@ -115,10 +116,11 @@ class PushSender(ControlChannel, LaneSetup, ParkedPushes, WriteLoop, EngineThrea
     # -- called from the engine thread ---------------------------------------
     def submit_finished(
         self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None = None,
-        lease_id: str | None = None, transfer_key: str = "",
+        lease_id: str | None = None, transfer_key: str = "", times: VllmTimes | None = None,
     ) -> None:
+        """``times``: vLLM's own times of the request, carried into its TransferRecord."""
         self._put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
-                                              transfer_key=transfer_key))
+                                              transfer_key=transfer_key, times=times))
 
     def abort(self, transfer_id: str) -> None:
         self._put("abort", transfer_id)

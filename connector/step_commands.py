@@ -30,6 +30,20 @@ class SendReq:
     lane: int | None
     lease_id: str | None = None
     transfer_key: str = ""
+    # vLLM's own times of the P request (unix s; None without vLLM's stats): it reached
+    # the engine, entered the queue, was first scheduled (kvpath.request_timeline)
+    times: "VllmTimes | None" = None
+
+
+@dataclass(frozen=True)
+class VllmTimes:
+    arrival_at: float | None = None
+    queued_at: float | None = None
+    scheduled_at: float | None = None
+
+    def record_fields(self) -> dict[str, float | None]:
+        """As the TransferRecord's fields."""
+        return {"p_arrival_at": self.arrival_at, "p_queued_at": self.queued_at, "p_scheduled_at": self.scheduled_at}
 
 
 @dataclass

@@ -7,6 +7,7 @@ over in :class:`KVPathMetadata`. No networking here.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
-from kvpath.connector.step_commands import RecvReq, SendReq, StepCommands
+from kvpath.connector.step_commands import RecvReq, SendReq, StepCommands, VllmTimes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,8 +79,17 @@ class KVPathScheduler:
         # later computes its prefill locally instead of registering a spent id again
         self._spent: OrderedDict[str, int] = OrderedDict()  # -> hash of its prompt
         self.prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+        # P requests not yet scheduled (their events are read when they are) and the times
+        # read: live requests only (request_finished drops both)
+        self._p_unscheduled: dict[str, "Request"] = {}
+        self._p_times: dict[str, VllmTimes] = {}
+        # vLLM stamps its events with time.monotonic(): this maps them to unix time
+        self._mono_to_unix = time.time() - time.monotonic()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and request.request_id not in self._p_times:
+            self._p_unscheduled[request.request_id] = request  # its events are read once scheduled
         try:
             dp = parse_decode(request.kv_transfer_params)
         except BadTransferParams as e:
@@ -151,12 +161,32 @@ class KVPathScheduler:
         meta, self._meta = self._meta, KVPathMetadata()
         self._step += 1
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._p_unscheduled:
+            for new in scheduler_output.scheduled_new_reqs:
+                req = self._p_unscheduled.pop(new.req_id, None)
+                if req is not None:
+                    self._p_times[new.req_id] = self._times_of(req)
         return meta
+
+    def _times_of(self, request: "Request") -> VllmTimes:
+        """vLLM's own records of a request just scheduled (its events are taken after
+        this step's forward, so they are all still there): no clock of ours."""
+        from vllm.v1.engine import EngineCoreEventType
+
+        queued = scheduled = None
+        for ev in getattr(request, "events", None) or ():
+            if ev.type == EngineCoreEventType.QUEUED and queued is None:
+                queued = ev.timestamp + self._mono_to_unix
+            elif ev.type == EngineCoreEventType.SCHEDULED and scheduled is None:
+                scheduled = ev.timestamp + self._mono_to_unix
+        return VllmTimes(getattr(request, "arrival_time", None), queued, scheduled)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        self._p_unscheduled.pop(rid, None)
+        times = self._p_times.pop(rid, None)
         tid = self._owned.pop(rid, None)
         if tid is not None:  # siblings still waiting compute their prefill locally
             self._spent[tid] = self._owners.pop(tid).prompt
@@ -187,7 +217,7 @@ class KVPathScheduler:
             self._meta.aborted.append(pp.transfer_id)
             return False, None
         self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id,
-                                           pp.transfer_key))
+                                           pp.transfer_key, times))
         self._p_pending.add(rid)
         return True, {
             "do_remote_prefill": True,

@@ -89,7 +89,7 @@ class KVPathWorker:
         if self.sender is not None:
             for s in meta.finished:
                 self.sender.submit_finished(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id,
-                                            transfer_key=s.transfer_key)
+                                            transfer_key=s.transfer_key, times=s.times)
             for tid in meta.aborted:
                 self.sender.abort(tid)
         if meta.idle and self.idle_wait_s > 0:

@@ -103,6 +103,7 @@ class WriteLoop:
             transfer_id=fp.transfer_id, request_id=fp.request_id, peer_engine=peer.hello.engine_id,
             peer_request_id=reg.request_id, peer_rank=peer.hello.compat.tp_rank, lane=lane, lease_id=fp.lease_id or "",
             registered_at=pr.received_at, prefill_done_at=fp.finished_at,
+            **(fp.times.record_fields() if fp.times is not None else {}),
         )
         if time.monotonic() >= pr.post_by:
             self._fail(m, "D's post_by deadline passed before the prefill finished", rec)

@@ -26,6 +26,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="kvpath-demo",
                    help="folder for each variant's run, demo.json and the report (default: %(default)s)")
     p.add_argument("--no-ns3", action="store_true", help="replay in the flow model only (skip ns-3)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every variant N times, rotating the order per repeat (A B C, B C A, ...), each "
+                        "run in <out>/<variant>/r<k>; the table gives medians over the valid runs and the notes "
+                        "min..max (default %(default)s)")
+    p.add_argument("--wide", action="store_true",
+                   help="the wide table (every value, error and min..max) instead of one fitting 80 columns")
     p.add_argument("--simulate-only", action="store_true",
                    help="skip the testbed (as where no fabric can be built): the serving simulation alone")
     p.set_defaults(func=cmd_demo)
@@ -35,16 +41,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvpath.demo.rows import table
-    from kvpath.demo.steps import measure, replay, simulate_only, write_json
+    from kvpath.demo.steps import measure, replay, report_folders, simulate_only, write_json
 
     profile = QUICK if args.quick else FULL
+    if args.repeats < 1:
+        raise SystemExit("kvpath demo: error: --repeats: at least 1")
     if args.no_ns3:
         profile = dataclasses.replace(profile, ns3=False)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import sys
 
-    # a log file or a pipe gets a table that fits, not rich's 80 columns
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    # a log file or a pipe gets room for the wide table; the narrow one fits 80 columns anyway
+    console = Console() if sys.stdout.isatty() else Console(width=200 if args.wide else 100)
     out = Path(args.out)
     t0 = time.monotonic()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds like Ctrl-C: every step cleans up
@@ -54,19 +62,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if why:
             console.print(f"[yellow]no fabric ({why}): running the simulation part alone[/yellow]")
             res, measured, failed = simulate_only(profile, out, console), False, 0
+            folders = {r.variant: out / r.variant for r in res.rows}
             title = "simulated only (flow model), datacenter time (ms)"
         else:
-            runs = measure(profile, out, console)
+            runs = measure(profile, out, console, args.repeats)
             backends = ["flow"] + (["ns3"] if profile.ns3 else [])
             res, measured = replay(runs, backends, console), True
             failed = sum(r.summary["failed"] for r in runs)
+            folders = report_folders(runs)
             title = ("measured (testbed) against simulated, datacenter-equivalent time (ms); "
-                     "errors: simulated / measured - 1")
-        console.print(table(res.rows, title))
+                     "errors: simulated / measured - 1" if args.wide else
+                     "measured (testbed) against simulated, datacenter-equivalent ms; simulated rows: their error, "
+                     "simulated / measured - 1")
+        console.print(table(res.rows, title, wide=args.wide))
         for n in res.notes:
-            console.print(n)
-        write_json(out / "demo.json", res.rows, res.notes, measured)
-        index = _report(out, [r.variant for r in res.rows], console)
+            console.print(n, highlight=False)
+        write_json(out / "demo.json", res.rows, res.notes, measured, args.repeats)
+        index = _report(out, folders, console)
         console.print(f"report: {index}" if index else "report: not written (see the log)")
         console.print(f"demo: {profile.name} profile in {time.monotonic() - t0:.0f} s; results in {out}/demo.json")
         return 0 if not failed else 1
@@ -91,14 +103,14 @@ def _fabric_problem() -> str | None:
     return netns_problem()
 
 
-def _report(out: Path, variants: list[str], console) -> Path | None:
-    """The HTML report of every variant's trace (``kvpath bridge report``)."""
+def _report(out: Path, folders: dict[str, Path], console) -> Path | None:
+    """The HTML report of one trace per variant (``kvpath bridge report``): its first
+    valid run's."""
     from kvpath.bridge.report import write_report
     from kvpath.trace import TraceError, read_trace
 
-    labels = list(dict.fromkeys(variants))
     try:
-        traces = [(v, read_trace(out / v / "trace.jsonl")) for v in labels]
+        traces = [(v, read_trace(f / "trace.jsonl")) for v, f in folders.items()]
         console.rule("bridge: the report")
         return write_report(traces, out / "report").index
     except (OSError, ValueError, TraceError) as e:

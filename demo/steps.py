@@ -24,6 +24,8 @@ class Measured:
     variant: Variant
     trace: Trace
     summary: dict
+    repeat: int = 1
+    folder: Path | None = None  # where its trace and summary are
 
     @property
     def scale(self) -> float:
@@ -37,8 +39,18 @@ class Measured:
         return text if not bad else f"{text}, {bad} failed"
 
     @property
+    def valid(self) -> bool:
+        return bool(self.summary["fidelity"]["valid"])
+
+    @property
     def problems(self) -> list[str]:
         return list(self.summary["fidelity"]["problems"])
+
+    @property
+    def name(self) -> str:
+        """The variant, and the repeat when there were several (its folder is then r<k>)."""
+        single = self.folder is None or self.folder.name == self.variant.label
+        return self.variant.label if single else f"{self.variant.label} r{self.repeat}"
 
 
 @dataclass
@@ -59,59 +71,86 @@ def run_config(profile: Profile, variant: Variant, out: Path):
     return cfg
 
 
-def measure(profile: Profile, out: Path, console: Console) -> list[Measured]:
-    """Each variant on the emulated fabric, one after another (same workload and seed)."""
-    from kvpath.testbed.run_session import run_one
+def measure(profile: Profile, out: Path, console: Console, repeats: int = 1) -> list[Measured]:
+    """Each variant on the emulated fabric (same workload and seed), ``repeats`` times in
+    an order rotated per repeat, each run judged by the fidelity envelope against the
+    others (``kvpath.testbed.run_session.run_rotated``)."""
+    from kvpath.testbed.run_session import run_rotated
 
-    done = []
-    for i, v in enumerate(profile.variants, 1):
-        console.rule(f"[{i}/{len(profile.variants)}] testbed: {v.label} (mode {v.mode}, policy {v.policy})")
-        cfg = run_config(profile, v, out)
-        summary = run_one(cfg, console)
-        done.append(Measured(v, read_trace(Path(cfg.out) / "trace.jsonl"), summary))
-    return done
+    by_label = {v.label: v for v in profile.variants}
+    runs = run_rotated([(v.label, run_config(profile, v, out)) for v in profile.variants], repeats, console)
+    return [Measured(by_label[r.label], read_trace(Path(r.cfg.out) / "trace.jsonl"), r.summary, r.repeat,
+                     Path(r.cfg.out)) for r in runs]
+
+
+def calibration_base(measured: list[Measured], label: str) -> Measured | None:
+    """The run the calibration is fitted on: ``label``'s first valid repeat, never one the
+    fidelity checks flagged (its numbers are the machine's); None when none is valid."""
+    mine = sorted((m for m in measured if m.variant.label == label), key=lambda m: m.repeat)
+    return next((m for m in mine if m.valid), None)
 
 
 def replay(measured: list[Measured], backends: list[str], console: Console) -> Replays:
     """Each trace through each backend with the trace's own constants, and through the flow
-    model calibrated on the first variant's trace (fit on its first half)."""
+    model calibrated on the first variant's first valid run (fit on its first half); the
+    rows of a variant's repeats combined (median and min..max over the valid ones)."""
     from kvpath.bridge.calibrate import calibrate
-    from kvpath.bridge.compare import header_net_params, replay_trace
-    from kvpath.trace_header import TraceSetup
+
+    from kvpath.demo.rows import combine, range_notes
 
     res = Replays()
     if not measured:
         return res
-    base = measured[0]
-    console.rule(f"bridge: calibrating the flow model on {base.variant.label}'s trace (first half)")
-    try:
-        cal = calibrate(base.trace, "flow", train_frac=0.5)
-        res.notes.append(
-            f"flow, cal.: the flow model with the network and compute constants fitted on the first half of "
-            f"{base.variant.label}'s trace, applied to every variant; on {base.variant.label}'s other half the "
-            f"FCT mean error went "
-            f"{cal.fct.before.mean:+.0%} -> {cal.fct.after.mean:+.0%}, TTFT {cal.ttft.before.mean:+.0%} -> "
-            f"{cal.ttft.after.mean:+.0%}, TPOT {cal.tpot.before.mean:+.0%} -> {cal.tpot.after.mean:+.0%}")
-    except Exception as e:  # a trace too small or odd to fit: the raw replays still count
-        cal = None
-        res.notes.append(f"no calibration: {e}")
+    label = measured[0].variant.label  # the schedule's first: the profile's first variant
+    base = calibration_base(measured, label)
+    cal = None
+    if base is None:
+        res.notes.append(f"no calibration: no run of {label} is valid, and a disturbed run is not fitted on")
+    else:
+        console.rule(f"bridge: calibrating the flow model on {base.name}'s trace (first half)")
+        try:
+            cal = calibrate(base.trace, "flow", train_frac=0.5)
+            res.notes.append(
+                f"flow, cal.: the flow model with the network and compute constants fitted on the first half of "
+                f"{base.name}'s trace, applied to every variant; on its other half the FCT mean error went "
+                f"{cal.fct.before.mean:+.0%} -> {cal.fct.after.mean:+.0%}, TTFT {cal.ttft.before.mean:+.0%} -> "
+                f"{cal.ttft.after.mean:+.0%}, TPOT {cal.tpot.before.mean:+.0%} -> {cal.tpot.after.mean:+.0%}")
+        except Exception as e:  # a trace too small or odd to fit: the raw replays still count
+            res.notes.append(f"no calibration: {e}")
+    per_variant: dict[str, list[tuple[list[Row], bool]]] = {}
     for m in measured:
-        console.rule(f"bridge: replaying {m.variant.label} through {', '.join(backends)}")
-        params = header_net_params(TraceSetup(m.trace))
-        reps: list[tuple[str, object]] = []
-        runs = [(b, b, params, None) for b in backends]
-        if cal is not None:
-            runs.insert(1, ("flow, cal.", "flow", cal.net, cal.compute))
-        for source, b, net, compute in runs:
-            try:
-                reps.append((source, replay_trace(m.trace, b, net, compute=compute)))
-            except Exception as e:  # no flows, ns-3 missing or failed: the others still count
-                res.notes.append(f"{m.variant.label}: {source} replay failed: {e}")
-                logger.warning("%s: %s replay failed: %s", m.variant.label, source, e)
-        res.notes.extend(f"{m.variant.label}: fidelity: {p}" for p in m.problems)
-        if reps:
-            res.rows.extend(replay_rows(m.variant.label, reps, m.scale, m.verdict))
+        per_variant.setdefault(m.variant.label, []).append((_replay_one(m, backends, cal, res, console), m.valid))
+    order = [v.label for v in dict.fromkeys(m.variant for m in sorted(measured, key=lambda m: m.repeat))]
+    for v in order:
+        runs = [rows for rows, _ in per_variant[v] if rows]
+        valid = [ok for rows, ok in per_variant[v] if rows]
+        if runs:
+            res.rows.extend(combine(runs, valid))
+    res.notes.extend(range_notes(res.rows))
+    if all(r.runs == 1 for r in res.rows):
+        res.notes.append("each variant ran once (--repeats N: medians and min..max over N rotated runs)")
     return res
+
+
+def _replay_one(m: Measured, backends: list[str], cal: object, res: Replays, console: Console) -> list[Row]:
+    """One run's rows: measured, each backend raw, and the flow model calibrated."""
+    from kvpath.bridge.compare import header_net_params, replay_trace
+    from kvpath.trace_header import TraceSetup
+
+    console.rule(f"bridge: replaying {m.name} through {', '.join(backends)}")
+    params = header_net_params(TraceSetup(m.trace))
+    reps: list[tuple[str, object]] = []
+    runs = [(b, b, params, None) for b in backends]
+    if cal is not None:
+        runs.insert(1, ("flow, cal.", "flow", cal.net, cal.compute))  # type: ignore[attr-defined]
+    for source, b, net, compute in runs:
+        try:
+            reps.append((source, replay_trace(m.trace, b, net, compute=compute)))
+        except Exception as e:  # no flows, ns-3 missing or failed: the others still count
+            res.notes.append(f"{m.name}: {source} replay failed: {e}")
+            logger.warning("%s: %s replay failed: %s", m.name, source, e)
+    res.notes.extend(f"{m.name}: INVALID: {p}" for p in m.problems)
+    return replay_rows(m.variant.label, reps, m.scale, m.verdict, m.summary["failed"]) if reps else []
 
 
 def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
@@ -148,10 +187,19 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
     return res
 
 
-def write_json(path: Path, rows: list[Row], notes: list[str], measured: bool) -> None:
+def report_folders(measured: list[Measured]) -> dict[str, Path]:
+    """Per variant, the run the report shows: its first valid repeat (its first if none is)."""
+    out: dict[str, Path] = {}
+    for m in sorted(measured, key=lambda m: (not m.valid, m.repeat)):
+        if m.folder is not None:
+            out.setdefault(m.variant.label, m.folder)
+    return out
+
+
+def write_json(path: Path, rows: list[Row], notes: list[str], measured: bool, repeats: int = 1) -> None:
     from kvpath.demo.rows import to_dicts
 
     tmp = path.with_name(path.name + ".tmp")  # an interrupted write leaves no half a file
-    tmp.write_text(json.dumps({"measured": measured, "rows": to_dicts(rows), "notes": notes}, indent=1,
-                              allow_nan=False))
+    tmp.write_text(json.dumps({"measured": measured, "repeats": repeats, "rows": to_dicts(rows), "notes": notes},
+                              indent=1, allow_nan=False))
     tmp.replace(path)

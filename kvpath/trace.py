@@ -140,6 +140,11 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     # Last, so positional construction of the fields above keeps its meaning.
     rank: int = 0
     peer_rank: int = 0
+    # vLLM's own times of P's request (unix s, None where vLLM kept no stats): it reached
+    # P's engine, entered its queue, was first scheduled (its prefill began)
+    p_arrival_at: float | None = None
+    p_queued_at: float | None = None
+    p_scheduled_at: float | None = None
 
     @property
     def duration_s(self) -> float | None:

@@ -233,7 +233,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a P instance, repeat for each; kv_addr: its connector's side channel (push) or NIXL side "
                         "channel (inproc-push), needed in both; fabric_host: its host in the fabric spec "
                         "(reservations); engine_id: its kv_transfer_config.engine_id (needed in inproc-push); "
-                        "tp: its --tensor-parallel-size, needed in push mode where it differs from D's")
+                        "tp: its --tensor-parallel-size (optional: in push mode the proxy learns it from P's first "
+                        "answer, sending that request's P leg before its D leg)")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,fabric_host=H,engine_id=ID]",
                    help="engine_id: its connector's engine id (kv_connector_extra_config.engine_id, else "
                         "kv_transfer_config.engine_id); reservations then charge only the "

@@ -203,7 +203,14 @@ class Proxy:
         try:
             if self.cfg.mode == "push":
                 grant = await self._reserve(p, d, body, tid)
+                p_body: dict | None
                 p_body, d_body = legs.push_legs(body, p, tid, grant.lane, grant.lease_id)
+                if not p.tp_size:
+                    # P's TP size is not known yet: P's leg first, its answer names it (P
+                    # holds the prefill's blocks until D registers), then D's leg with it
+                    p_out = await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
+                    d_body = legs.with_p_tp(d_body, p.tp_size)
+                    p_body = None
             elif self.cfg.mode == "inproc-push":
                 p_body, d_body = legs.inproc_push_legs(body, p, tid, endpoint)
             else:
@@ -211,7 +218,7 @@ class Proxy:
             if d_body is None:  # pull: P first, then D with what P returned
                 p_out = await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
                 d_body = legs.decode_body(body, p_out.get("kv_transfer_params") or {})
-            else:
+            elif p_body is not None:
                 p_task = asyncio.create_task(self._post_json(p.url + endpoint, p_body, headers, p))
             d_resp, first = await self._watch(
                 request, self._open_decode(d, endpoint, d_body, headers, stream), p_task,
@@ -353,7 +360,22 @@ class Proxy:
             raise UpstreamError(502, "upstream_error",
                                 f"{inst.role} {inst.url} did not serve the leg: {str(kv['error'])[:300]}")
         inst.served += 1
+        if self.cfg.mode == "push" and inst.role == "prefill":
+            self._learn_tp(inst, legs.p_tp_of(out))
         return out
+
+    @staticmethod
+    def _learn_tp(p: Instance, tp: int) -> None:
+        """P's TP size from its own answer (every push-mode P answer names it): learned
+        once, and again when a restarted P names another. P knows its TP size best: an
+        operator's tp= that P contradicts is replaced, with a warning."""
+        if tp and tp != p.tp_size:
+            if p.tp_size and not p.tp_learned:
+                logger.warning("prefill %s: its answer names TP size %d, not the %d given (tp=): using %d", p.url,
+                               tp, p.tp_size, tp)
+            else:
+                logger.info("prefill %s: TP size %d (learned from its answer)", p.url, tp)
+            p.tp_size, p.tp_learned = tp, True
 
     async def _open_decode(self, d: Instance, endpoint: str, body: dict, headers: dict, stream: bool):
         """Send D's leg; return its response and its first bytes (they come once the

@@ -22,7 +22,10 @@ class Instance:
     # the engine's kv_transfer_config.engine_id: which registered worker pairs carry a
     # reservation (push), the NIXL peer to read from (P, inproc-push)
     engine_id: str = ""
-    tp_size: int = 0  # P only, push: its TP size, sent to D (0: not given, D assumes its own)
+    # P only, push: its TP size, sent to D. 0: not known yet; the proxy learns it from P's
+    # own answer (its kv_transfer_params name it), sending P's leg before D's until then
+    tp_size: int = 0
+    tp_learned: bool = False  # tp_size came from P's answers, not from the operator
     inflight: int = 0
     served: int = 0
     errors: int = 0
@@ -32,7 +35,8 @@ class Instance:
 
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "fabric_host": self.fabric_host, "kv_addr": self.kv_addr,
-                "engine_id": self.engine_id, "tp_size": self.tp_size, "inflight": self.inflight, "served": self.served, "errors": self.errors,
+                "engine_id": self.engine_id, "tp_size": self.tp_size,
+                "tp_source": "learned" if self.tp_learned else "given" if self.tp_size else "unknown", "inflight": self.inflight, "served": self.served, "errors": self.errors,
                 "healthy": self.healthy, "health_failures": self.health_failures}
 
 

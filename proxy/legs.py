@@ -18,6 +18,7 @@ from kvpath.connector.params import decode_leg_params, new_transfer_key, prefill
 from kvpath.proxy.instances import Instance
 
 MODES = ("push", "pull", "inproc-push")
+MAX_P_TP = 1024  # as the proxy's own tp= field takes
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +56,21 @@ def push_legs(body: dict[str, Any], p: Instance, transfer_id: str, lane: int | N
         single_prefill(prefill_body(body, prefill_leg_params(transfer_id, lane, lease_id, transfer_key=key))),
         decode_body(body, decode_leg_params(transfer_id, p.kv_addr, transfer_key=key, tp_size=p.tp_size)),
     )
+
+
+def p_tp_of(p_answer: dict[str, Any]) -> int:
+    """P's TP size as its answer to a push-mode P leg names it (0: not named)."""
+    kv = p_answer.get("kv_transfer_params")
+    kp = kv.get("kvpath") if isinstance(kv, dict) else None
+    tp = kp.get("tp_size") if isinstance(kp, dict) else None
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_P_TP else 0
+
+
+def with_p_tp(d_body: dict[str, Any], tp_size: int) -> dict[str, Any]:
+    """D's leg naming P's TP size (D's ranks choose their P ranks by it)."""
+    if tp_size:
+        d_body["kv_transfer_params"]["kvpath"]["tp_size"] = tp_size
+    return d_body
 
 
 def pull_prefill_leg(body: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,8 @@ def _add_compare(br: argparse._SubParsersAction) -> None:
                    help="depth of every link's token bucket, in bytes (default: the trace's, else 0)")
     c.add_argument("--json", action="store_true", help="print the errors as JSON")
     add_ns3_args(c)
+    c.add_argument("--wide", action="store_true",
+                   help="the wide table (every column) instead of one fitting 80 columns")
     c.set_defaults(func=cmd_compare)
 
 
@@ -49,6 +51,8 @@ def _add_calibrate(br: argparse._SubParsersAction) -> None:
                    help="the links' token-bucket burst (default: the trace header's; fitted when neither gives it)")
     k.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     add_ns3_args(k)
+    k.add_argument("--wide", action="store_true",
+                   help="the wide table (every column) instead of one fitting 80 columns")
     k.set_defaults(func=cmd_calibrate)
 
 
@@ -72,6 +76,8 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     add_ns3_args(s)
+    s.add_argument("--wide", action="store_true",
+                   help="the wide table (every column) instead of one fitting 80 columns")
     s.set_defaults(func=cmd_simulate)
 
 
@@ -126,6 +132,8 @@ def _add_sweep(br: argparse._SubParsersAction) -> None:
                    help="run the points as Ray tasks: local (start an instance), auto, or ray://host:port")
     s.add_argument("--out", default=None, help="write the rows as CSV, or JSON lines if the name ends in .jsonl")
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    s.add_argument("--wide", action="store_true",
+                   help="the wide table (every column) instead of one fitting 80 columns")
     s.set_defaults(func=cmd_sweep)
 
 

@@ -11,14 +11,17 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from kvpath.bridge.cli_args import backends, fail, load_trace, ns3_params
+from kvpath.bridge.tables import across_table, calibrate_table, compare_table, simulate_table
 from kvpath.trace import Trace
 
 
-def _pct(v: float) -> str:
-    return f"{100 * v:+.1f}%"
+def _console(args: argparse.Namespace) -> Console:
+    """The terminal's console; piped or captured, room for the wide table (rich would
+    assume 80 columns, which only the narrow one is made to fit)."""
+    c = Console()
+    return c if c.is_terminal else Console(width=200)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -44,17 +47,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                          "drops": {"measured": measured_drops, "simulated": replays[b].drops}}
                                      for b, row in errors.items()}) + "\n")
         return 0
-    t = Table(title=f"simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error")
-    for c in ("backend", "quantity", "n", "mean", "p50", "p99", "bias (median)", "|error| (mean)"):
-        t.add_column(c)
-    for b, row in errors.items():
-        for q, e in row.items():
-            if e is not None:
-                t.add_row(b, q.upper(), str(e.n), *(_pct(v) for v in (e.mean, e.p50, e.p99, e.bias)),
-                          f"{100 * e.mean_abs:.1f}%")
-    Console().print(t)
+    c = _console(args)
+    c.print(compare_table(f"simulated vs measured ({trace.header.mode}, {len(trace.flows)} flows): relative error",
+                          errors, args.wide))
     sim = ", ".join(f"{b} {r.drops}" for b, r in replays.items() if r.drops is not None)
-    Console().print(f"packets dropped: testbed {'not recorded' if measured_drops is None else measured_drops}"
+    c.print(f"packets dropped: testbed {'not recorded' if measured_drops is None else measured_drops}"
                     + (f"; {sim}" if sim else ""))
     return 0
 
@@ -77,17 +74,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
         return 0
-    c = Console()
+    c = _console(args)
     for r in results:
-        t = Table(title=f"{r.backend}: held-out error ({r.held_requests} requests; fitted on the first "
-                        f"{r.train_requests} by arrival, {r.runs} network runs)")
-        for col in ("quantity", "mean before", "mean after", "p99 before", "p99 after", "bias after"):
-            t.add_column(col)
-        for q in ("fct", "ttft", "tpot"):
-            h = getattr(r, q)
-            t.add_row(q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99), _pct(h.after.p99),
-                      _pct(h.after.bias))
-        c.print(t)
+        c.print(calibrate_table(f"{r.backend}: held-out error ({r.held_requests} requests; fitted on the first "
+                                f"{r.train_requests} by arrival, {r.runs} network runs)",
+                                [(q, getattr(r, q)) for q in ("fct", "ttft", "tpot")], args.wide))
         _print_constants(c, r.net, r.compute)
     return 0
 
@@ -133,18 +124,13 @@ def _calibrate_across(args: argparse.Namespace, names: list[str]) -> int:
     if args.json:
         sys.stdout.write(json.dumps([r.to_dict() for r in results]) + "\n")
         return 0
-    c = Console()
+    c = _console(args)
     for r in results:
-        t = Table(title=f"{r.backend}: fitted on {len(r.fit_traces)} trace(s), {r.runs} network runs; "
-                        "error on each evaluated trace")
-        for col in ("trace", "quantity", "mean before", "mean after", "p99 before", "p99 after"):
-            t.add_column(col)
-        for e in r.evaluated:
-            for q in ("fct", "ttft", "tpot"):
-                h = getattr(e, q)
-                t.add_row(e.name, q.upper(), _pct(h.before.mean), _pct(h.after.mean), _pct(h.before.p99),
-                          _pct(h.after.p99))
+        t, names = across_table(f"{r.backend}: fitted on {len(r.fit_traces)} trace(s), {r.runs} network runs; "
+                                "error on each evaluated trace", r.evaluated, args.wide)
         c.print(t)
+        for n in names:
+            c.print(n, highlight=False)
         _print_constants(c, r.net, r.compute)
     return 0
 
@@ -196,14 +182,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
-    t = Table(title=f"simulated: {args.fabric}, {args.pools}, {len(w.requests)} requests at {args.qps} QPS (ms)")
-    for c in ("backend", "mode", "FCT mean", "FCT p99", "slowdown mean", "TTFT mean", "TPOT mean", "wall (s)"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["backend"], r["mode"], f"{r['fct_mean_s'] * 1e3:.2f}", f"{r['fct_p99_s'] * 1e3:.2f}",
-                  f"{r['slowdown_mean']:.2f}", f"{r['ttft_mean_s'] * 1e3:.1f}", f"{r['tpot_mean_s'] * 1e3:.2f}",
-                  f"{r['wall_s']:.2f}")
-    Console().print(t)
+    _console(args).print(simulate_table(f"simulated: {args.fabric}, {args.pools}, {len(w.requests)} requests at "
+                                        f"{args.qps} QPS (ms)", rows, args.wide))
     return 0
 
 

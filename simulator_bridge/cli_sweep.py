@@ -105,13 +105,11 @@ def _coord_text(name: str, v: Any) -> str:
     return f"{v:g}" if name == "qps" else str(v)
 
 
-def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    """The rows, then each distinct error with how many points it ended (rows keep the full text).
-    A coordinate with one value in the whole grid goes into the title, so the table fits a terminal."""
-    from collections import Counter
-
+def sweep_table(rows: list[dict[str, Any]], title: str, wide: bool = False) -> Any:
+    """The rows as a table. A coordinate with one value in the whole grid goes into the
+    title, so the table fits a terminal; the narrow view also pairs mean and p99 in one
+    cell."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     heads = {"fabric": "fabric", "pools": "pools", "backend": "backend", "mode": "mode", "dc_delay_s": "dc ms",
@@ -119,19 +117,34 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     varying = [c for c in COORDS if len({r[c] for r in rows}) > 1]
     fixed = [f"{heads[c]} {_coord_text(c, rows[0][c])}" for c in COORDS if c not in varying and rows]
     t = Table(title=", ".join([title, *fixed]), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for c in [*(heads[c] for c in varying), "FCT", "FCT p99", "slowdn", "TTFT", "TTFT p99", "TPOT", "wall s"]:
+    stats = (["FCT", "FCT p99", "slowdn", "TTFT", "TTFT p99", "TPOT", "wall s"] if wide else
+             ["FCT mean/p99", "slowdn", "TTFT mean/p99", "TPOT", "wall s"])
+    for c in [*(heads[c] for c in varying), *stats]:
         t.add_column(c, no_wrap=True)
     for r in rows:
         coords = [_coord_text(c, r[c]) for c in varying]
         if r["error"]:
             t.add_row(*coords, "[red]failed[/red]")
             continue
-        t.add_row(*coords, _ms(r["fct_mean_s"]), _ms(r["fct_p99_s"]),
-                  "-" if r["slowdown_mean"] is None else f"{r['slowdown_mean']:.2f}",
-                  _ms(r["ttft_mean_s"], 1), _ms(r["ttft_p99_s"], 1), _ms(r["tpot_mean_s"]),
-                  "-" if r["wall_s"] is None else f"{r['wall_s']:.2f}")
+        fct, ttft = [_ms(r["fct_mean_s"]), _ms(r["fct_p99_s"])], [_ms(r["ttft_mean_s"], 1), _ms(r["ttft_p99_s"], 1)]
+        slow = "-" if r["slowdown_mean"] is None else f"{r['slowdown_mean']:.2f}"
+        wall = "-" if r["wall_s"] is None else f"{r['wall_s']:.2f}"
+        if wide:
+            t.add_row(*coords, *fct, slow, *ttft, _ms(r["tpot_mean_s"]), wall)
+        else:
+            t.add_row(*coords, "/".join(fct), slow, "/".join(ttft), _ms(r["tpot_mean_s"]), wall)
+    return t
+
+
+def print_table(rows: list[dict[str, Any]], title: str, wide: bool = False) -> None:
+    """The rows, then each distinct error with how many points it ended (rows keep the full text)."""
+    from collections import Counter
+
+    from rich.console import Console
+
+    t = sweep_table(rows, title, wide)
     console = Console()
-    if not console.is_terminal:  # piped or captured: rich would assume 80 columns and cut the numbers
+    if not console.is_terminal:  # piped or captured: rich would assume 80 columns and cut a wide grid's numbers
         console = Console(width=240)
     console.print(t)
     for err, n in Counter(r["error"] for r in rows if r["error"]).items():
@@ -181,5 +194,6 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
     else:
-        print_table(rows, f"sweep: {args.workload}, {args.requests} requests, {args.model} on {args.accelerator} (ms)")
+        print_table(rows, f"sweep: {args.workload}, {args.requests} requests, {args.model} on {args.accelerator} (ms)",
+                    args.wide)
     return 1 if failed else 0

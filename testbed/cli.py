@@ -91,11 +91,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
     if not cfgs:
         raise SystemExit(f"kvpath testbed run: error: --mode: give at least one of {', '.join(MODES)}")
+    if args.repeats < 1:
+        raise SystemExit("kvpath testbed run: error: --repeats: at least 1")
     console = Console()
     if not console.is_terminal:  # a log file: rich would wrap the tables at 80 columns
         console = Console(width=200)
     try:
-        return run_modes(cfgs, args.out, console)
+        return run_modes(cfgs, args.out, console, repeats=args.repeats, wide=args.wide)
     except (RuntimeError, TimeoutError, OSError) as e:  # a part did not start or answer: say which, no traceback
         logger.debug("run failed", exc_info=True)
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
@@ -125,7 +127,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="number of requests to send (a trace file is sampled to it) (default %(default)s)")
     rn.add_argument("--mode", default="cc",
                     help=f"{', '.join(MODES)} or a comma-separated list (run one after another)")
-    rn.add_argument("--out", required=True, help="trace, summary and logs go here (one folder per mode)")
+    rn.add_argument("--out", required=True,
+                    help="trace, summary and logs go here (one folder per mode, one per repeat within it)")
     rn.add_argument("--seed", type=int, default=0,
                     help="seed of the workload and the prompts' token ids; every mode gets the same (default %(default)s)")
     rn.add_argument("--scale-b", type=float, default=500.0, help="link rates divided by B")
@@ -156,6 +159,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="cc/dc: least reserved flows, or least reserved bytes, on a path's busiest link")
     rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
                     "least_outstanding (with equal pools, round_robin pairs P i with D i)")
+    rn.add_argument("--repeats", type=int, default=1,
+                    help="run every mode N times, rotating the order per repeat (A B C, B C A, ...); each run in "
+                    "<out>/<mode>/r<k>; the table gives medians and min..max over the valid runs (default %(default)s)")
+    rn.add_argument("--wide", action="store_true",
+                    help="the wide table (every column, min..max in each cell) instead of one fitting 80 columns")
     rn.set_defaults(func=_cmd_run)
     dn = tb.add_parser("down", help="remove every testbed namespace (the leftovers of a killed run)")
     dn.add_argument("--prefix", default="kvp", help="remove namespaces named <prefix> or <prefix>-*")

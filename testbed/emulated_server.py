@@ -105,7 +105,9 @@ def create_app(engine: EmulatedEngine, model_name: str, connector: Any = None) -
             await engine.prefill(req)
             out = chunk(" t0", "length")
             out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1}
-            out["kv_transfer_params"] = params
+            # as KVPathConnector's P answers: its TP size (1 here), which the proxy learns
+            kp = params.get("kvpath") if isinstance(params, dict) else None
+            out["kv_transfer_params"] = {**params, "kvpath": {**kp, "tp_size": 1}} if isinstance(kp, dict) else params
             return JSONResponse(out)
 
         if body.get("stream"):

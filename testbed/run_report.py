@@ -214,6 +214,23 @@ def spine_bytes_p_to_d(data: RunData, ip_of: Any) -> int:
     return total
 
 
+def model_tpot(config: dict[str, Any], ok: list[dict[str, Any]]) -> float | None:
+    """The iteration-time model's mean TPOT over the completed requests, in datacenter
+    seconds: each request's decode steps alone (batch of one) at its context. Emulated
+    engines sleep the same model's decode time (x B/S), so a measured TPOT far above it
+    is this machine's event loop running late (``kvpath.testbed.envelope``). None with
+    real engines, which run no model."""
+    if config.get("engine") != "emulated":
+        return None
+    from kvpath.iteration_time import IterationTimeModel
+
+    itm = IterationTimeModel.preset(config["model"], config["accelerator"])
+    # a request of n tokens decodes n - 1 steps after its first token, at contexts prompt + 1 .. prompt + n - 1
+    per = [float(np.mean([itm.decode_time([r["prompt_tokens"] + i]) for i in range(1, r["output_tokens"])]))
+           for r in ok if (r.get("output_tokens") or 0) > 1]
+    return float(np.mean(per)) if per else None
+
+
 def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict[str, Any]:
     scale = data.config["scale_b"] / data.config["scale_s"]  # testbed seconds per datacenter second
     ok = [r for r in j.requests if r["status"] == "ok"]
@@ -232,6 +249,7 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
         "connector": data.config["connector"], "decode_only": data.decode_only, "vllm_kv_loss": data.kv_loss,
         "kv_bytes_on_spines": spine_bytes_p_to_d(data, ip_of),
         "push_overhead_s": j.overhead_s, "lone_pushes": j.lone_flows,
+        "tpot_model_s": model_tpot(data.config, ok),
     }
     # real engines run in real time: only emulated engines have a datacenter-equivalent time
     units = (("testbed", 1.0), ("datacenter", 1.0 / scale)) if data.config["engine"] == "emulated" else (("testbed", 1.0),)

@@ -1,15 +1,17 @@
 """Runs one or more modes of a testbed run one after another (same workload, same
-seed), writes each mode's rows and summary, and prints them side by side."""
+seed), repeated and rotated when asked, judges each run by the fidelity envelope,
+writes each run's rows and summary, and prints the modes side by side."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
 
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
@@ -19,7 +21,10 @@ from kvpath.testbed.orchestrator import RunData, run
 from kvpath.testbed.run_config import RunConfig
 from kvpath.decision_replay import ReplayError, replay
 from kvpath.testbed.plots import compare_modes
+from kvpath.testbed import envelope
+from kvpath.testbed.repeats import aggregate, rotation, run_dir
 from kvpath.testbed.run_report import Joined, fidelity, join, summarize
+from kvpath.testbed.run_table import print_summaries
 
 logger = logging.getLogger(__name__)
 
@@ -100,51 +105,62 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
                                path_predicted=f["path_predicted"]))
 
 
-def _fmt(st: dict[str, Any], key: str, ms: bool = True) -> str:
-    v = st[key]
-    if v is None:
-        return "-"
-    return f"{v * 1e3:.1f}" if ms else f"{v:.2f}"
+@dataclass
+class Run:
+    """One run of a rotated schedule: its label (mode or variant), repeat number, config
+    and summary."""
+
+    label: str
+    repeat: int
+    cfg: RunConfig
+    summary: dict[str, Any]
 
 
-def print_summaries(summaries: list[dict[str, Any]], console: Console) -> None:
-    for unit in ("testbed", "datacenter"):
-        if not all(unit in s for s in summaries):
-            continue
-        t = Table(title=f"per mode, {unit} time (ms)")
-        for c in ("mode", "ok/all", "FCT mean", "FCT p99", "slowdown mean", "slowdown p50", "slowdown p99", "TTFT mean", "TTFT p99",
-                  "TPOT mean", "path agreement", "fidelity"):
-            t.add_column(c)
-        for s in summaries:
-            u = s[unit]
-            agree = "-" if s["path_agreement"] is None else f"{100 * s['path_agreement']:.0f}% of {s['pushes_with_path']}"
-            fid = "valid" if s["fidelity"]["valid"] else "[red]INVALID[/red]: " + "; ".join(s["fidelity"]["problems"])
-            t.add_row(s["mode"], f"{s['ok']}/{s['requests']}", _fmt(u["fct_s"], "mean"), _fmt(u["fct_s"], "p99"),
-                      _fmt(u["slowdown"], "mean", False), _fmt(u["slowdown"], "p50", False), _fmt(u["slowdown"], "p99", False), _fmt(u["ttft_s"], "mean"),
-                      _fmt(u["ttft_s"], "p99"), _fmt(u["tpot_s"], "mean"), agree, fid)
-        console.print(t)
+def run_rotated(cfgs: Sequence[tuple[str, RunConfig]], repeats: int, console: Console) -> list[Run]:
+    """Each (label, config) ``repeats`` times, rotated per repeat (A B C, B C A, ...), each
+    in its own folder (``repeats.run_dir``); then every run judged by the envelope
+    against the others, and its ``summary.json`` rewritten with that verdict."""
+    runs: list[Run] = []
+    schedule = rotation(list(cfgs), repeats)
+    for k, (r, (label, cfg)) in enumerate(schedule, 1):
+        cfg = dataclasses.replace(cfg, out=str(run_dir(Path(cfg.out).parent, label, r, repeats))
+                                  if repeats > 1 else cfg.out)
+        rep = f", repeat {r}/{repeats}" if repeats > 1 else ""
+        console.rule(f"[{k}/{len(schedule)}] {label} (mode {cfg.mode}, policy {cfg.policy}{rep})")
+        runs.append(Run(label, r, cfg, run_one(cfg, console)))
+    envelope.apply([x.summary for x in runs])
+    for x in runs:
+        x.summary["repeat"] = x.repeat
+        (Path(x.cfg.out) / "summary.json").write_text(json.dumps(x.summary, indent=1))
+    return runs
 
 
-def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
-    summaries = []
-    for cfg in cfgs:
-        console.rule(f"mode {cfg.mode}")
-        summaries.append(run_one(cfg, console))
+def run_modes(cfgs: list[RunConfig], out: str, console: Console, repeats: int = 1, wide: bool = False) -> int:
+    runs = run_rotated([(c.mode, c) for c in cfgs], repeats, console)
     Path(out).mkdir(parents=True, exist_ok=True)
-    traces = {cfg.mode: read_trace(Path(cfg.out) / "trace.jsonl") for cfg in cfgs}
-    (Path(out) / "summary.json").write_text(json.dumps(summaries, indent=1))
-    print_summaries(summaries, console)
+    by_mode = {c.mode: [x.summary for x in runs if x.label == c.mode] for c in cfgs}
+    # a figure of one trace per mode: its first valid repeat (the first if none is)
+    firsts = {m: next((x for x in runs if x.label == m and x.summary["fidelity"]["valid"]),
+                      next(x for x in runs if x.label == m)) for m in by_mode}
+    traces = {m: read_trace(Path(x.cfg.out) / "trace.jsonl") for m, x in firsts.items()}
+    doc = {"repeats": repeats, "runs": [x.summary for x in runs],
+           "modes": {m: {u: {k: v.to_dict() for k, v in aggregate(ss, u).items()}
+                         for u in ("testbed", "datacenter") if all(u in s for s in ss)} for m, ss in by_mode.items()}}
+    (Path(out) / "summary.json").write_text(json.dumps(doc, indent=1))
+    print_summaries(by_mode, console, wide)
     fig = compare_modes(traces, Path(out) / "modes.png")
     if fig is not None:
         console.print(f"figure: {fig}")
-    for s in summaries:
+    for x in runs:
+        s = x.summary
+        name = s["mode"] if repeats == 1 else f"{s['mode']} r{x.repeat}"
         for r in s.get("decision_replay", []):
-            console.print(f"{s['mode']}: its {r['decisions']} reservations replayed as {r['mode']}"
+            console.print(f"{name}: its {r['decisions']} reservations replayed as {r['mode']}"
                           f"{' (delay %g s)' % r['dc_delay_s'] if r['mode'] == 'dc' else ''}: "
                           f"{r['same_lane']} same lane")
         if s["decode_only"] is not None:
             dc = s["decode_only"]
-            console.print(f"{s['mode']}: {dc['equal']} of {dc['checked']} completions equal the decode-only output"
+            console.print(f"{name}: {dc['equal']} of {dc['checked']} completions equal the decode-only output"
                           + ("" if dc.get("required", True) else " (not required: P and D decode at unequal TP sizes)"))
 
     def good(s: dict[str, Any]) -> bool:
@@ -152,4 +168,4 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console) -> int:
         same = dc is None or not dc.get("required", True) or dc["equal"] == dc["checked"]
         return s["fidelity"]["valid"] and s["failed"] == 0 and same
 
-    return 0 if all(good(s) for s in summaries) else 1
+    return 0 if all(good(x.summary) for x in runs) else 1

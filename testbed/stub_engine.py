@@ -43,6 +43,7 @@ class StubBehaviour:
     keep_records: bool = True
     raw_answer: bytes | None = None  # answer with these bytes (200, JSON content type)
     kv_error: str = ""  # answer a leg as an engine of the wrong kv_role does: kv_transfer_params.error
+    tp_size: int = 1  # a P leg's answer names it (kvpath.tp_size), as KVPathConnector's P does
 
 
 def _text(body: dict[str, Any], n: int) -> list[str]:
@@ -114,6 +115,8 @@ def create_stub_app(name: str = "stub", behaviour: StubBehaviour | None = None) 
             out["kv_transfer_params"] = {"error": b.kv_error, "kv_role": "kv_consumer"}
         elif kvp is not None:
             out["kv_transfer_params"] = {**kvp, "do_remote_prefill": True, "do_remote_decode": False, "served_by": name}
+            if kvp.get("do_remote_decode") and isinstance(kvp.get("kvpath"), dict) and b.tp_size:
+                out["kv_transfer_params"]["kvpath"] = {**kvp["kvpath"], "tp_size": b.tp_size}
         return JSONResponse(out)
 
     @app.post("/v1/completions")

@@ -64,6 +64,7 @@ class VLLMServer:
     # /metrics stay open). It reaches vLLM as VLLM_API_KEY in the child's environment,
     # never on its command line (readable by every local user, and logged)
     api_key: str | None = field(default=None, repr=False)
+    pin_all: bool = False  # every process of the engine on its cores, not only the OpenMP threads
     proc: subprocess.Popen | None = None
 
     @property
@@ -75,9 +76,23 @@ class VLLMServer:
         """What a request to this server's /v1/* carries (its API key, when it has one)."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def cores(self) -> str | None:
+        """The cores the engine's OpenMP threads are bound to (taskset's list), or None."""
+        bind = self.env.get("VLLM_CPU_OMP_THREADS_BIND") or (None if self.cpu is None else str(self.cpu))
+        if not bind or bind in ("auto", "nobind"):
+            return None
+        return bind.replace("|", ",")
+
     def command(self) -> list[str]:
+        # vLLM binds only the worker's OpenMP threads; its API server and EngineCore
+        # processes float over every core. An engine whose EngineCore steps back to back
+        # (a request waiting for its KV) then took the other engine's core: P's prefill
+        # ran 1.6x slower while D waited (benchmarks/pd_minimum.py, docs/connector.md).
+        # taskset keeps the whole process tree on the engine's own cores.
+        cores = self.cores()
+        pin = ["taskset", "-c", cores] if cores and self.pin_all else []
         cmd = [
-            *self.wrap, vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", self.host,
+            *self.wrap, *pin, vllm_executable(), "serve", self.model, "--port", str(self.port), "--host", self.host,
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
             "--block-size", str(self.block_size), "--seed", "0", "--served-model-name", MODEL_NAME,
         ]

@@ -106,7 +106,7 @@ def test_table_output(capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
     assert args.func(args) == 1
     out = capsys.readouterr().out
-    assert "FCT p99" in out and "failed" in out and "1 point(s) failed: ValueError: pools 4P4D do not fit" in out
+    assert "FCT mean/p99" in out and "failed" in out and "1 point(s) failed: ValueError: pools 4P4D do not fit" in out
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -61,7 +61,7 @@ RES_TOKEN = "r3s-t0ken"  # the reservation service's (the proxy's admin token is
 
 class Setup:
     def __init__(self, mode="push", n_p=1, n_d=1, policy="round_robin", reservation="http", token="s3cret",
-                 engine_key=None, **cfg):
+                 engine_key=None, p_tp=1, **cfg):
         self.pb = [StubBehaviour() for _ in range(n_p)]
         self.db = [StubBehaviour() for _ in range(n_d)]
         self.servers = []
@@ -80,7 +80,9 @@ class Setup:
             reserver = InProcessReserver(self.svc)
         self.proxy = Proxy(
             ProxyConfig(mode=mode, policy=policy, admin_token=token, **{"first_byte_timeout_s": 3.0, **cfg}),
-            [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{KV_SIDE_CHANNEL_PORT + i}", f"eng{i}") for i, s in enumerate(self.p)],
+            # p_tp: P's TP size as the operator gave it (tp=); 0: the proxy learns it
+            [Instance(s.url, "prefill", "l0h0", f"127.0.0.1:{KV_SIDE_CHANNEL_PORT + i}", f"eng{i}", tp_size=p_tp)
+             for i, s in enumerate(self.p)],
             [Instance(s.url, "decode", "l1h0", engine_id=f"deng{i}") for i, s in enumerate(self.d)],
             reserver,
         )
@@ -961,3 +963,30 @@ def test_a_p_instances_tp_size_reaches_ds_leg_and_bad_values_name_the_field():
     for bad in ("0", "x", "2000", ""):
         with pytest.raises(SystemExit, match=f"tp must be the engine's TP size, 1 to 1024, got '{bad}'"):
             parse_instance(f"http://p:1,kv_addr=h:1,tp={bad}", "prefill")
+
+
+@pytest.mark.parametrize("setup", [{"p_tp": 0}], indirect=True)
+def test_the_proxy_learns_ps_tp_size_from_ps_answer_and_then_sends_both_legs_at_once(setup):
+    setup.pb[0].tp_size = 2
+    setup.pb[0].delay_s = 0.3  # P answers late: a D leg sent at once arrives before it
+    assert post(setup.url, BODY).status_code == 200
+    p1, d1 = setup.p_legs(1)[0], setup.db[0].received[0]
+    # unknown TP size: P's leg first, D's only after P's answer, naming what P said
+    assert d1["t"] >= p1["t"] + 0.3
+    assert d1["body"]["kv_transfer_params"]["kvpath"]["tp_size"] == 2
+    st = setup.proxy.pools["prefill"].all()[0].to_dict()
+    assert st["tp_size"] == 2 and st["tp_source"] == "learned"
+    assert post(setup.url, BODY).status_code == 200
+    p2, d2 = setup.p_legs(2)[1], setup.db[0].received[1]
+    assert d2["t"] < p2["t"] + 0.3  # learned: both legs at once
+    assert d2["body"]["kv_transfer_params"]["kvpath"]["tp_size"] == 2
+
+
+@pytest.mark.parametrize("setup", [{"p_tp": 1}], indirect=True)
+def test_ps_own_tp_size_replaces_a_wrong_one_the_operator_gave(setup):
+    setup.pb[0].tp_size = 2
+    assert post(setup.url, BODY).status_code == 200  # D's leg still names the given 1
+    assert setup.db[0].received[0]["body"]["kv_transfer_params"]["kvpath"].get("tp_size") == 1
+    assert wait_until(lambda: setup.proxy.pools["prefill"].all()[0].tp_size == 2)
+    assert post(setup.url, BODY).status_code == 200
+    assert setup.db[0].received[1]["body"]["kv_transfer_params"]["kvpath"]["tp_size"] == 2

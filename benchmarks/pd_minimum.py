@@ -20,11 +20,8 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
-import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,46 +33,16 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpath.request_timeline import Timeline, request_timelines
-from kvpath.credentials import write_secret_file
-from kvpath.reservation_wire import TOKEN_ENV as RES_TOKEN_ENV
-from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import TinyModelSpec, build_tiny_model
 from kvpath.trace import read_connector_log
+from pd_stack import Stack, stream_ttft
 
 logger = logging.getLogger(__name__)
-
-P_PORT, D_PORT, PROXY_PORT, RES_PORT, P_SIDE, D_SIDE = 8310, 8320, 8330, 8340, 5930, 5940
-
 
 def prompt_ids(i: int, n: int, vocab: int) -> list[int]:
     """``n`` token ids whose start differs from every other index's (no prefix cache hit)."""
     rng = random.Random(1_000_003 * i + 7)
     return [rng.randrange(10, vocab - 10) for _ in range(n)]
-
-
-async def stream_ttft(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int,
-                      headers: dict[str, str] | None = None) -> tuple[float, float, str]:
-    """(TTFT s, total s, the request id the server named) of one streamed completion."""
-    body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    t0 = time.perf_counter()
-    ttft, rid = None, ""
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: {chunk['error'].get('message')}")
-            rid = rid or chunk.get("id", "")
-            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                ttft = time.perf_counter() - t0
-    if ttft is None:
-        raise RuntimeError(f"{url}: the stream had no token")
-    return ttft, time.perf_counter() - t0, rid
 
 
 def _ms(v: float | None) -> str:
@@ -86,65 +53,6 @@ def _spread(vals: list[float]) -> str:
     if not vals:
         return "-"
     return f"{statistics.median(vals) * 1e3:.0f} ({min(vals) * 1e3:.0f}-{max(vals) * 1e3:.0f})"
-
-
-class Stack:
-    """P, D, the reservation service and the proxy, on this machine's loopback."""
-
-    def __init__(self, model: str, work: Path, lanes: int, p_knobs: dict | None = None,
-                 d_knobs: dict | None = None) -> None:
-        self.work = work
-        keys = work / "keys"
-        self.api_key = secrets.token_urlsafe(24)
-        self.key_file = write_secret_file(keys / "engine-api-key", self.api_key)
-        self.res_token = secrets.token_urlsafe(24)
-        res = f"http://127.0.0.1:{RES_PORT}"
-        common = dict(keys_dir=keys, ucx_net_devices="lo", lanes=lanes)
-        pk = connector_config("kv_producer", P_SIDE, reservation_url=res, fabric_host="l0h0", engine_id="p-engine",
-                              trace_path=str(work / "p_trace.jsonl"),
-                              reservation_token_file=str(write_secret_file(keys / "res-token", self.res_token)),
-                              **common, **(p_knobs or {}))
-        dk = connector_config("kv_consumer", D_SIDE, fabric_host="l1h0", engine_id="d-engine",
-                              trace_path=str(work / "d_trace.jsonl"), **common, **(d_knobs or {}))
-        self.p = VLLMServer(model, P_PORT, cpu=0, kv_transfer_config=pk, log_path=str(work / "p.log"),
-                            api_key=self.api_key)
-        self.d = VLLMServer(model, D_PORT, cpu=1, kv_transfer_config=dk, log_path=str(work / "d.log"),
-                            api_key=self.api_key)
-        self.procs: list[subprocess.Popen] = []
-        self.proxy = f"http://127.0.0.1:{PROXY_PORT}"
-
-    def _kvpath(self, args: list[str], log: str) -> subprocess.Popen:
-        env = {**os.environ, RES_TOKEN_ENV: self.res_token}
-        with open(self.work / log, "w") as f:
-            p = subprocess.Popen([sys.executable, "-m", "kvpath.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def __enter__(self) -> "Stack":
-        self.p.start()
-        self.d.start()
-        self._kvpath(["reservation", "--port", str(RES_PORT), "--mode", "cc"], "reservation.log")
-        self.p.wait_ready()
-        self.d.wait_ready()
-        px = self._kvpath(["proxy", "--mode", "push", "--port", str(PROXY_PORT),
-                           "--prefill", f"{self.p.url},kv_addr=127.0.0.1:{P_SIDE},fabric_host=l0h0,engine_id=p-engine",
-                           "--decode", f"{self.d.url},fabric_host=l1h0,engine_id=d-engine",
-                           "--reservation-url", f"http://127.0.0.1:{RES_PORT}",
-                           "--engine-api-key-file", str(self.key_file)], "proxy.log")
-        wait_http(self.proxy + "/health", px, 60.0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.p.stop()
-        self.d.stop()
 
 
 async def one_at_a_time(stack: Stack, rounds: int, tokens: int, vocab: int, max_tokens: int,
@@ -192,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=700, help="prompt tokens (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=4, help="output tokens per request (default %(default)s)")
     ap.add_argument("--layers", type=int, default=6, help="the tiny model's layers (default %(default)s)")
+    ap.add_argument("--intermediate", type=int, default=512, help="the tiny model's MLP width (default %(default)s)")
+    ap.add_argument("--heads", type=int, default=4, help="the tiny model's attention heads (default %(default)s)")
     ap.add_argument("--lanes", type=int, default=4)
     ap.add_argument("--load-frac", type=float, default=0.0,
                     help="then a Poisson load through the proxy at this fraction of P's prefill capacity "
@@ -199,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-requests", type=int, default=40)
     ap.add_argument("--knob", action="append", default=[], metavar="SIDE:NAME=VALUE",
                     help="a kv_connector_extra_config knob for p, d or both (e.g. d:idle_step_wait_ms=20)")
+    ap.add_argument("--no-pin-all", dest="pin_all", action="store_false",
+                    help="bind only vLLM's OpenMP threads to the engine's core (as vLLM does), not every process "
+                         "of the engine (taskset; VLLMServer's default)")
     ap.add_argument("--workdir", default=None, help="logs and traces (default: a temporary folder)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     console = Console()
-    spec = TinyModelSpec(layers=args.layers)
+    spec = TinyModelSpec(layers=args.layers, intermediate=args.intermediate, heads=args.heads)
     model = str(build_tiny_model(None, spec))
     vocab = 470  # ids every tokenizer of the tiny model knows (its byte-level BPE has fewer than spec.vocab)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pd-minimum-"))
@@ -216,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, value = kv.partition("=")
         for sd in (("p", "d") if side == "both" else (side,)):
             knobs[sd][name] = json.loads(value)
-    with Stack(model, work, args.lanes, knobs["p"], knobs["d"]) as stack:
+    with Stack(model, work, args.lanes, knobs["p"], knobs["d"], args.pin_all) as stack:
         r = asyncio.run(one_at_a_time(stack, args.rounds, args.tokens, vocab, args.max_tokens, console))
         load_ttft: list[float] = []
         rate = 0.0
@@ -240,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     d_med, pd_med = statistics.median(r["d_alone"]), statistics.median(r["pd"])
     floor = d_med + push_med
     t = Table(title=f"one request at a time: {args.rounds} rounds, {args.tokens}-token prompts, "
-                    f"tiny model {args.layers} layers (ms, median (min-max))")
+                    f"tiny model {args.layers} layers, {args.heads} heads, MLP {args.intermediate} (ms, median (min-max))")
     for c in ("what", "ms"):
         t.add_column(c, justify="right" if c == "ms" else "left")
     t.add_row("D alone: TTFT", _spread(r["d_alone"]))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpath.connector import messages as M
 from kvpath.connector.control_auth import harden, routing_id, secure_client
@@ -51,6 +52,17 @@ class _PeerLink:
     # notification counts only from an agent of the process its registration went to.
     agents: dict[str, set[str]] = field(default_factory=dict)
     used_at: float = field(default_factory=time.monotonic)  # last request for it, or message from it
+    # The connection's ZMTP handshake succeeded and it has not dropped since. With ZMTP
+    # heartbeats (control_auth.harden) libzmq drops a connection whose peer's I/O thread
+    # has not answered for HEARTBEAT_TIMEOUT_MS: up means P's process is alive and
+    # reachable, even while its Python threads wait for a saturated core.
+    up: bool = False
+    monitor: zmq.Socket | None = None
+
+# what a link's monitor reports: its connection proven (handshake) or gone
+LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class PeerLinks:
@@ -79,17 +91,44 @@ class PeerLinks:
             s.routing_id = self._routing_id
             if self._keys is not None and server_key is not None:
                 secure_client(s, self._keys, server_key)
+            mon = s.get_monitor_socket(LINK_EVENTS)  # before connect: its first handshake is seen
             s.connect(f"tcp://{peer}")
-            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key)
-            self._sockets.append(s)
+            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key, monitor=mon)
+            self._sockets += [mon, s]  # the monitor closes before its socket
+            self._monitors[mon] = link
             self._poller.register(s, zmq.POLLIN)
+            self._poller.register(mon, zmq.POLLIN)
         return link
+
+    def _drain_link_monitor(self: "PushReceiver", link: _PeerLink) -> None:
+        """Follow the control connection's state (``_PeerLink.up``)."""
+        assert link.monitor is not None
+        while True:
+            try:
+                ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError, IndexError):  # a closed or garbled monitor: not proven
+                link.up = False
+                return
+            link.up = ev.get("event") == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+    def _transport_alive(self: "PushReceiver", peer: str) -> bool:
+        """P's process at ``peer`` is alive and reachable by its control connection."""
+        link = self._links.get(peer)
+        return link is not None and link.up
 
     def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
         for reg in link.queued:
             with self._lock:
                 self.state.send_failed(reg.transfer_id, why, link.addr, reg.request_id)
         link.queued.clear()
+        if link.monitor is not None:
+            self._poller.unregister(link.monitor)
+            self._sockets.remove(link.monitor)
+            self._monitors.pop(link.monitor, None)
+            link.sock.disable_monitor()
+            link.monitor.close(0)
         self._poller.unregister(link.sock)
         self._sockets.remove(link.sock)
         link.sock.close(0)

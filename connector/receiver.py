@@ -53,6 +53,7 @@ class PushReceiver(PeerLinks, EngineThread):
                                    write_bound_s=cfg.transfer_timeout_s)
         self._lock = threading.Lock()  # guards self.state between threads
         self._links: dict[str, _PeerLink] = {}
+        self._monitors: dict[zmq.Socket, _PeerLink] = {}  # each link's monitor -> the link
         self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
         self._next_prune = 0.0
         # (transfer id, P peer) -> its Register; receiver thread only: to re-send after P restarted
@@ -218,6 +219,9 @@ class PushReceiver(PeerLinks, EngineThread):
         if events is None:
             return
         self._drain_cmds()
+        for mon, link in list(self._monitors.items()):
+            if mon in events:
+                self._drain_link_monitor(link)
         for link in list(self._links.values()):
             if link.sock in events:
                 self._drain_replies(link)
@@ -428,8 +432,13 @@ class PushReceiver(PeerLinks, EngineThread):
             fenced = {(w.peer, w.instance) for w in self.state.fencing()}
         drained = {key: self._drained(*key) for key in fenced}
         with self._lock:
+            holds = self.state.transport_holds
             # not asked yet (newly given up): "not drained", asked next time
-            gave_up, released = self.state.expire(lambda peer, instance: drained.get((peer, instance), False))
+            gave_up, released = self.state.expire(lambda peer, instance: drained.get((peer, instance), False),
+                                                  self._transport_alive)
+            held = self.state.transport_holds - holds
+        if held:
+            self.stats.inc("liveness_held_by_transport", held)
         for w in gave_up:
             if w.cancelled:
                 continue

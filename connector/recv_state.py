@@ -49,6 +49,10 @@ from typing import Callable, Collection
 # liveness_s after the first Cancel (P silent that long: the fence decides).
 CANCEL_RETRY_FIRST_S = 0.25
 CANCEL_RETRY_MAX_S = 4.0
+# While the control connection proves P's process alive, a silent P's liveness clock is
+# moved this far ahead at a time, and judged again then (so a connection that drops
+# ends the hold within this).
+TRANSPORT_HOLD_S = 1.0
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Waiting:
     drained_since: float | None = None  # case 3/4 above: released grace_s after this
     posted: bool = False  # P said a WRITE is (was) posted: bytes are (or were) moving
     spin_until: float = 0.0  # D progresses without pause until then
+    held_by_transport: bool = False  # its liveness clock was held by a live control connection
     why: str = ""
     released_by: str = ""  # expire's release: "drain" (path 4) or "bound" (path 5)
     peer_rank: int = -1  # the P rank at ``peer`` (for the trace), -1: not given
@@ -94,6 +99,7 @@ class ReceiverState:
         self._failing: set[str] = set()  # request ids one of whose flows failed
         self.released: set[str] = set()  # request ids: blocks hold the KV or are safe to reuse
         self.failed: set[str] = set()  # subset of released: the KV did not arrive
+        self.transport_holds = 0  # flows whose liveness clock a live control connection held
 
     # -- inputs ------------------------------------------------------------------
     def add(self, request_id: str, transfer_id: str, peer: str | list[str], peer_ranks: list[int] | None = None
@@ -291,14 +297,24 @@ class ReceiverState:
             self._end(w, why)
         return out
 
-    def expire(self, drained: Callable[[str, str], bool | None]) -> tuple[list[Waiting], list[Waiting]]:
+    def expire(self, drained: Callable[[str, str], bool | None],
+               transport_alive: Callable[[str], bool] = lambda peer: False) -> tuple[list[Waiting], list[Waiting]]:
         """Advance the clocks. ``drained(peer, instance)``: are all lane connections of
         that P process into D closed with nothing left unread? None: D knows none of
-        them (cannot tell). Returns (newly given up, released by a drain or the bound,
-        see ``Waiting.released_by``)."""
+        them (cannot tell). ``transport_alive(peer)``: the control connection to P is up
+        (its ZMTP heartbeats answered, so P's process lives): a sent registration's
+        liveness clock is held, P's Python threads may just be waiting for a busy core;
+        ``max_wait_s`` still bounds the wait. Returns (newly given up, released by a
+        drain or the bound, see ``Waiting.released_by``)."""
         now = self.clock()
         gave_up, released = [], []
         for w in list(self.waiting()):
+            if (not w.gave_up and w.sent and now >= w.live_deadline and now < w.give_up_at
+                    and transport_alive(w.peer)):
+                if not w.held_by_transport:
+                    w.held_by_transport = True
+                    self.transport_holds += 1
+                w.live_deadline = now + TRANSPORT_HOLD_S  # judged again then
             if not w.gave_up and (now >= w.live_deadline or now >= w.give_up_at):
                 w.gave_up = True
                 w.why = "P silent" if now >= w.live_deadline else "max_wait_s passed"

@@ -30,6 +30,7 @@ COUNTERS = (
     "recv_ok",
     "recv_failed",
     "recv_timeout",
+    "liveness_held_by_transport",
     "lanes_opened",
     "lanes_torn_down",
     "prefills_duplicate",

@@ -64,7 +64,7 @@ class VLLMServer:
     # /metrics stay open). It reaches vLLM as VLLM_API_KEY in the child's environment,
     # never on its command line (readable by every local user, and logged)
     api_key: str | None = field(default=None, repr=False)
-    pin_all: bool = False  # every process of the engine on its cores, not only the OpenMP threads
+    pin_all: bool = True  # every process of the engine on its cores, not only the OpenMP threads
     proc: subprocess.Popen | None = None
 
     @property

@@ -561,3 +561,34 @@ def test_a_cancel_of_an_unseen_transfer_kills_neither_the_prefill_nor_a_fanned_o
     s3 = WriterState(lease_s=5)
     s3.cancel("u", b"d1")
     assert s3.add_registration(reg("u"), b"d1", 5.0)[0] == "duplicate"
+
+
+def test_a_live_control_connection_holds_the_liveness_clock_until_max_wait_and_a_drop_ends_the_hold():
+    c, drained = Clock(), Drained()
+    r = rstate(c)  # liveness 3 s, max_wait 10 s
+    sent(r, "d1", "t1")
+    sent(r, "d2", "t2")
+    alive = {"h:1"}  # P's process answers its ZMTP heartbeats; its Python sends nothing
+    for t in (3.0, 5.0, 7.0, 9.5):
+        c.t = t
+        assert r.expire(drained, lambda peer: peer in alive) == ([], [])
+    assert r.transport_holds == 2  # each flow counted once
+    r.on_done("t1", "i1-lane0", p_agents)  # the busy P's push lands after all
+    assert r.take() == ({"d1"}, set())
+    c.t = 10.0  # max_wait_s bounds the hold
+    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["max_wait_s passed"]
+    # another flow: the connection drops (P's process stopped): P silent within the hold's step
+    sent(r, "d3", "t3")
+    c.t = 13.5
+    assert r.expire(drained, lambda peer: peer in alive) == ([], [])
+    alive.clear()
+    c.t = 14.0
+    assert r.expire(drained, lambda peer: peer in alive)[0] == []  # the hold's second is not over
+    c.t = 14.6
+    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["P silent"]
+    # never held: a registration not yet sent (P cannot know it) ends at its clock
+    r.add("d4", "t4", "h:1")
+    alive.add("h:1")
+    c.t = 30.0
+    gave_up, _ = r.expire(drained, lambda peer: peer in alive)
+    assert [w.request_id for w in gave_up] == ["d4"]

@@ -302,14 +302,16 @@ class ReceiverState:
         """Advance the clocks. ``drained(peer, instance)``: are all lane connections of
         that P process into D closed with nothing left unread? None: D knows none of
         them (cannot tell). ``transport_alive(peer)``: the control connection to P is up
-        (its ZMTP heartbeats answered, so P's process lives): a sent registration's
-        liveness clock is held, P's Python threads may just be waiting for a busy core;
+        (its ZMTP heartbeats answered, so P's process lives): a registration's liveness
+        clock is held, P's Python threads may just be waiting for a busy core;
         ``max_wait_s`` still bounds the wait. Returns (newly given up, released by a
         drain or the bound, see ``Waiting.released_by``)."""
         now = self.clock()
         gave_up, released = [], []
         for w in list(self.waiting()):
-            if (not w.gave_up and w.sent and now >= w.live_deadline and now < w.give_up_at
+            # sent or not: an unsent one waits for P's Welcome, which P sends once it has
+            # opened its lanes to us (lane probes, slow on a saturated core)
+            if (not w.gave_up and now >= w.live_deadline and now < w.give_up_at
                     and transport_alive(w.peer)):
                 if not w.held_by_transport:
                     w.held_by_transport = True
@@ -317,7 +319,7 @@ class ReceiverState:
                 w.live_deadline = now + TRANSPORT_HOLD_S  # judged again then
             if not w.gave_up and (now >= w.live_deadline or now >= w.give_up_at):
                 w.gave_up = True
-                w.why = "P silent" if now >= w.live_deadline else "max_wait_s passed"
+                w.why = "max_wait_s passed" if now >= w.give_up_at else "P silent"
                 gave_up.append(w)
                 if not w.sent:
                     self._end(w, w.why)

@@ -586,9 +586,13 @@ def test_a_live_control_connection_holds_the_liveness_clock_until_max_wait_and_a
     assert r.expire(drained, lambda peer: peer in alive)[0] == []  # the hold's second is not over
     c.t = 14.6
     assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["P silent"]
-    # never held: a registration not yet sent (P cannot know it) ends at its clock
+    # a registration not sent yet (P's Welcome waits for its lane set-up) is held too,
+    # up to max_wait_s; without the connection it ends at its clock
     r.add("d4", "t4", "h:1")
+    r.add("d5", "t5", "h:2")
     alive.add("h:1")
-    c.t = 30.0
+    c.t = 20.0
     gave_up, _ = r.expire(drained, lambda peer: peer in alive)
-    assert [w.request_id for w in gave_up] == ["d4"]
+    assert [w.request_id for w in gave_up] == ["d5"]
+    c.t = 24.7
+    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["max_wait_s passed"]

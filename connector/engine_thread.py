@@ -25,6 +25,8 @@ from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
 
+# sockets one engine thread may hold: 3 per control link (peer_links.MAX_LINKS) and a few
+CTX_MAX_SOCKETS = 3 * 1024 + 64
 logger = logging.getLogger(__name__)
 
 # How long a thread with nothing held sleeps between ticks. Engine commands and control
@@ -68,7 +70,10 @@ class EngineThread:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx = zmq.Context.instance()
+        # A context of its own: D keeps up to MAX_LINKS control links, each a DEALER and a
+        # monitor (two sockets and libzmq's inner one), beyond a shared context's 1023
+        self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, CTX_MAX_SOCKETS)
         # A small registered buffer: D's is the target of lane-opening probes, P's the source.
         self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self._wake_lock = threading.Lock()
@@ -174,6 +179,7 @@ class EngineThread:
                 return False
         for s in self._sockets:
             s.close(0)
+        self._ctx.destroy(linger=0)  # any socket left (a link made as an error struck) too
         # transfers and remote agents first, then the memory they point at
         try:
             self._drop_agents()

@@ -57,12 +57,17 @@ class _PeerLink:
     # has not answered for HEARTBEAT_TIMEOUT_MS: up means P's process is alive and
     # reachable, even while its Python threads wait for a saturated core.
     up: bool = False
+    # connections made so far (handshakes): a flow is held only on the connection P last
+    # spoke about it on; a message lost with a dropped connection is not waited for
+    epoch: int = 0
     monitor: zmq.Socket | None = None
 
-# what a link's monitor reports: its connection proven (handshake) or gone
-LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# what a link's monitor reports: its connection proven (handshake) or gone. Not
+# EVENT_CLOSED: each failed reconnect to an unreachable P fires it, ten times a second,
+# and an established connection's end is DISCONNECTED anyway.
+LINK_DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | LINK_DOWN
 
 
 class PeerLinks:
@@ -91,7 +96,12 @@ class PeerLinks:
             s.routing_id = self._routing_id
             if self._keys is not None and server_key is not None:
                 secure_client(s, self._keys, server_key)
-            mon = s.get_monitor_socket(LINK_EVENTS)  # before connect: its first handshake is seen
+            try:
+                mon = s.get_monitor_socket(LINK_EVENTS)  # before connect: its first handshake is seen
+            except zmq.ZMQError as e:  # out of sockets or descriptors: this request fails cleanly
+                logger.error("no control link to %s: %s", peer, e)
+                s.close(0)
+                return None
             s.connect(f"tcp://{peer}")
             link = self._links[peer] = _PeerLink(peer, s, server_key=server_key, monitor=mon)
             self._sockets += [mon, s]  # the monitor closes before its socket
@@ -111,12 +121,20 @@ class PeerLinks:
             except (zmq.ZMQError, ValueError, IndexError):  # a closed or garbled monitor: not proven
                 link.up = False
                 return
-            link.up = ev.get("event") == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            kind = ev.get("event")
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.up, link.epoch = True, link.epoch + 1
+            elif kind is not None and kind & LINK_DOWN:
+                link.up = False
 
-    def _transport_alive(self: "PushReceiver", peer: str) -> bool:
-        """P's process at ``peer`` is alive and reachable by its control connection."""
+    def _transport_alive(self: "PushReceiver", peer: str) -> int | None:
+        """The connection (epoch) by which P's process at ``peer`` is alive and reachable
+        now, or None."""
         link = self._links.get(peer)
-        return link is not None and link.up
+        return link.epoch if link is not None and link.up else None
+
+    def _epoch(self: "PushReceiver", link: _PeerLink) -> int | None:
+        return link.epoch if link.up else None
 
     def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
         for reg in link.queued:

@@ -219,9 +219,10 @@ class PushReceiver(PeerLinks, EngineThread):
         if events is None:
             return
         self._drain_cmds()
-        for mon, link in list(self._monitors.items()):
-            if mon in events:
-                self._drain_link_monitor(link)
+        for sock in events:
+            mon_link = self._monitors.get(sock)
+            if mon_link is not None:
+                self._drain_link_monitor(mon_link)
         for link in list(self._links.values()):
             if link.sock in events:
                 self._drain_replies(link)
@@ -298,7 +299,8 @@ class PushReceiver(PeerLinks, EngineThread):
             # the two would otherwise release the blocks as never sent while the
             # Register is on its way to P.
             with self._lock:
-                if not self.state.on_sent(reg.transfer_id, link.instance, link.addr, reg.request_id):
+                if not self.state.on_sent(reg.transfer_id, link.instance, link.addr, reg.request_id,
+                                          epoch=self._epoch(link)):
                     continue  # given up while queued
             stamped = msgspec.structs.replace(reg, sent_at=time.time())
             if not self._send(link, stamped):  # not queued: P cannot know of it
@@ -340,7 +342,7 @@ class PushReceiver(PeerLinks, EngineThread):
             elif isinstance(msg, M.Pending):
                 with self._lock:
                     for tid in msg.transfer_ids:
-                        self.state.on_alive(tid, link.addr)
+                        self.state.on_alive(tid, link.addr, epoch=self._epoch(link))
             else:
                 self._on_ack(link, msg)
 
@@ -371,11 +373,11 @@ class PushReceiver(PeerLinks, EngineThread):
     def _on_ack(self, link: _PeerLink, ack: M.Ack) -> None:
         if ack.status == "accepted":
             with self._lock:
-                self.state.on_alive(ack.transfer_id, link.addr)
+                self.state.on_alive(ack.transfer_id, link.addr, epoch=self._epoch(link))
             return
         if ack.status == "posted":
             with self._lock:
-                self.state.on_posted(ack.transfer_id, ack.bytes, peer=link.addr)
+                self.state.on_posted(ack.transfer_id, ack.bytes, peer=link.addr, epoch=self._epoch(link))
             return
         if ack.status == "unknown_peer":
             # P does not know us (it restarted): handshake again, then re-send.

@@ -76,6 +76,7 @@ class Waiting:
     posted: bool = False  # P said a WRITE is (was) posted: bytes are (or were) moving
     spin_until: float = 0.0  # D progresses without pause until then
     held_by_transport: bool = False  # its liveness clock was held by a live control connection
+    epoch: int | None = None  # the control connection P last spoke about it on (sent: sent on)
     why: str = ""
     released_by: str = ""  # expire's release: "drain" (path 4) or "bound" (path 5)
     peer_rank: int = -1  # the P rank at ``peer`` (for the trace), -1: not given
@@ -146,7 +147,7 @@ class ReceiverState:
         return request_id in self._failing or request_id in self.failed
 
     def on_sent(self, transfer_id: str, instance: str = "", peer: str | None = None,
-                request_id: str | None = None) -> bool:
+                request_id: str | None = None, epoch: int | None = None) -> bool:
         """The Register is about to leave for P process ``instance``. Called under the
         same lock as the check that it still waits, before the send: an abort from
         then on fences it instead of releasing it as never sent. False: not waiting
@@ -157,7 +158,7 @@ class ReceiverState:
         if w is None or w.sent or (request_id is not None and w.request_id != request_id):
             return False
         now = self.clock()  # the clocks start when P can know of it
-        w.sent, w.instance, w.sent_at = True, instance, now
+        w.sent, w.instance, w.sent_at, w.epoch = True, instance, now, epoch
         w.live_deadline = now + self.liveness_s
         w.give_up_at = now + self.max_wait_s
         return True
@@ -186,21 +187,23 @@ class ReceiverState:
                 self._end(w, "given up before P knew of it")
         return w
 
-    def on_alive(self, transfer_id: str, peer: str | None = None) -> None:
-        """P accepted the registration or heartbeated it (it holds it, maybe writing)."""
+    def on_alive(self, transfer_id: str, peer: str | None = None, epoch: int | None = None) -> None:
+        """P accepted the registration or heartbeated it (it holds it, maybe writing).
+        ``epoch``: the control connection it said so on (what the liveness hold trusts)."""
         w = self.get(transfer_id, peer)
         if w is not None:
+            w.epoch = epoch
             w.live_deadline = self.clock() + self.liveness_s
             w.drained_since = None
 
     def on_posted(self, transfer_id: str, nbytes: int, rate_bps: float = 1e9, margin_s: float = 0.005,
-                  peer: str | None = None) -> None:
+                  peer: str | None = None, epoch: int | None = None) -> None:
         """P is posting the WRITE now: D should progress continuously for about as long
         as the bytes take at ``rate_bps`` (after that, its regular fast polls)."""
         w = self.get(transfer_id, peer)
         if w is not None:
             now = self.clock()
-            w.posted = True
+            w.posted, w.epoch = True, epoch
             w.live_deadline = now + self.liveness_s
             w.spin_until = now + margin_s + nbytes / rate_bps
 
@@ -298,21 +301,25 @@ class ReceiverState:
         return out
 
     def expire(self, drained: Callable[[str, str], bool | None],
-               transport_alive: Callable[[str], bool] = lambda peer: False) -> tuple[list[Waiting], list[Waiting]]:
+               transport_alive: Callable[[str], int | None] = lambda peer: None
+               ) -> tuple[list[Waiting], list[Waiting]]:
         """Advance the clocks. ``drained(peer, instance)``: are all lane connections of
         that P process into D closed with nothing left unread? None: D knows none of
-        them (cannot tell). ``transport_alive(peer)``: the control connection to P is up
-        (its ZMTP heartbeats answered, so P's process lives): a registration's liveness
-        clock is held, P's Python threads may just be waiting for a busy core;
-        ``max_wait_s`` still bounds the wait. Returns (newly given up, released by a
-        drain or the bound, see ``Waiting.released_by``)."""
+        them (cannot tell). ``transport_alive(peer)``: the control connection to P that
+        is up now (its epoch; None: none is), its ZMTP heartbeats answered, so P's process
+        lives. A registration's liveness clock is held while that is the connection it
+        was sent on and P last spoke about it on (a message lost with an earlier one is
+        not waited for), or while it waits for P's Welcome: P's Python threads may just
+        be waiting for a busy core. ``max_wait_s`` still bounds the wait.
+        Returns (newly given up, released by a drain or the bound, see
+        ``Waiting.released_by``)."""
         now = self.clock()
         gave_up, released = [], []
         for w in list(self.waiting()):
             # sent or not: an unsent one waits for P's Welcome, which P sends once it has
             # opened its lanes to us (lane probes, slow on a saturated core)
-            if (not w.gave_up and now >= w.live_deadline and now < w.give_up_at
-                    and transport_alive(w.peer)):
+            up = transport_alive(w.peer) if not w.gave_up and w.live_deadline <= now < w.give_up_at else None
+            if up is not None and (not w.sent or w.epoch == up):
                 if not w.held_by_transport:
                     w.held_by_transport = True
                     self.transport_holds += 1

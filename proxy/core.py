@@ -369,7 +369,14 @@ class Proxy:
         """P's TP size from its own answer (every push-mode P answer names it): learned
         once, and again when a restarted P names another. P knows its TP size best: an
         operator's tp= that P contradicts is replaced, with a warning."""
-        if tp and tp != p.tp_size:
+        if not tp:
+            if not p.tp_size and not p.tp_unnamed_warned:
+                # an older connector, or an answer without params: every request to it goes P first
+                p.tp_unnamed_warned = True
+                logger.warning("prefill %s answered without its TP size (kv_transfer_params.kvpath.tp_size): its "
+                               "requests send P's leg before D's until an answer names it (or give tp=)", p.url)
+            return
+        if tp != p.tp_size:
             if p.tp_size and not p.tp_learned:
                 logger.warning("prefill %s: its answer names TP size %d, not the %d given (tp=): using %d", p.url,
                                tp, p.tp_size, tp)

@@ -26,6 +26,7 @@ class Instance:
     # own answer (its kv_transfer_params name it), sending P's leg before D's until then
     tp_size: int = 0
     tp_learned: bool = False  # tp_size came from P's answers, not from the operator
+    tp_unnamed_warned: bool = field(default=False, compare=False)  # said once: P's answers name no TP size
     inflight: int = 0
     served: int = 0
     errors: int = 0

@@ -566,33 +566,48 @@ def test_a_cancel_of_an_unseen_transfer_kills_neither_the_prefill_nor_a_fanned_o
 def test_a_live_control_connection_holds_the_liveness_clock_until_max_wait_and_a_drop_ends_the_hold():
     c, drained = Clock(), Drained()
     r = rstate(c)  # liveness 3 s, max_wait 10 s
-    sent(r, "d1", "t1")
-    sent(r, "d2", "t2")
-    alive = {"h:1"}  # P's process answers its ZMTP heartbeats; its Python sends nothing
+    for rid, tid in (("d1", "t1"), ("d2", "t2")):
+        assert r.add(rid, tid, "h:1") and r.on_sent(tid, "i1", epoch=1)
+    conn = {"h:1": 1}  # P's process answers its ZMTP heartbeats on connection 1; its Python sends nothing
+    alive = conn.get
     for t in (3.0, 5.0, 7.0, 9.5):
         c.t = t
-        assert r.expire(drained, lambda peer: peer in alive) == ([], [])
+        assert r.expire(drained, alive) == ([], [])
     assert r.transport_holds == 2  # each flow counted once
     r.on_done("t1", "i1-lane0", p_agents)  # the busy P's push lands after all
     assert r.take() == ({"d1"}, set())
     c.t = 10.0  # max_wait_s bounds the hold
-    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["max_wait_s passed"]
+    assert [w.why for w in r.expire(drained, alive)[0]] == ["max_wait_s passed"]
     # another flow: the connection drops (P's process stopped): P silent within the hold's step
-    sent(r, "d3", "t3")
+    assert r.add("d3", "t3", "h:1") and r.on_sent("t3", "i1", epoch=1)
     c.t = 13.5
-    assert r.expire(drained, lambda peer: peer in alive) == ([], [])
-    alive.clear()
+    assert r.expire(drained, alive) == ([], [])
+    del conn["h:1"]
     c.t = 14.0
-    assert r.expire(drained, lambda peer: peer in alive)[0] == []  # the hold's second is not over
+    assert r.expire(drained, alive)[0] == []  # the hold's second is not over
     c.t = 14.6
-    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["P silent"]
+    assert [w.why for w in r.expire(drained, alive)[0]] == ["P silent"]
     # a registration not sent yet (P's Welcome waits for its lane set-up) is held too,
     # up to max_wait_s; without the connection it ends at its clock
     r.add("d4", "t4", "h:1")
     r.add("d5", "t5", "h:2")
-    alive.add("h:1")
+    conn["h:1"] = 2
     c.t = 20.0
-    gave_up, _ = r.expire(drained, lambda peer: peer in alive)
+    gave_up, _ = r.expire(drained, alive)
     assert [w.request_id for w in gave_up] == ["d5"]
     c.t = 24.7
-    assert [w.why for w in r.expire(drained, lambda peer: peer in alive)[0]] == ["max_wait_s passed"]
+    assert [w.why for w in r.expire(drained, alive)[0]] == ["max_wait_s passed"]
+
+
+def test_the_hold_trusts_only_the_connection_p_last_spoke_on():
+    c, drained = Clock(), Drained()
+    r = rstate(c)
+    assert r.add("d1", "t1", "h:1") and r.on_sent("t1", "i1", epoch=1)
+    assert r.add("d2", "t2", "h:1") and r.on_sent("t2", "i1", epoch=1)
+    conn = {"h:1": 2}  # the connection dropped and came back: what went out on 1 may be lost
+    r.on_alive("t2", "h:1", epoch=2)  # P's heartbeat for t2 on the new connection
+    c.t = 3.5
+    gave_up, _ = r.expire(drained, conn.get)
+    assert [w.request_id for w in gave_up] == ["d1"]  # t1: never heard of on 2, not held
+    c.t = 6.0
+    assert r.expire(drained, conn.get) == ([], [])  # t2: held

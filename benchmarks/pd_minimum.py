@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import random
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -79,19 +80,28 @@ async def one_at_a_time(stack: Stack, rounds: int, tokens: int, vocab: int, max_
     return out
 
 
-async def load(stack: Stack, rate: float, n: int, tokens: int, vocab: int, max_tokens: int) -> list[float]:
-    """``n`` P/D requests at Poisson arrivals of ``rate``/s; their TTFTs."""
-    rng = random.Random(5)
-    async with httpx.AsyncClient(timeout=600) as c:
-        async def one(i: int, delay: float) -> float:
-            await asyncio.sleep(delay)
-            return (await stream_ttft(c, stack.proxy, prompt_ids(50_000 + i, tokens, vocab), max_tokens))[0]
+def ideal_queue_p99(rate: float, service_s: float, n: int = 200_000, seed: int = 0) -> float:
+    """p99 response time of an ideal FIFO server (deterministic ``service_s``) fed Poisson
+    arrivals at ``rate`` (M/D/1, Lindley's recursion): what queueing alone costs at this
+    load, whatever the system."""
+    rng = random.Random(seed)
+    wait, out = 0.0, []
+    for _ in range(n):
+        out.append(wait + service_s)
+        wait = max(0.0, wait + service_s - rng.expovariate(rate))
+    out.sort()
+    return out[int(0.99 * n)]
 
-        t, tasks = 0.0, []
-        for i in range(n):
-            tasks.append(one(i, t))
-            t += rng.expovariate(rate)
-        return list(await asyncio.gather(*tasks))
+
+def run_bench(stack: Stack, model: str, work: Path, rate: float, args: argparse.Namespace):
+    """`vllm bench serve` (random dataset) through the proxy at ``rate``: its result."""
+    from serve_compare import Point, bench_argv, bench_env, parse_bench_result
+
+    point = Point(args.tokens, args.load_output, rate)
+    argv = bench_argv(stack.proxy, "tiny", model, point, args.load_requests, 0, work, "bench.json")
+    with open(work / "bench.log", "w") as log:
+        subprocess.run(argv, env=bench_env(), stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False)
+    return parse_bench_result(work / "bench.json"), rate, rate / args.load_frac
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=4, help="the tiny model's attention heads (default %(default)s)")
     ap.add_argument("--lanes", type=int, default=4)
     ap.add_argument("--load-frac", type=float, default=0.0,
-                    help="then a Poisson load through the proxy at this fraction of P's prefill capacity "
-                         "(1 / D's median TTFT alone); 0: none (default)")
+                    help="then `vllm bench serve` through the proxy at this fraction of P's measured prefill "
+                         "capacity (1 / P's median prefill time in the timeline); 0: none (default)")
     ap.add_argument("--load-requests", type=int, default=40)
+    ap.add_argument("--load-output", type=int, default=20, help="output tokens per request of the load")
     ap.add_argument("--knob", action="append", default=[], metavar="SIDE:NAME=VALUE",
                     help="a kv_connector_extra_config knob for p, d or both (e.g. d:idle_step_wait_ms=20)")
     ap.add_argument("--no-pin-all", dest="pin_all", action="store_false",
@@ -131,13 +142,15 @@ def main(argv: list[str] | None = None) -> int:
             knobs[sd][name] = json.loads(value)
     with Stack(model, work, args.lanes, knobs["p"], knobs["d"], args.pin_all) as stack:
         r = asyncio.run(one_at_a_time(stack, args.rounds, args.tokens, vocab, args.max_tokens, console))
-        load_ttft: list[float] = []
-        rate = 0.0
+        bench = None
         if args.load_frac > 0:
-            rate = args.load_frac / statistics.median(r["d_alone"])
-            console.print(f"load: {args.load_requests} requests at {rate:.2f}/s "
-                          f"({args.load_frac:.0%} of 1 / D's median TTFT alone)")
-            load_ttft = asyncio.run(load(stack, rate, args.load_requests, args.tokens, vocab, args.max_tokens))
+            prefill = [tl.part("p_scheduled_at", "prefill_done_at")
+                       for tl in request_timelines(read_connector_log(work / "p_trace.jsonl"))]
+            capacity = 1 / statistics.median([x for x in prefill if x])
+            rate = args.load_frac * capacity
+            console.print(f"vllm bench serve: {args.load_requests} requests at {rate:.1f}/s = {args.load_frac:.0%} "
+                          f"of P's measured prefill capacity {capacity:.1f} requests/s")
+            bench = run_bench(stack, model, work, rate, args)
     p_log = read_connector_log(work / "p_trace.jsonl")
     d_log = read_connector_log(work / "d_trace.jsonl") if (work / "d_trace.jsonl").exists() else None
     lines = request_timelines(p_log, d_log)
@@ -166,12 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     console.print(Timeline.table(timed, title="where each P/D request's time went (ms)"))
     res = {"d_alone_ttft_s": r["d_alone"], "p_alone_ttft_s": r["p_alone"], "pd_ttft_s": r["pd"], "push_s": pushes, "floor_s": floor,
            "pd_over_floor": pd_med / floor - 1, "wall_s": time.monotonic() - t0}
-    if load_ttft:
-        p99 = sorted(load_ttft)[max(0, int(0.99 * len(load_ttft)) - 1)]
-        res.update({"load_rate": rate, "load_ttft_s": load_ttft, "load_p99_over_c1": p99 / pd_med})
-        console.print(f"load at {rate:.2f} req/s ({args.load_frac:.0%} of P's capacity {1 / d_med:.2f} req/s): "
-                      f"TTFT median {statistics.median(load_ttft) * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms = "
-                      f"{p99 / pd_med:.2f} x the one-at-a-time P/D median (target < 3)")
+    if bench is not None:
+        b, rate, capacity = bench
+        ratio = (b.ttft_p99_ms or float("inf")) / 1e3 / pd_med
+        ideal = ideal_queue_p99(rate, 1 / capacity) + (pd_med - 1 / capacity)
+        res.update({"load_rate": rate, "capacity": capacity, "load": b.__dict__, "load_p99_over_c1": ratio,
+                    "ideal_p99_s": ideal})
+        console.print(f"vllm bench serve at {rate:.1f} req/s ({args.load_frac:.0%} of P's capacity {capacity:.1f} "
+                      f"req/s): {b.completed} completed, {b.failed} failed, {b.req_s or 0:.1f} req/s; TTFT mean "
+                      f"{b.ttft_mean_ms or 0:.0f} ms, median {b.ttft_median_ms or 0:.0f}, p99 {b.ttft_p99_ms or 0:.0f} "
+                      f"= {ratio:.2f} x the one-at-a-time P/D median (target < 3); an ideal FIFO P with the "
+                      f"measured prefill time, fed the same Poisson rate (M/D/1), has p99 {ideal * 1e3:.0f} ms "
+                      f"= {ideal / pd_med:.2f} x")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     console.print(f"logs in {work}; {time.monotonic() - t0:.0f} s")

@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+from rich import box
 from rich.table import Table
 
 from kvpath.trace import ConnectorLog
@@ -24,6 +25,9 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("D sees", "completed_at", "d_received_at"),
     ("D 1st tok", "d_received_at", "client_first_at"),
 )
+# the table's headers, two lines each so that the table fits 80 columns
+_HEADERS = {"to P": "to\nP", "P queue": "P\nqueue", "P prefill": "P\nprefill", "wait D": "wait\nD",
+            "push": "push", "D sees": "D\nsees", "D 1st tok": "D 1st\ntoken"}
 
 
 @dataclass
@@ -58,10 +62,10 @@ class Timeline:
     @staticmethod
     def table(lines: Sequence["Timeline"], title: str) -> Table:
         """One row per request and a median row: ms per part (80 columns)."""
-        t = Table(title=title)
+        t = Table(title=title, box=box.SIMPLE_HEAD)
         t.add_column("request", no_wrap=True)
         for name, _, _ in PARTS:
-            t.add_column(name, justify="right", no_wrap=True)
+            t.add_column(_HEADERS[name], justify="right", no_wrap=True)
         t.add_column("TTFT", justify="right", no_wrap=True)
 
         def ms(v: float | None) -> str:

@@ -165,6 +165,23 @@ def standalone_fct(nbytes: int, link_mbit: float, burst_bytes: int) -> float:
     return max(nbytes - burst_bytes, 0) * 8 / (link_mbit * 1e6)
 
 
+# The parts of a P/D request's TTFT, in order: (name, start field, end field) of a joined row
+TTFT_PARTS = (("front end", "arrival", "p_arrival"), ("P queue", "p_arrival", "prefill_start"),
+              ("P prefill", "prefill_start", "prefill_end"), ("wait for D", "prefill_end", "push_start"),
+              ("push", "push_start", "push_end"), ("D to 1st token", "push_end", "first_token"))
+
+
+def ttft_breakdown(rows: list[dict[str, Any]], scale: float = 1.0) -> dict[str, float | None]:
+    """Median of each TTFT part over the completed requests that have both its ends
+    (seconds x ``scale``); None where no request has them (real engines do not tell
+    when their server got a request)."""
+    out: dict[str, float | None] = {}
+    for name, a, b in TTFT_PARTS:
+        v = [r[b] - r[a] for r in rows if r.get(a) is not None and r.get(b) is not None]
+        out[name] = float(np.median(v)) * scale if v else None
+    return out
+
+
 def _stats(vals: list[float], scale: float = 1.0) -> dict[str, float | None]:
     v = np.array([x for x in vals if x is not None], dtype=float) * scale
     if v.size == 0:
@@ -264,5 +281,6 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
             # one fitted constant per request
             "front_end_s": _stats([r.get("front_end") for r in ok], k),
             "tpot_s": _stats([r.get("tpot") for r in ok], k),
+            "ttft_breakdown_s": ttft_breakdown(ok, k),  # median per part
         }
     return out

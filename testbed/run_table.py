@@ -108,5 +108,12 @@ def print_summaries(by_mode: dict[str, list[dict[str, Any]]], console: Console, 
         console.print(t)
         for n in notes:
             console.print(n, highlight=False)
+    for mode, ss in by_mode.items():
+        parts = (ss[0].get("datacenter") or ss[0].get("testbed") or {}).get("ttft_breakdown_s")
+        if parts:
+            unit = "datacenter" if "datacenter" in ss[0] else "testbed"
+            shown = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v is not None)
+            console.print(f"{mode}: where TTFT went ({unit} ms, medians{', first run' if len(ss) > 1 else ''}): "
+                          f"{shown}", highlight=False)
     if all(len(ss) == 1 for ss in by_mode.values()):
         console.print("each mode ran once (--repeats N: medians and min..max over N rotated runs)")

@@ -114,6 +114,18 @@ def test_tp_sizes_reach_each_engine_with_its_ranks_on_cores_from_its_own(tmp_pat
     assert "--tensor-parallel-size" not in one.command() and "VLLM_CPU_OMP_THREADS_BIND" not in one.env
 
 
+def test_every_process_of_an_engine_is_bound_to_its_cores_not_only_the_openmp_threads():
+    from kvpath.testbed.vllm_server import VLLMServer
+
+    one = VLLMServer("/m", 8100, cpu=1, wrap=["ip", "netns", "exec", "ns"])
+    cmd = one.command()
+    assert cmd[:6] == ["ip", "netns", "exec", "ns", "taskset", "-c"] and cmd[6] == "1"  # inside the namespace
+    tp2 = VLLMServer("/m", 8100, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert tp2.command()[:3] == ["taskset", "-c", "0,1"]  # TP ranks: every rank's core
+    assert "taskset" not in VLLMServer("/m", 8100, cpu=1, pin_all=False).command()  # vLLM's own binding only
+    assert "taskset" not in VLLMServer("/m", 8100).command()  # unbound engines stay unbound
+
+
 def test_pushes_join_p_s_records_with_d_s_receipts(tmp_path):
     _write_logs(tmp_path)
     got = {p.record.transfer_id: p for p in pushes(_site(tmp_path))}

@@ -9,6 +9,7 @@ import asyncio
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ import pytest
 from kvpath.connector.kv_dump import dump_path
 from kvpath.connector.params import decode_leg_params
 from kvpath.connector.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
+from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_connector_log, read_transfers
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.e2e
 P_PORT, D_PORT, P_SIDE, D_SIDE = 8330, 8340, 5830, 5840
 D1_PORT, D1_SIDE = 8350, 5850  # the D at TP=1
 P1_PORT, P1_SIDE = 8360, 5860  # the P at TP=1
+PROXY_PORT = 8370  # a proxy in front of the TP=2 P and the TP=1 D
 # The D at TP=1 hears from two P ranks; it shares a core with one of them. Stepping
 # back to back while it waits for a push (idle_step_wait_ms 0, the TP=1 default), it
 # starved that P rank's writer: its first lane set-up into D took 6-32 s and later
@@ -273,6 +276,32 @@ class TestPTp2IntoDTp1:
         p, _, logs = tp2
         unequal_tp_case(p.url, d_tp1.url, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
                         21 if mode == "sequential" else 22)
+
+    def test_the_proxy_learns_ps_tp_size_and_serves_p_tp2_into_d_tp1_without_tp_in_its_pool(self, tp2, d_tp1):
+        """No tp= in the proxy's --prefill: its first request goes P first and P's answer
+        names TP 2; the next go both legs at once, D's leg naming it. Every request is
+        served (an unlearned size would make P refuse D's registrations: 502)."""
+        p, _, logs = tp2
+        with open(logs / "proxy.log", "w") as log:
+            px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port",
+                                   str(PROXY_PORT), "--prefill", f"{p.url},kv_addr=127.0.0.1:{P_SIDE}",
+                                   "--decode", d_tp1.url], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{PROXY_PORT}"
+            wait_http(url + "/health", px)
+            st = httpx.get(url + "/status", timeout=10).json()["prefill"][0]
+            assert (st["tp_size"], st["tp_source"]) == (0, "unknown")
+            for i, prompt in enumerate(make_prompts(3, seed=7)):
+                r = httpx.post(url + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"]
+                if i == 0:
+                    st = httpx.get(url + "/status", timeout=10).json()["prefill"][0]
+                    assert (st["tp_size"], st["tp_source"]) == (2, "learned")
+        finally:
+            px.terminate()
+            px.wait(10)
 
     def test_kv_usage_returns_to_zero_after_unequal_tp(self, tp2, d_tp1):
         p, _, _ = tp2

@@ -25,8 +25,6 @@ from kvpath.connector.nixl_io import PROBE_BYTES, register
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
 
-# sockets one engine thread may hold: 3 per control link (peer_links.MAX_LINKS) and a few
-CTX_MAX_SOCKETS = 3 * 1024 + 64
 logger = logging.getLogger(__name__)
 
 # How long a thread with nothing held sleeps between ticks. Engine commands and control
@@ -41,6 +39,7 @@ LINGER_S = 1.0
 
 class EngineThread:
     STOP_TIMEOUT_S = 10.0  # close() waits this long for the thread (a lane probe takes up to 5 s)
+    CTX_MAX_SOCKETS: int | None = None  # the ZMQ context's socket budget (None: libzmq's 1023)
     kv_dump: KVDump | None = None  # the kv_dump_dir knob's writer, when set
     kv_verify: Verifier | None = None  # the kv_verify knob's hashing, when on
 
@@ -70,10 +69,11 @@ class EngineThread:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # A context of its own: D keeps up to MAX_LINKS control links, each a DEALER and a
-        # monitor (two sockets and libzmq's inner one), beyond a shared context's 1023
+        # a context of its own, closed with the thread; sized by the subclass where its
+        # sockets can outnumber libzmq's default (1023)
         self._ctx = zmq.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, CTX_MAX_SOCKETS)
+        if self.CTX_MAX_SOCKETS is not None:
+            self._ctx.set(zmq.MAX_SOCKETS, self.CTX_MAX_SOCKETS)
         # A small registered buffer: D's is the target of lane-opening probes, P's the source.
         self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self._wake_lock = threading.Lock()

@@ -131,7 +131,7 @@ class PeerLinks:
         """The connection (epoch) by which P's process at ``peer`` is alive and reachable
         now, or None."""
         link = self._links.get(peer)
-        return link.epoch if link is not None and link.up else None
+        return None if link is None else self._epoch(link)
 
     def _epoch(self: "PushReceiver", link: _PeerLink) -> int | None:
         return link.epoch if link.up else None

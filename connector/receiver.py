@@ -37,6 +37,9 @@ REFUSAL_RETRY_S = 5.0
 
 
 class PushReceiver(PeerLinks, EngineThread):
+    # every control link holds a DEALER and a monitor (two sockets and libzmq's inner one)
+    CTX_MAX_SOCKETS = 3 * MAX_LINKS + 64
+
     def __init__(
         self,
         cfg: KVPathConfig,

@@ -1,8 +1,8 @@
 """Where a P/D request's time went, joined from the records the parts already keep:
 P's connector (its ``TransferRecord``: vLLM's own arrival, queue and schedule times of
 the P request, D's registration, the end of prefill, the push) and D's connector (its
-``ReceivedRecord``: the push's last byte seen by D, and D's own request times), plus the
-client's send and first byte where a caller has them. No part takes a new clock for it."""
+``ReceivedRecord``: the push's last byte seen by D), plus the client's send and first
+byte where a caller has them. No part takes a new clock for it."""
 
 from __future__ import annotations
 

@@ -208,7 +208,7 @@ class Proxy:
                 if not p.tp_size:
                     # P's TP size is not known yet: P's leg first, its answer names it (P
                     # holds the prefill's blocks until D registers), then D's leg with it
-                    p_out = await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
+                    await self._watch(request, self._post_json(p.url + endpoint, p_body, headers, p))
                     d_body = legs.with_p_tp(d_body, p.tp_size)
                     p_body = None
             elif self.cfg.mode == "inproc-push":

@@ -65,7 +65,7 @@ def mode_table(by_mode: dict[str, list[dict[str, Any]]], unit: str, wide: bool) 
                       *(ranged(a[k], _ratio) for k in ("slowdown_p50", "slowdown_p99")),
                       *(ranged(a[k], num) for k in ("ttft_mean_s", "ttft_p99_s", "tpot_mean_s")),
                       ranged(a["path_agreement"], _pct), ranged(a["push_overhead_s"], num),
-                      ranged(a["cpu_idle_median"], lambda v: num(v, 1.0)))
+                      ranged(a["cpu_idle_median"], _ratio))
         else:
             t.add_row(mode, runs, ok, pair(num(a["fct_mean_s"].median), num(a["fct_p99_s"].median)),
                       pair(_ratio(a["slowdown_p50"].median), _ratio(a["slowdown_p99"].median)),

@@ -48,7 +48,11 @@ IDLE_KEEPALIVE_S = 2.0
 # where an instance is: shown by GET /status only with the admin token
 PRIVATE_INSTANCE_FIELDS = ("url", "kv_addr", "fabric_host", "engine_id")
 POST_ATTEMPTS = 3  # a leg is sent again when its pooled connection turned out closed (below)
-RESEND_WINDOW_S = 0.5  # ... and only when that showed within this long of writing it
+# ... and only when that showed within this long of writing it: a whole uvicorn keep-alive
+# period, since on a starved machine (pull mode's in-tree connectors busy-spin both cores)
+# the proxy sees the close late; still far below the time a vLLM engine that read the leg
+# and died takes to come back (a dead one refuses the resend)
+RESEND_WINDOW_S = 5.0
 
 
 async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
@@ -430,6 +434,11 @@ class Proxy:
             except aiohttp.ClientError as e:
                 if attempt == POST_ATTEMPTS - 1 or not closed_before_read(e, ctx, loop.time()) or not (
                         resend or unwritten(e)):
+                    # what decided it, for the next time a leg is cut on a busy machine
+                    sent = ctx.get("sent")
+                    logger.info("a leg to %s failed on try %d (%s): %s connection, %s", url, attempt + 1,
+                                exc_text(e), "pooled" if ctx.get("reused") else "new",
+                                "not written" if sent is None else f"written {loop.time() - sent:.2f} s before")
                     raise
                 logger.info("a pooled connection to %s was closed before the request was read (%s): sent again",
                             url, exc_text(e))

@@ -55,6 +55,7 @@ from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich import box
 from rich.table import Table
 
 from kvpath.reservation_wire import MODES as RESERVATION_MODES
@@ -510,6 +511,9 @@ class RunRow:
     evidence: list[str] = field(default_factory=list)  # log lines behind `connector`
     fidelity: dict[str, Any] = field(default_factory=dict)
     pushes: int | None = None  # kvpath modes: P's push records in the window
+    # kvpath modes: the median ms of each part of a request (kvpath.request_timeline.PARTS)
+    # over the window's ok pushes, from P's and D's connector records; None where unknown
+    timeline_ms: dict[str, float | None] = field(default_factory=dict)
     kv_bytes_on_spines: int | None = None  # what the spines forwarded from P hosts to D hosts (every mode)
     error: str | None = None  # nothing measured: why
     result_file: str | None = None
@@ -623,6 +627,7 @@ def run_point(serving: Any, session: Session, point: Point, seed: int, tokenizer
         row.pushes = len(mine)
         flows = [{"bytes": p.record.bytes, "src_ip": spec.host_ip(p.p_host), "src_port": int(p.record.src_port or 0)}
                  for p in mine if p.record.status == "ok"]
+        row.timeline_ms = timeline_ms(mine)
         bad = [p.record for p in mine if p.record.status != "ok"]
         if bad:
             row.connector.append(f"{len(bad)} of {len(mine)} pushes not ok")
@@ -652,6 +657,20 @@ def run_point(serving: Any, session: Session, point: Point, seed: int, tokenizer
                 f"{_num(b.ttft_mean_ms)} ms, CPU idle {_num(row.cpu_idle_median)}% ("
                 + ", ".join(f"{k} {v:.0f}%" for k, v in row.cpu_parts_median.items()) + f"), {row.verdict()}")
     return row
+
+
+def timeline_ms(pushes: Sequence[Any]) -> dict[str, float | None]:
+    """Median ms per part of a request over the ok pushes (one per request: its first
+    flow at TP > 1). The client's own ends are not known here: `vllm bench serve` keeps
+    no per-request send times."""
+    from kvpath.request_timeline import median_parts, timeline_of
+
+    first: dict[str, Any] = {}
+    for p in pushes:
+        if p.record.status == "ok":
+            first.setdefault(p.record.transfer_id, p)
+    lines = [timeline_of(p.record, p.received_at) for p in first.values()]
+    return {k: None if v is None else v * 1e3 for k, v in median_parts(lines).items()} if lines else {}
 
 
 # -- sessions ---------------------------------------------------------------------------
@@ -790,6 +809,8 @@ def aggregate(rows: Sequence[RunRow]) -> list[dict[str, Any]]:
             vals = [getattr(r, attr) for r in rs]
             line[key] = {"values": vals, "text": spread(vals, digits)}
         line["ok"] = f"{sum(r.completed or 0 for r in rs)}/{sum(r.prompts for r in rs)}"
+        line["timeline_ms"] = {part: spread([r.timeline_ms.get(part) for r in rs]) for part in TIMELINE_PARTS
+                               if any(r.timeline_ms.get(part) is not None for r in rs)}
         problems: dict[str, int] = {}
         for r in rs:
             for p in ([f"no result: {r.error}"] if r.error else []) + [f"machine: {short(m)}" for m in r.machine] + \
@@ -813,6 +834,27 @@ def table(lines: Sequence[dict[str, Any]], title: str) -> Table:
                   *(ln[m[1]]["text"] for m in METRICS), ln["ok"], ln["cpu_idle"]["text"], ln["cpu_at_rest"]["text"],
                   ln["cpu_others"]["text"],
                   ln["verdict"], style=style)
+    return t
+
+
+# the parts a run's connector records know (the client's ends are not recorded)
+TIMELINE_PARTS = ("P queue", "P prefill", "wait D", "push", "D sees")
+
+
+def breakdown_table(lines: Sequence[dict[str, Any]], title: str) -> Table | None:
+    """Where a request's time went, per line that has connector records (kvpath modes):
+    each part's median ms over a round's requests, as median (min..max) over the rounds,
+    beside the bench's TTFT median. What the parts leave of it is the client, the proxy,
+    P's HTTP front end and D's first token."""
+    mine = [ln for ln in lines if ln.get("timeline_ms")]
+    if not mine:
+        return None
+    t = Table(title=title, box=box.SIMPLE_HEAD)
+    for c in ("engine", "mode", "in", "out", "QPS", *TIMELINE_PARTS, "TTFT median"):
+        t.add_column(c, overflow="fold")
+    for ln in mine:
+        t.add_row(ln["engine"], ln["mode"], str(ln["input_len"]), str(ln["output_len"]), f"{ln['rate']:g}",
+                  *(ln["timeline_ms"].get(part, "-") for part in TIMELINE_PARTS), ln["ttft_median_ms"]["text"])
     return t
 
 
@@ -938,6 +980,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table(lines, f"vllm bench serve through kvpath proxy, times in ms: median (min..max) over "
                                f"{args.rounds} round(s); emulated engines in testbed time "
                                "(/ B/S for the datacenter's)"))
+    parts = breakdown_table(lines, "where a request's time went (kvpath modes), ms: each part's median over a "
+                                   "round's requests, median (min..max) over the rounds")
+    if parts is not None:
+        console.print(parts)
     console.print(f"took {(time.time() - started) / 60:.1f} min (estimated {estimate / 60:.0f})")
     out.write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items()}, "setups": [asdict(s) for s in setups],

@@ -13,7 +13,7 @@ from typing import Sequence
 from rich import box
 from rich.table import Table
 
-from kvpath.trace import ConnectorLog
+from kvpath.trace import ConnectorLog, TransferRecord
 
 # (column, start field, end field): each part of a P/D request, in order
 PARTS: tuple[tuple[str, str, str], ...] = (
@@ -75,16 +75,29 @@ class Timeline:
             t.add_row(tl.transfer_id[:6], *(ms(v) for v in tl.parts().values()),
                       ms(tl.part("client_sent_at", "client_first_at")))
         if len(lines) > 1:
-            cols = [[tl.parts()[n] for tl in lines] for n, _, _ in PARTS]
             ttft = [tl.part("client_sent_at", "client_first_at") for tl in lines]
             t.add_section()
-            t.add_row("median", *(ms(_median(c)) for c in cols), ms(_median(ttft)))
+            t.add_row("median", *(ms(v) for v in median_parts(lines).values()), ms(_median(ttft)))
         return t
 
 
 def _median(vals: Sequence[float | None]) -> float | None:
     v = [x for x in vals if x is not None]
     return statistics.median(v) if v else None
+
+
+def median_parts(lines: Sequence[Timeline]) -> dict[str, float | None]:
+    """The median of each part (seconds) over the requests that have both its ends."""
+    return {name: _median([tl.part(a, b) for tl in lines]) for name, a, b in PARTS}
+
+
+def timeline_of(t: TransferRecord, d_received_at: float | None = None) -> Timeline:
+    """One request's timeline from P's record of its push (and when D had its last byte)."""
+    return Timeline(
+        transfer_id=t.transfer_id, p_request_id=t.request_id, d_request_id=t.peer_request_id, status=t.status,
+        p_arrival_at=t.p_arrival_at, p_scheduled_at=t.p_scheduled_at,
+        registered_at=t.registered_at, prefill_done_at=t.prefill_done_at, submit_at=t.submit_at,
+        completed_at=t.completed_at, d_received_at=d_received_at)
 
 
 def request_timelines(p_log: ConnectorLog, d_log: ConnectorLog | None = None) -> list[Timeline]:
@@ -95,11 +108,6 @@ def request_timelines(p_log: ConnectorLog, d_log: ConnectorLog | None = None) ->
         got.setdefault(rec.transfer_id, rec.at)
     out: dict[str, Timeline] = {}
     for t in p_log.transfers:
-        if t.transfer_id in out:
-            continue
-        out[t.transfer_id] = Timeline(
-            transfer_id=t.transfer_id, p_request_id=t.request_id, d_request_id=t.peer_request_id, status=t.status,
-            p_arrival_at=t.p_arrival_at, p_scheduled_at=t.p_scheduled_at,
-            registered_at=t.registered_at, prefill_done_at=t.prefill_done_at, submit_at=t.submit_at,
-            completed_at=t.completed_at, d_received_at=got.get(t.transfer_id))
+        if t.transfer_id not in out:
+            out[t.transfer_id] = timeline_of(t, got.get(t.transfer_id))
     return list(out.values())

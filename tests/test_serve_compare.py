@@ -180,6 +180,33 @@ def test_rows_aggregate_to_median_min_max_over_rounds_with_the_verdict():
     assert t.row_count == 2 and len(t.columns) == 15
 
 
+def test_a_rounds_timeline_is_the_median_part_over_its_ok_requests_one_per_transfer():
+    from types import SimpleNamespace
+
+    from kvpath.trace import TransferRecord
+
+    def push(tid, t0, prefill_s, push_s, rank=0, status="ok"):
+        rec = TransferRecord(tid, f"p-{tid}", p_arrival_at=t0, p_scheduled_at=t0 + 0.002, prefill_done_at=t0 + prefill_s,
+                             submit_at=t0 + prefill_s + 0.001, completed_at=t0 + prefill_s + 0.001 + push_s,
+                             rank=rank, status=status)
+        return SimpleNamespace(record=rec, received_at=t0 + prefill_s + 0.002 + push_s)
+
+    pushes = [push("a", 0.0, 0.040, 0.003), push("a", 0.0, 0.040, 0.009, rank=1),  # TP 2: one request
+              push("b", 1.0, 0.050, 0.005), push("c", 2.0, 0.060, 0.004),
+              push("d", 3.0, 0.500, 0.900, status="failed")]  # not a request's time
+    got = {k: None if v is None else round(v, 3) for k, v in sc.timeline_ms(pushes).items()}
+    assert got == {"to P": None, "P queue": 2.0, "P prefill": 48.0, "wait D": 1.0, "push": 4.0, "D sees": 1.0,
+                   "D 1st tok": None}
+    assert sc.timeline_ms([]) == {}
+    rows = [_row(1, 300.0, 40.0), _row(2, 100.0, 5.0)]
+    rows[0].timeline_ms, rows[1].timeline_ms = got, {**got, "push": 6.0}
+    lines = sc.aggregate(rows) + sc.aggregate([sc.RunRow("vllm", "nixl-pull", 1, 256, 32, 1.0, 12)])
+    assert lines[0]["timeline_ms"]["push"] == "5 (4..6)" and "to P" not in lines[0]["timeline_ms"]
+    t = sc.breakdown_table(lines, "t")
+    assert t.row_count == 1  # the in-tree mode has no connector records
+    assert sc.breakdown_table(lines[1:], "t") is None
+
+
 def test_spread_and_a_rows_own_verdict():
     assert sc.spread([]) == "-" and sc.spread([None, None]) == "-"
     assert sc.spread([3.14159], 2) == "3.14"

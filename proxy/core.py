@@ -402,7 +402,14 @@ class Proxy:
                 text = await resp.text()
                 resp.release()
                 d.errors += 1
-                raise engine_error(d, resp.status, text, resp.headers)
+                err = engine_error(d, resp.status, text, resp.headers)
+                if resp.status >= 500 and self.cfg.mode != "pull":
+                    # a failed KV load reaches vLLM's clients as a bare "Internal server
+                    # error" (vLLM 0.32 passes a connector no way to say why): point at
+                    # the log line that does, D's request id holds the transfer id
+                    err.message += (f" (if D's KV load failed, D's log names the cause: its request id holds "
+                                    f"the transfer id {headers.get('X-Request-Id', '?')})")
+                raise err
             # streaming: the relay goes on reading where the first chunk ended
             first = await (resp.content.readany() if stream else resp.read())
         except UpstreamError:

@@ -202,7 +202,13 @@ def test_an_engine_error_answer_names_the_transfer_id_too(setup):
     setup.db[0].fail_status = 500
     r = post(setup.url, BODY)
     assert r.status_code == 502
-    assert r.headers[TRANSFER_ID_HEADER] == setup.db[0].received[0]["headers"]["x-request-id"]
+    tid = setup.db[0].received[0]["headers"]["x-request-id"]
+    assert r.headers[TRANSFER_ID_HEADER] == tid
+    # vLLM answers a failed KV load with a bare 500: the message says where the cause is
+    assert f"D's log names the cause: its request id holds the transfer id {tid}" in r.json()["error"]["message"]
+    setup.db[0].fail_status = 429  # the engine's own answer to the client (busy): no such hint
+    r = post(setup.url, BODY)
+    assert r.status_code == 429 and "transfer id" not in r.json()["error"]["message"]
     bad = httpx.post(setup.url + "/v1/completions", json={"model": "tiny"})  # refused before any leg: no id
     assert bad.status_code == 422 and TRANSFER_ID_HEADER not in bad.headers
 

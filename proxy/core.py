@@ -90,6 +90,8 @@ def closed_before_read(exc: BaseException, ctx: dict[str, Any], now: float) -> b
         return False
     if unwritten(exc):
         return True
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
+        return False  # cut inside an answer's head (aiohttp keeps it as the message): the request was read
     reset = isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
     if not (isinstance(exc, aiohttp.ServerDisconnectedError) or reset
             or isinstance(exc, aiohttp.ClientConnectionResetError)):
@@ -403,7 +405,7 @@ class Proxy:
                 resp.release()
                 d.errors += 1
                 err = engine_error(d, resp.status, text, resp.headers)
-                if resp.status >= 500 and self.cfg.mode != "pull":
+                if err.kind == "upstream_error" and self.cfg.mode != "pull":  # not 503 (busy) or 504
                     # a failed KV load reaches vLLM's clients as a bare "Internal server
                     # error" (vLLM 0.32 passes a connector no way to say why): point at
                     # the log line that does, D's request id holds the transfer id

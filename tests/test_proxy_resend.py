@@ -99,6 +99,14 @@ class DisconnectingSession:
         return "answer"
 
 
+def test_a_connection_cut_inside_an_answers_head_is_not_sent_again():
+    # aiohttp keeps the part of the answer it read as the error's message: the engine read the leg
+    s = FlakySession([aiohttp.ServerDisconnectedError(message=object())])
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {}))
+    assert s.calls == 1
+
+
 def test_a_pooled_connection_closed_before_any_answer_is_sent_again_a_fresh_one_never():
     s = DisconnectingSession([True, True])
     assert asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {})) == "answer"

@@ -33,7 +33,7 @@ import time
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
@@ -106,8 +106,19 @@ class Reservation:
         )
 
 
+@runtime_checkable
+class SyncReserver(Protocol):
+    """The in-process service's shape: decides at once (:class:`ReservationService`). Its
+    ``reserve`` has the signature of the wire's reservers (``kvpath.reservation_wire``)."""
+
+    def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
+                transfer_id: str = "", scope: FlowScope | None = None) -> Reservation: ...
+
+    def release(self, lease_id: str) -> bool: ...
+
+
 class ReservationService:
-    """The decisions, in process (the :class:`~kvpath.reservation_wire.SyncReserver`
+    """The decisions, in process (the :class:`SyncReserver`
     shape). Not thread-safe: the HTTP service calls it from one event loop."""
 
     def __init__(

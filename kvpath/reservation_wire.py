@@ -6,10 +6,9 @@
 - Its request and answer bodies (msgspec Structs; the JSON field names are the API
   that docs/reservation.md lists). The service decodes the requests with these types
   and encodes its answers with them; the clients do the reverse.
-- The three shapes of caller, as typed protocols that share one ``reserve``
-  signature, the fields of :class:`ReserveRequest` in its order:
-  :class:`SyncReserver` (the in-process service, ``kvpath.reservation.ReservationService``),
-  :class:`AsyncReserver` (the proxy's clients: in-process or over HTTP) and
+- The shapes of caller, as typed protocols that share one ``reserve`` signature, the
+  fields of :class:`ReserveRequest` in its order: :class:`AsyncReserver` (the proxy's
+  clients: in-process or over HTTP) and
   :class:`QueuedReserver` (P's connector: queued calls answered through a callback,
   so that its writer thread never waits on the service).
 
@@ -20,13 +19,10 @@ processes.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Callable, Final, Literal, Protocol, Sequence, runtime_checkable
+from typing import Annotated, Callable, Final, Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
 from msgspec import Meta
-
-if TYPE_CHECKING:
-    from kvpath.reservation import Reservation
 
 # ---- vocabularies ---------------------------------------------------------
 MODES: Final = ("ecmp", "cc", "dc")  # hash-chosen lane, central decision, distributed decision
@@ -224,17 +220,7 @@ encode = msgspec.json.Encoder().encode
 decode_answer = msgspec.json.Decoder(ReserveAnswer).decode
 
 
-# ---- the three shapes of caller ----------------------------------------------
-@runtime_checkable
-class SyncReserver(Protocol):
-    """The in-process service: decides at once (``kvpath.reservation.ReservationService``)."""
-
-    def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
-                transfer_id: str = "", scope: FlowScope | None = None) -> "Reservation": ...
-
-    def release(self, lease_id: str) -> bool: ...
-
-
+# ---- the shapes of caller (the in-process service's is kvpath.reservation.SyncReserver) ----
 @runtime_checkable
 class AsyncReserver(Protocol):
     """The proxy's clients (``kvpath.proxy.reservation_client``). ``reserve`` never

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 
 from kvpath import reservation_wire as wire
-from kvpath.reservation import ReservationError
+from kvpath.reservation import ReservationError, SyncReserver
 from kvpath.reservation_wire import FlowScope, LaneGrant, LaneInfo
 
 _JSON = {"content-type": "application/json"}
@@ -23,7 +23,7 @@ _JSON = {"content-type": "application/json"}
 class InProcessReserver:
     """The service in the proxy's own process (``--reservation inproc``)."""
 
-    def __init__(self, svc: wire.SyncReserver):
+    def __init__(self, svc: SyncReserver):
         self.svc = svc
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,

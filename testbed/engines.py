@@ -152,13 +152,3 @@ class Engines(Protocol):
 
     def stop(self) -> None:
         ...
-
-
-def engines_for(site: RunSite) -> Engines:
-    if site.cfg.engine == "vllm":
-        from kvpath.testbed.vllm_engines import VllmEngines
-
-        return VllmEngines(site)
-    from kvpath.testbed.emulated_engines import EmulatedEngines
-
-    return EmulatedEngines(site)

@@ -6,7 +6,7 @@ in their host namespaces (P on the first half of the leaves, D on the second hal
 every push crosses the spines), warms every P-D pair up so all lanes are open and
 registered, drives the workload through the proxy (:mod:`kvpath.testbed.driver`),
 collects what every part recorded, and tears everything down. The engines' kind is
-chosen once (:func:`kvpath.testbed.engines.engines_for`); ``testbed/run_report.py``
+chosen once (:func:`kvpath.testbed.engine_kinds.engines_for`); ``testbed/run_report.py``
 joins what was collected. :func:`serving` is the part before the workload (fabric,
 proxy, engines, warm-up), for a client of one's own (``benchmarks/serve_compare.py``
 runs ``vllm bench serve`` in it).
@@ -32,7 +32,8 @@ from kvpath.fabric import pd_placement as placement
 from kvpath.trace import ReceivedRecord, TransferRecord, read_connector_log, received_by_flow
 from kvpath.testbed.counters import link_bytes, port_drops, spine_flow_bytes, tcp_retransmits
 from kvpath.testbed.driver import drive
-from kvpath.testbed.engines import Engines, RunSite, engines_for
+from kvpath.testbed.engine_kinds import engines_for
+from kvpath.testbed.engines import Engines, RunSite
 from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric
 from kvpath.testbed.readiness import spawn, terminate, wait_http
 from kvpath.testbed.run_config import RunConfig

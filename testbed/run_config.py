@@ -124,8 +124,7 @@ class RunConfig:
         return sizes[0], sizes[-1]
 
     def _validate_vllm(self, engines: int) -> None:
-        from kvpath.testbed.vllm_engines import cpus_for
-        from kvpath.testbed.vllm_server import MAX_MODEL_LEN
+        from kvpath.testbed.vllm_server import MAX_MODEL_LEN, cpus_for
 
         if self.connector not in CONNECTORS:
             raise RunConfigError(f"--connector must be one of {CONNECTORS}, got {self.connector!r}")

@@ -33,7 +33,7 @@ from kvpath.trace import TransferRecord, kv_ready_at, read_connector_log, read_t
 from kvpath.testbed.driver import prompt_ids
 from kvpath.testbed.engines import API_PORT, KV_PORT, RunSite, engine_id
 from kvpath.testbed.run_config import CONNECTORS
-from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config
+from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config, cpus_for, rank_cores
 
 logger = logging.getLogger(__name__)
 
@@ -252,20 +252,6 @@ def decode_only_check(p_url: str, rows: list[dict[str, Any]], prompts: dict[str,
     return {"checked": len(done), "equal": len(done) - len(mismatched), "mismatched": mismatched[:20]}
 
 
-def cpus_for(n: int) -> list[int]:
-    """One core per engine, in order; fewer cores than engines is a configuration error."""
-    cores = sorted(os.sched_getaffinity(0))
-    if n > len(cores):
-        raise ValueError(f"{n} vLLM engines need {n} cores (one each); this machine gives {len(cores)}")
-    return cores[:n]
-
-
-def rank_cores(home: int, tp: int) -> list[int]:
-    """The cores of an engine's TP ranks: from its own core on, wrapping around the
-    cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0))
-    start = cores.index(home) if home in cores else 0
-    return [cores[(start + r) % len(cores)] for r in range(tp)]
 
 
 # vLLM's NIXL counters of KV that did not arrive (Prometheus names without "_total"):

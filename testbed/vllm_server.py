@@ -147,3 +147,19 @@ class VLLMServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def cpus_for(n: int) -> list[int]:
+    """One core per engine, in order; fewer cores than engines is a configuration error."""
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        raise ValueError(f"{n} vLLM engines need {n} cores (one each); this machine gives {len(cores)}")
+    return cores[:n]
+
+
+def rank_cores(home: int, tp: int) -> list[int]:
+    """The cores of an engine's TP ranks: from its own core on, wrapping around the
+    cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    start = cores.index(home) if home in cores else 0
+    return [cores[(start + r) % len(cores)] for r in range(tp)]

@@ -117,7 +117,7 @@ def _site(tmp_path: Path, **kw):
 def test_the_testbed_runs_vllm_with_a_key_and_gives_the_proxy_its_file(tmp_path, monkeypatch, connector, mode):
     import os
 
-    from kvpath.testbed.engines import engines_for
+    from kvpath.testbed.engine_kinds import engines_for
     from kvpath.testbed.orchestrator import proxy_argv
     from kvpath.testbed.vllm_engines import VllmEngines
 

@@ -14,7 +14,7 @@ from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_app import create_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
-from kvpath.reservation import ReservationService
+from kvpath.reservation import ReservationService, SyncReserver
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]
@@ -212,7 +212,7 @@ def test_the_clients_send_the_wire_bodies_the_service_always_read():
 
 def test_each_caller_has_its_protocol():
     svc = ReservationService(SPEC, "cc")
-    assert isinstance(svc, wire.SyncReserver)
+    assert isinstance(svc, SyncReserver)
     assert isinstance(InProcessReserver(svc), wire.AsyncReserver)
     assert isinstance(HttpReserver("http://127.0.0.1:1"), wire.AsyncReserver)
     n = ReservationNotifier("http://127.0.0.1:1")

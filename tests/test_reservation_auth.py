@@ -385,7 +385,7 @@ def _site(tmp_path):
 def test_the_testbed_hands_the_token_over_in_a_0600_file_never_in_argv(tmp_path, monkeypatch):
     from kvpath.cli import build_parser
     from kvpath.testbed import vllm_server
-    from kvpath.testbed.engines import engines_for
+    from kvpath.testbed.engine_kinds import engines_for
     from kvpath.testbed.orchestrator import proxy_argv
     from kvpath.testbed.vllm_engines import VllmEngines
 

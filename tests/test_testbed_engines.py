@@ -19,7 +19,8 @@ from kvpath.workloads import Request, Workload
 from kvpath.proxy.config import TRANSFER_ID_HEADER
 from kvpath.testbed.driver import drive
 from kvpath.testbed.emulated_engines import EmulatedEngines
-from kvpath.testbed.engines import RunSite, engines_for
+from kvpath.testbed.engine_kinds import engines_for
+from kvpath.testbed.engines import RunSite
 from kvpath.testbed.orchestrator import Push, proxy_argv, pushes
 from kvpath.testbed.run_config import RunConfig
 from kvpath.testbed.vllm_engines import VllmEngines
@@ -95,7 +96,8 @@ def _write_logs(tmp_path: Path) -> None:
 def test_tp_sizes_reach_each_engine_with_its_ranks_on_cores_from_its_own(tmp_path, monkeypatch):
     import os
 
-    from kvpath.testbed.vllm_engines import Placement, rank_cores
+    from kvpath.testbed.vllm_engines import Placement
+    from kvpath.testbed.vllm_server import rank_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert rank_cores(0, 2) == [0, 1] and rank_cores(1, 2) == [1, 0] and rank_cores(1, 3) == [1, 0, 1]

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from kvpath.workload_importers import (detect_format, load_azure, load_burstgpt, load_file, load_mooncake,
+from kvpath.workloads.importers import (detect_format, load_azure, load_burstgpt, load_file, load_mooncake,
                                        parse_datetime)
 from kvpath.workloads import Request, Workload, WorkloadError, load_workload, poisson, zipf
 
@@ -141,7 +141,7 @@ def test_burstgpt_drops_failures_filters_model_scales_and_samples(tmp_path, capl
                  "9,GPT-4,30,3,33,API log\n"
                  "11,ChatGPT,0,0,0,Conversation log\n"      # failed request
                  "13,ChatGPT,70,7,77,API log\n")
-    with caplog.at_level(logging.INFO, logger="kvpath.workload_importers"):
+    with caplog.at_level(logging.INFO, logger="kvpath.workloads.importers"):
         w = load_file(f)
     assert "dropped 2 failed requests" in caplog.text
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in w] == [(0.0, 100, 20), (4.0, 30, 3),

@@ -24,10 +24,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
-import msgspec
 import numpy as np
 
-from kvpath.workloads import Request, Workload, WorkloadError, sample_index
+from kvpath.workloads.model import Request, Workload, WorkloadError, json_lines, open_text, sample_index
 
 __all__ = ["FORMATS", "parse_datetime", "load_azure", "load_burstgpt", "load_mooncake", "load_kvpath",
            "detect_format", "load_file"]
@@ -41,33 +40,6 @@ FORMATS = ("azure", "burstgpt", "mooncake", "kvpath")
 def _norm(h: str) -> str:
     """Header names compare case-insensitively, spaces and underscores alike."""
     return " ".join(h.replace("_", " ").lower().split())
-
-
-def _open(p: Path) -> IO[str]:
-    try:
-        # utf-8-sig: CSVs saved by spreadsheet tools start with a BOM
-        return open(p, newline="", encoding="utf-8-sig")
-    except OSError as e:
-        raise WorkloadError(f"cannot read workload file {p}: {e.strerror or e}") from None
-
-
-def _json_lines(p: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded object) of each non-blank line."""
-    line_no = 0
-    with _open(p) as f:
-        try:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise WorkloadError(f"{p}: line {line_no}, column {e.colno}: invalid JSON: {e.msg}") from None
-                if not isinstance(d, dict):
-                    raise WorkloadError(f"{p}: line {line_no}: expected a JSON object, got {type(d).__name__}")
-                yield line_no, d
-        except UnicodeDecodeError:
-            raise WorkloadError(f"{p}: line {line_no + 1}: not UTF-8 text") from None
 
 
 class _Csv:
@@ -202,7 +174,7 @@ def load_azure(path: str | Path, *, n: int | None = None, seed: int = 0, time_sc
     rows: list[tuple[float, int, int]] = []
     dropped = {"zero_output": 0, "zero_prompt": 0}
     base: int | None = None
-    with _open(p) as f:
+    with open_text(p) as f:
         c = _Csv(p, f, ("timestamp", "contexttokens", "generatedtokens"))
         for line, (ts, cp, co) in c.rows():
             whole, frac = c.parse(line, 0, ts, _datetime_split, "a date-time")
@@ -228,7 +200,7 @@ def load_burstgpt(path: str | Path, *, model: str | None = None, log_type: str |
     filtered = 0
     want_m = model.strip().lower() if model else None
     want_l = log_type.strip().lower() if log_type else None
-    with _open(p) as f:
+    with open_text(p) as f:
         c = _Csv(p, f, ("timestamp", "request tokens", "response tokens"), ("model", "log type"))
         for want, k, col in ((want_m, 3, "Model"), (want_l, 4, "Log Type")):
             if want and c.idx[k] < 0:
@@ -255,7 +227,7 @@ def load_mooncake(path: str | Path, *, n: int | None = None, seed: int = 0, time
     p = Path(path)
     rows: list[tuple[float, int, int]] = []
     dropped = {"zero_output": 0, "zero_prompt": 0}
-    for line, d in _json_lines(p):
+    for line, d in json_lines(p):
         vals = []
         for key, conv in (("timestamp", _seconds), ("input_length", _tokens), ("output_length", _tokens)):
             if key not in d:
@@ -276,14 +248,7 @@ def load_mooncake(path: str | Path, *, n: int | None = None, seed: int = 0, time
 
 def load_kvpath(path: str | Path) -> Workload:
     """A ``Workload.to_jsonl`` file: one Request per JSON line, arrivals kept as written."""
-    p = Path(path)
-    reqs = []
-    for line_no, d in _json_lines(p):
-        try:
-            reqs.append(msgspec.convert(d, Request))
-        except (msgspec.ValidationError, WorkloadError) as e:
-            raise WorkloadError(f"{p}: line {line_no}: {e}") from None
-    return Workload(reqs, f"kvpath:{p.name}", {"format": "kvpath", "source": str(p)})
+    return Workload.from_jsonl(path)
 
 
 def detect_format(path: str | Path) -> str:
@@ -291,7 +256,7 @@ def detect_format(path: str | Path) -> str:
     for JSON lines)."""
     p = Path(path)
     line_no, first = 0, ""
-    with _open(p) as f:
+    with open_text(p) as f:
         try:
             for line_no, first in enumerate(f, 1):
                 if first.strip():

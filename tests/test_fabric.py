@@ -1,6 +1,6 @@
 import pytest
 
-from kvpath.fabric import FabricSpec, FabricSpecError
+from kvpath.fabric import FabricSpec, FabricSpecError, check_pools_fit, pd_placement
 
 
 def test_addressing_is_hierarchical_and_reversible():
@@ -116,3 +116,15 @@ def test_fabric_size_limits_name_the_field():
         FabricSpec(leaves=257)
     with pytest.raises(FabricSpecError, match="fabric.hosts_per_leaf"):
         FabricSpec(hosts_per_leaf=254 * 64 + 1)
+
+
+def test_placement_spreads_p_and_d_over_their_halves_and_refuses_pools_that_do_not_fit():
+    spec = FabricSpec(leaves=2, spines=2, hosts_per_leaf=2)
+    assert pd_placement(spec, 2, 1) == ([spec.host_name(0, 0), spec.host_name(0, 1)], [spec.host_name(1, 0)])
+    # one rule for the testbed, the simulation and placement: raise, never truncate
+    with pytest.raises(ValueError, match=r"pools 3P1D do not fit: 2 hosts for P and 2 for D"):
+        pd_placement(spec, 3, 1)
+    with pytest.raises(ValueError, match="at least one P and one D"):
+        check_pools_fit(spec, 0, 1)
+    with pytest.raises(ValueError, match="at least 2 leaves"):
+        check_pools_fit(FabricSpec(leaves=1, spines=1, hosts_per_leaf=4), 1, 1)

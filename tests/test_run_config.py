@@ -40,7 +40,7 @@ def test_vllm_defaults_fit_the_tiny_model(tmp_path):
 @pytest.mark.parametrize("kw, field", [
     (dict(pools="8P"), "--pools"),
     (dict(pools="0P1D"), "--pools"),
-    (dict(pools="9P9D"), "--pools 9P9D does not fit"),
+    (dict(pools="9P9D"), "--pools 9P9D do not fit: 2 hosts for P and 2 for D"),
     (dict(mode="spray"), "--mode"),
     (dict(reserve_at="later"), "--reserve-at"),
     (dict(cc_metric="packets"), "--cc-metric"),

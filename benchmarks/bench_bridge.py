@@ -46,7 +46,7 @@ from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
-from kvpath.reservation_wire import MODES
+from kvpath.reservation.wire import MODES
 from kvpath.trace_header import TraceSetup
 from kvpath.workloads import load_workload
 

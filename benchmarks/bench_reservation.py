@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpath.fabric import FabricSpec
-from kvpath.reservation import MODES, LaneInfo, ReservationService
-from kvpath.reservation_wire import TOKEN_ENV as RESERVATION_TOKEN_ENV
+from kvpath.reservation.decisions import MODES, LaneInfo, ReservationService
+from kvpath.reservation.wire import TOKEN_ENV as RESERVATION_TOKEN_ENV
 from kvpath.testbed.readiness import free_port, wait_http
 
 SPEC = FabricSpec(leaves=8, spines=8, hosts_per_leaf=8)

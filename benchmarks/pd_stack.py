@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from kvpath.credentials import write_secret_file
-from kvpath.reservation_wire import TOKEN_ENV as RES_TOKEN_ENV
+from kvpath.reservation.wire import TOKEN_ENV as RES_TOKEN_ENV
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 

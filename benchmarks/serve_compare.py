@@ -58,7 +58,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich import box
 from rich.table import Table
 
-from kvpath.reservation_wire import MODES as RESERVATION_MODES
+from kvpath.reservation.wire import MODES as RESERVATION_MODES
 
 
 ENGINES = ("vllm", "emulated")

@@ -20,7 +20,7 @@ from kvpath.connector.lanes import Lane, LaneSet
 from kvpath.connector.layout import LayoutMismatch, check_compatible
 from kvpath.connector.nixl_io import PROBE_BYTES, make_agent
 from kvpath.connector.tp_map import compat_refusal, layouts_refusal
-from kvpath.reservation_wire import LaneInfo, WorkerPair
+from kvpath.reservation.wire import LaneInfo, WorkerPair
 from kvpath.trace import LaneRecord, LanesRecord
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ thread posts it (lane registrations when lanes open, releases when pushes end); 
 second thread asks for lanes (reserve_at=push) and hands the answer back.
 A service that is down only costs a counter and a debug log line; leases end
 reservations whose release never arrives. :class:`ReservationNotifier` is the
-:class:`~kvpath.reservation_wire.QueuedReserver` shape; its bodies are the wire's types.
+:class:`~kvpath.reservation.wire.QueuedReserver` shape; its bodies are the wire's types.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgspec
 
-from kvpath import reservation_wire as wire
+from kvpath.reservation import wire
 from kvpath.connector.telemetry import Stats
 from kvpath.credentials import CredentialError, header_safe, load_secret
-from kvpath.reservation_wire import LaneInfo, ReservedCallback
+from kvpath.reservation.wire import LaneInfo, ReservedCallback
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def reservation_token(cfg: Any, environ: Mapping[str, str] | None = None) -> str
 
 
 class _Call(NamedTuple):
-    path: str  # a route of kvpath.reservation_wire
+    path: str  # a route of kvpath.reservation.wire
     body: wire.ReserveRequest | wire.ReleaseRequest | wire.LanesRequest | wire.LanesRemoval  # encoded on the notifier's thread
     done: ReservedCallback | None = None  # reserve calls only
 

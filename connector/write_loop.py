@@ -20,8 +20,8 @@ from kvpath.connector.kv_verify import tokens_written
 from kvpath.connector.layout import build_descs
 from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.connector.push_state import FinishedPrefill, Match
-from kvpath.reservation import default_lane
-from kvpath.reservation_wire import FlowScope
+from kvpath.reservation.decisions import default_lane
+from kvpath.reservation.wire import FlowScope
 from kvpath.trace import TransferRecord
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Any
 from kvpath.deployment import parse_pools
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
-from kvpath.reservation_wire import RESERVE_AT
+from kvpath.reservation.wire import RESERVE_AT
 from kvpath.trace import Header, Trace
 
 __all__ = [
@@ -36,7 +36,7 @@ META_DROPS = "drops"  # packets the testbed's egress ports dropped during the ru
 META_RETRANS = "tcp_retrans_segs"  # TCP segments the P and D hosts retransmitted during the run
 META_NET = "net"  # the simulation's network constants: NET_FIELDS
 META_ITERATION_TIME = "iteration_time"  # IterationTimeModel.to_dict() of the simulation
-META_RESERVE_AT = "reserve_at"  # when lanes were reserved (kvpath.reservation_wire.RESERVE_AT)
+META_RESERVE_AT = "reserve_at"  # when lanes were reserved (kvpath.reservation.wire.RESERVE_AT)
 META_TIME_SCALE = "time_scale"  # modelled seconds -> trace seconds, when not a testbed trace
 META_SOURCE = "source"  # who wrote the trace
 META_BACKEND = "backend"  # the simulation's network backend

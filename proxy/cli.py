@@ -9,8 +9,8 @@ from kvpath.credentials import CredentialError, header_safe, load_secret
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
-from kvpath.reservation import ReservationError, ReservationService
-from kvpath.reservation_wire import METRICS, MODES as RES_MODES, RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
+from kvpath.reservation.decisions import ReservationError, ReservationService
+from kvpath.reservation.wire import METRICS, MODES as RES_MODES, RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id", "tp")
@@ -159,7 +159,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from kvpath.proxy.core import Proxy
     from kvpath.proxy.reservation_app import create_app as create_reservation_app
     from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
-    from kvpath.reservation_wire import AsyncReserver
+    from kvpath.reservation.wire import AsyncReserver
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
     decode = [parse_instance(s, "decode") for s in args.decode]

@@ -38,7 +38,7 @@ from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
 from kvpath.proxy.upstream import (UpstreamError, engine_error, exc_text, first_byte_timeout, is_transport_failure,
                                    transport_error)
-from kvpath.reservation_wire import AsyncReserver, FlowScope, LaneGrant
+from kvpath.reservation.wire import AsyncReserver, FlowScope, LaneGrant
 
 logger = logging.getLogger(__name__)
 

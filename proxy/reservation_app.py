@@ -7,7 +7,7 @@ POST /v1/lanes     {src_host, dst_host, pair?, worker?, lanes} (P connectors reg
 POST /v1/lanes/unregister {src_host, dst_host, pair?, worker?} (forget one pair's lanes)
 GET  /v1/state, /v1/decisions?since=UNIX_S, /health, /metrics
 
-The routes and bodies are kvpath.reservation_wire's (one definition for the service
+The routes and bodies are kvpath.reservation.wire's (one definition for the service
 and its clients).
 
 Every route but /health and /metrics needs ``Authorization: Bearer <token>``: the
@@ -34,11 +34,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpath import reservation_wire as wire
+from kvpath.reservation import wire
 from kvpath.proxy.auth import bearer_ok
 from kvpath.proxy.body_limit import BodyLimit
 from kvpath.proxy.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
-from kvpath.reservation import ReservationError, ReservationService, UnregisteredLanes
+from kvpath.reservation.decisions import ReservationError, ReservationService, UnregisteredLanes
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How the proxy asks for a lane: in-process service or HTTP, with a short timeout.
 
-Both are :class:`~kvpath.reservation_wire.AsyncReserver`. A reservation that does
+Both are :class:`~kvpath.reservation.wire.AsyncReserver`. A reservation that does
 not come back in time (service down, slow, no lanes known) is a *fallback*: the P
 connector then takes the hash-chosen lane, and the reason is counted. Requests
 never wait long on the reservation service.
@@ -13,9 +13,9 @@ from typing import Sequence
 import httpx
 import msgspec
 
-from kvpath import reservation_wire as wire
-from kvpath.reservation import ReservationError, SyncReserver
-from kvpath.reservation_wire import FlowScope, LaneGrant, LaneInfo
+from kvpath.reservation import wire
+from kvpath.reservation.decisions import ReservationError, SyncReserver
+from kvpath.reservation.wire import FlowScope, LaneGrant, LaneInfo
 
 _JSON = {"content-type": "application/json"}
 

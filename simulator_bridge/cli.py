@@ -12,7 +12,7 @@ from kvpath.bridge.cli_sweep import cmd_sweep
 from kvpath.bridge.convert import FORMATS as CONVERT_FORMATS
 from kvpath.bridge.report import DEFAULT_DELAYS
 from kvpath.bridge.serving_sim import ADMISSION, BACKENDS
-from kvpath.reservation_wire import MODES, RESERVE_AT
+from kvpath.reservation.wire import MODES, RESERVE_AT
 
 __all__ = ["add_parsers"]
 

@@ -5,7 +5,7 @@
    model the emulated engines use (``kvpath/iteration_time.py``).
 2. **Network.** Every request's KV is one flow from its P host to its D host, leaving
    at prefill end. Its lane (so its spine) is decided by the reservation service's own
-   code (``kvpath/reservation.py``) on the simulated clock: at admission (the request's
+   code (``kvpath/reservation/decisions.py``) on the simulated clock: at admission (the request's
    arrival) or at push start, released when the flow's last byte arrives. ``ecmp``
    takes the lane the transfer id hashes to. The network backend computes the FCTs.
 3. **Decode drain.** A request reaches its D at prefill end + FCT, never earlier; each D
@@ -34,8 +34,8 @@ from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
-from kvpath.reservation import LaneInfo, ReservationService, default_lane
-from kvpath.reservation_wire import MODES, RESERVE_AT
+from kvpath.reservation.decisions import LaneInfo, ReservationService, default_lane
+from kvpath.reservation.wire import MODES, RESERVE_AT
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
 from kvpath.trace_header import (META_BACKEND, META_ITERATION_TIME, META_NET, META_POOLS, META_RESERVE_AT,
                                  META_SOURCE)

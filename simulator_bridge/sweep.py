@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Generator
 
 from kvpath.deployment import parse_pools
-from kvpath.reservation_wire import RESERVE_AT
+from kvpath.reservation.wire import RESERVE_AT
 
 logger = logging.getLogger(__name__)
 

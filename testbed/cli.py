@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
+from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
 from kvpath.testbed.run_config import CONNECTORS, ENGINES
 
 logger = logging.getLogger(__name__)

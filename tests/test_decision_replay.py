@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvpath.decision_replay import ReplayError, replay
-from kvpath.reservation import ReservationService
-from kvpath.reservation_wire import METRICS
+from kvpath.reservation.replay import ReplayError, replay
+from kvpath.reservation.decisions import ReservationService
+from kvpath.reservation.wire import METRICS
 from tests.test_reservation import SPEC, Clock, _sequence
 
 

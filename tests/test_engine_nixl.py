@@ -112,7 +112,7 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
             _, done, _ = d.call("wait", [f"d{i}"], 10)
             assert done == [f"d{i}"]
             assert d.call("read", [50 + i])[1] == p.expect([20 + i])  # first P block skipped
-        from kvpath.reservation import default_lane
+        from kvpath.reservation.decisions import default_lane
 
         kv = [r for r in records if getattr(r, "transfer_id", "").startswith("lane-")]
         assert [r.lane for r in kv] == [2, 0, 1, default_lane("lane-3", 3)]

@@ -281,7 +281,7 @@ def test_shutdown_fails_the_pushes_waiting_for_a_reopen():
 
 def _two_lanes_tids(n=2):
     """Transfer ids whose hash lanes (of 2) are 0 and 1."""
-    from kvpath.reservation import default_lane
+    from kvpath.reservation.decisions import default_lane
 
     out = {}
     i = 0

@@ -181,7 +181,8 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 def test_no_import_cycle_among_the_projects_modules_but_the_known_ones():
     mods = project_modules()
-    assert {"kvpath.connector.sender", "kvpath.bridge.compare", "kvpath.trace", "kvpath.workloads.load"} <= set(mods)
+    assert {"kvpath.connector.sender", "kvpath.bridge.compare", "kvpath.trace", "kvpath.workloads.load",
+            "kvpath.reservation.wire"} <= set(mods)
     assert cycles(import_graph(mods)) == KNOWN_CYCLES
 
 
@@ -206,3 +207,17 @@ def test_the_connector_imports_no_proxy_testbed_or_bridge_module():
     offenders = {m: sorted(t for t in targets if any(t == o or t.startswith(o + ".") for o in others))
                  for m, targets in graph.items() if m == "kvpath.connector" or m.startswith("kvpath.connector.")}
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_the_reservation_package_imports_no_web_framework():
+    """Its decisions and wire load inside vLLM's processes (P's connector) and in the
+    simulator: FastAPI, starlette and pydantic stay with the HTTP service."""
+    web = ("fastapi", "starlette", "pydantic", "uvicorn")
+    offenders = {}
+    for name, p in project_modules().items():
+        if name == "kvpath.reservation" or name.startswith("kvpath.reservation."):
+            package = name if p.name == "__init__.py" else name.rpartition(".")[0]
+            hits = sorted(m for m in imported_modules(p.read_text(), package) if m.split(".")[0] in web)
+            if hits:
+                offenders[name] = hits
+    assert offenders == {}

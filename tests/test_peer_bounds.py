@@ -149,7 +149,7 @@ class RecordingNotifier:
 
 def test_a_forgotten_d_unregisters_its_own_incarnation_only_a_restarted_d_keeps_its_lanes():
     from kvpath.fabric import FabricSpec
-    from kvpath.reservation import LaneInfo, ReservationService
+    from kvpath.reservation.decisions import LaneInfo, ReservationService
 
     snd = writer(timeout_s=60.0)
     snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0, fabric_host="l0h0")

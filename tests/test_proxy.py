@@ -16,8 +16,8 @@ from kvpath.proxy.core import Proxy
 from kvpath.proxy.instances import Instance
 from kvpath.proxy.reservation_app import create_app as create_reservation_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
-from kvpath.reservation import LaneInfo, ReservationService
-from kvpath.reservation_wire import WorkerPair
+from kvpath.reservation.decisions import LaneInfo, ReservationService
+from kvpath.reservation.wire import WorkerPair
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvpath.credentials import read_secret_file, write_secret_file
-from kvpath.reservation_wire import TOKEN_ENV as RES_TOKEN_ENV
+from kvpath.reservation.wire import TOKEN_ENV as RES_TOKEN_ENV
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
 from kvpath.testbed.readiness import wait_http

@@ -7,8 +7,8 @@ import pytest
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import ModelOracle
-from kvpath.reservation import LaneInfo, ReservationError, ReservationService, default_lane
-from kvpath.reservation_wire import METRICS, MODES
+from kvpath.reservation.decisions import LaneInfo, ReservationError, ReservationService, default_lane
+from kvpath.reservation.wire import METRICS, MODES
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
 

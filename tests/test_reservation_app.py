@@ -8,13 +8,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpath import reservation_wire as wire
+from kvpath.reservation import wire
 from kvpath.connector.reservation_hooks import ReservationNotifier
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_app import create_app
 from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
-from kvpath.reservation import ReservationService, SyncReserver
+from kvpath.reservation.decisions import ReservationService, SyncReserver
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpath import reservation_wire as wire
+from kvpath.reservation import wire
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_app import create_app
-from kvpath.reservation import ReservationError, ReservationService
+from kvpath.reservation.decisions import ReservationError, ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 TOKEN = "s3cret-t0ken"

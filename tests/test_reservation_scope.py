@@ -7,8 +7,8 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.proxy.reservation_client import InProcessReserver
-from kvpath.reservation import ReservationError, ReservationService
-from kvpath.reservation_wire import FlowScope, LaneInfo, LanesRequest, ReserveRequest, WorkerPair, encode
+from kvpath.reservation.decisions import ReservationError, ReservationService
+from kvpath.reservation.wire import FlowScope, LaneInfo, LanesRequest, ReserveRequest, WorkerPair, encode
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=4, ecmp_seed=3)
 SRC, DST = "l0h0", "l1h0"
@@ -125,7 +125,7 @@ def test_worker_and_pair_that_disagree_are_refused_naming_them():
 
 
 def test_the_registry_and_the_scope_cache_are_bounded(monkeypatch):
-    import kvpath.reservation as res
+    import kvpath.reservation.decisions as res
 
     monkeypatch.setattr(res, "MAX_WORKER_PAIRS", 3)
     monkeypatch.setattr(res, "MAX_SCOPES_CACHED", 4)

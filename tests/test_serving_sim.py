@@ -5,7 +5,7 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
-from kvpath.reservation_wire import MODES
+from kvpath.reservation.wire import MODES
 from kvpath.trace import TraceWriter, read_trace
 from kvpath.workloads import Request, load_workload
 from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
-from kvpath.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
+from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.oracle import ModelOracle, PathOracle
-from kvpath.reservation_wire import MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
+from kvpath.reservation.wire import MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
 
 __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "ReservationError", "ReservationService",
            "UnregisteredLanes", "WorkerPair", "default_lane"]
@@ -109,7 +109,7 @@ class Reservation:
 @runtime_checkable
 class SyncReserver(Protocol):
     """The in-process service's shape: decides at once (:class:`ReservationService`). Its
-    ``reserve`` has the signature of the wire's reservers (``kvpath.reservation_wire``)."""
+    ``reserve`` has the signature of the wire's reservers (``kvpath.reservation.wire``)."""
 
     def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                 transfer_id: str = "", scope: FlowScope | None = None) -> Reservation: ...
@@ -169,7 +169,7 @@ class ReservationService:
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
         self.decisions: deque[dict] = deque(maxlen=100_000)
         # one sequence over reservations and their ends, so the decision log replays
-        # in the order the service saw it (kvpath/decision_replay.py)
+        # in the order the service saw it (kvpath/reservation/replay.py)
         self._seq = itertools.count(1)
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
 

@@ -41,7 +41,7 @@ RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (ide
 LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (token)
 UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (token)
 STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters (token)
-DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/decision_replay.py; token)
+DECISIONS_PATH: Final = "/v1/decisions"  # GET ?since=UNIX_S: the decision log (kvpath/reservation/replay.py; token)
 HEALTH_PATH: Final = "/health"  # open
 METRICS_PATH: Final = "/metrics"  # Prometheus; open
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpath.fabric import FabricSpec
 from kvpath.oracle import TableOracle
-from kvpath.reservation import LaneInfo, ReservationService
+from kvpath.reservation.decisions import LaneInfo, ReservationService
 
 
 class ReplayError(ValueError):

@@ -1,4 +1,4 @@
-"""kvpath.proxy: the OpenAI-compatible P/D proxy and the path reservation service (FastAPI).
+"""kvpath.proxy: the OpenAI-compatible P/D proxy (FastAPI). The path reservation service is kvpath.reservation.
 
 The public names load on first use, so importing the package (or its light modules,
 e.g. :mod:`kvpath.proxy.config`) pulls in neither FastAPI nor aiohttp.
@@ -15,9 +15,6 @@ _EXPORTS = {
     "ProxyConfig": "kvpath.proxy.config",
     "Proxy": "kvpath.proxy.core",
     "create_app": "kvpath.proxy.app",
-    "HttpReserver": "kvpath.proxy.reservation_client",
-    "InProcessReserver": "kvpath.proxy.reservation_client",
-    "create_reservation_app": "kvpath.proxy.reservation_app",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -26,5 +23,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvpath.proxy' has no attribute {name!r}")
-    attr = "create_app" if name == "create_reservation_app" else name
-    return getattr(importlib.import_module(module), attr)
+    return getattr(importlib.import_module(module), name)

@@ -115,7 +115,7 @@ def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: flo
 def cmd_reservation(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvpath.proxy.reservation_app import create_app
+    from kvpath.reservation.app import create_app
 
     token = secret_arg(args, "reservation", "--token-file", RESERVATION_TOKEN_ENV, "--admin-token")
     if not token:
@@ -157,8 +157,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from kvpath.proxy.app import create_app
     from kvpath.proxy.config import ProxyConfig
     from kvpath.proxy.core import Proxy
-    from kvpath.proxy.reservation_app import create_app as create_reservation_app
-    from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+    from kvpath.reservation.app import create_app as create_reservation_app
+    from kvpath.reservation.clients import HttpReserver, InProcessReserver
     from kvpath.reservation.wire import AsyncReserver
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]

@@ -28,9 +28,9 @@ from starlette.responses import Response
 
 from kvpath.proxy import legs
 from kvpath.proxy.aio import cancel_and_wait
-from kvpath.proxy.auth import bearer_ok
+from kvpath.web.auth import bearer_ok
 from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
-from kvpath.proxy.errors import describe_validation_errors, error_response
+from kvpath.web.errors import describe_validation_errors, error_response
 from kvpath.proxy.health import HealthChecker
 from kvpath.proxy.instances import Instance, InstancePool, NoInstance
 from kvpath.proxy.metrics import ProxyMetrics

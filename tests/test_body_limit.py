@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from kvpath.proxy.reservation_app import MAX_BODY_BYTES
+from kvpath.reservation.app import MAX_BODY_BYTES
 from tests.test_proxy import BODY, Setup
 
 LIMIT = 4096

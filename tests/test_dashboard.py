@@ -166,7 +166,7 @@ def served_series() -> dict[str, dict[str, str]]:
     from kvpath.proxy.config import ProxyConfig
     from kvpath.proxy.core import Proxy
     from kvpath.proxy.instances import Instance
-    from kvpath.proxy.reservation_app import create_app as create_reservation_app
+    from kvpath.reservation.app import create_app as create_reservation_app
     from kvpath.reservation.decisions import ReservationService
 
     svc = ReservationService(FabricSpec(leaves=2, spines=2, hosts_per_leaf=2), "cc", lease_s=5)

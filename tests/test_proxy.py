@@ -14,8 +14,8 @@ from kvpath.proxy.app import create_app
 from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
 from kvpath.proxy.core import Proxy
 from kvpath.proxy.instances import Instance
-from kvpath.proxy.reservation_app import create_app as create_reservation_app
-from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+from kvpath.reservation.app import create_app as create_reservation_app
+from kvpath.reservation.clients import HttpReserver, InProcessReserver
 from kvpath.reservation.decisions import LaneInfo, ReservationService
 from kvpath.reservation.wire import WorkerPair
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app

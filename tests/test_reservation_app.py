@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvpath.reservation import wire
-from kvpath.connector.reservation_hooks import ReservationNotifier
+from kvpath.reservation.notifier import ReservationNotifier
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
-from kvpath.proxy.reservation_app import create_app
-from kvpath.proxy.reservation_client import HttpReserver, InProcessReserver
+from kvpath.reservation.app import create_app
+from kvpath.reservation.clients import HttpReserver, InProcessReserver
 from kvpath.reservation.decisions import ReservationService, SyncReserver
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from kvpath.reservation import wire
 from kvpath.fabric import FabricSpec
-from kvpath.proxy.reservation_app import create_app
+from kvpath.reservation.app import create_app
 from kvpath.reservation.decisions import ReservationError, ReservationService
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
@@ -249,7 +249,7 @@ def test_the_proxys_deprecated_admin_token_guards_admin_only(monkeypatch, caplog
 
 
 def test_the_proxy_sends_its_reservation_token_to_a_reservation_url(monkeypatch):
-    from kvpath.proxy import reservation_client
+    from kvpath.reservation import clients as reservation_client
 
     made = []
     real = reservation_client.HttpReserver
@@ -265,7 +265,7 @@ def test_the_proxy_sends_its_reservation_token_to_a_reservation_url(monkeypatch)
 
 # ---- the clients -----------------------------------------------------------
 def test_http_reserver_sends_the_token_on_reserve_and_release():
-    from kvpath.proxy.reservation_client import HttpReserver
+    from kvpath.reservation.clients import HttpReserver
 
     seen: list[tuple[str, str | None]] = []
 
@@ -287,7 +287,7 @@ def test_http_reserver_sends_the_token_on_reserve_and_release():
 
 
 def test_http_reserver_against_the_real_service():
-    from kvpath.proxy.reservation_client import HttpReserver
+    from kvpath.reservation.clients import HttpReserver
 
     svc = ReservationService(SPEC, "cc", lease_s=30)
     svc.register_lanes("l0h0", "l1h0", [wire.LaneInfo(**x) for x in LANES])
@@ -316,7 +316,7 @@ def _cfg(**knobs):
 
 def test_p_connector_reads_its_token_from_a_file_or_the_environment(tmp_path, monkeypatch, caplog):
     from kvpath.connector.config import ConfigError
-    from kvpath.connector.reservation_hooks import reservation_token
+    from kvpath.reservation.notifier import reservation_token
     from kvpath.credentials import CredentialError
 
     monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
@@ -346,7 +346,7 @@ def test_p_connector_sends_the_token_on_every_call():
     import threading
     import time
 
-    from kvpath.connector.reservation_hooks import ReservationNotifier
+    from kvpath.reservation.notifier import ReservationNotifier
     from kvpath.testbed.readiness import free_port
     from kvpath.testbed.stub_engine import ServerThread
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from kvpath.fabric import FabricSpec
-from kvpath.proxy.reservation_client import InProcessReserver
+from kvpath.reservation.clients import InProcessReserver
 from kvpath.reservation.decisions import ReservationError, ReservationService
 from kvpath.reservation.wire import FlowScope, LaneInfo, LanesRequest, ReserveRequest, WorkerPair, encode
 

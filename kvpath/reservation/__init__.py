@@ -6,9 +6,11 @@
   callers' protocols (msgspec only: P's connector imports it inside vLLM);
 - :mod:`~kvpath.reservation.link_loads`: what each mode counts on a link, and ``dc``'s
   delayed view of it;
-- :mod:`~kvpath.reservation.replay`: a stored decision log replayed, lane for lane.
+- :mod:`~kvpath.reservation.replay`: a stored decision log replayed, lane for lane;
+- :mod:`~kvpath.reservation.app`: the HTTP service (FastAPI; the only module here that
+  imports a web framework), run by ``kvpath reservation`` or mounted in the proxy;
+- :mod:`~kvpath.reservation.clients`: the proxy's clients, in process and over HTTP;
+- :mod:`~kvpath.reservation.notifier`: P's connector's queued client and its token.
 
-The HTTP service and its clients are ``kvpath.proxy.reservation_app`` and
-``kvpath.proxy.reservation_client``; P's queued client is
-``kvpath.connector.reservation_hooks``.
+The ``kvpath reservation`` command is still defined in ``proxy/cli.py``.
 """

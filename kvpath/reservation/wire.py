@@ -223,7 +223,7 @@ decode_answer = msgspec.json.Decoder(ReserveAnswer).decode
 # ---- the shapes of caller (the in-process service's is kvpath.reservation.SyncReserver) ----
 @runtime_checkable
 class AsyncReserver(Protocol):
-    """The proxy's clients (``kvpath.proxy.reservation_client``). ``reserve`` never
+    """The proxy's clients (``kvpath.reservation.clients``). ``reserve`` never
     raises for the service's faults: a grant without a lane says why."""
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
@@ -240,7 +240,7 @@ ReservedCallback = Callable[[str, int | None, str | None], None]
 
 @runtime_checkable
 class QueuedReserver(Protocol):
-    """P's connector (``kvpath.connector.reservation_hooks.ReservationNotifier``): every
+    """P's connector (``kvpath.reservation.notifier.ReservationNotifier``): every
     call only queues; ``reserve`` answers through ``done``, called from another thread
     (or at once, with no lane, when the queue is full)."""
 

@@ -14,12 +14,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections import defaultdict
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import msgspec
 
 from kvpath.reservation import wire
-from kvpath.connector.telemetry import Stats
 from kvpath.credentials import CredentialError, header_safe, load_secret
 from kvpath.reservation.wire import LaneInfo, ReservedCallback
 
@@ -61,12 +61,31 @@ def _lane(row: LaneInfo | tuple[int, int] | Mapping[str, Any]) -> LaneInfo:
     return LaneInfo(row[0], row[1])
 
 
+class Counters(Protocol):
+    """Where the notifier counts its calls (P's connector passes its telemetry)."""
+
+    def inc(self, name: str, n: int = 1) -> None: ...
+
+
+class _Counts:
+    """The notifier's own counts when no one passes counters (tests, tools): ``totals``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals: defaultdict[str, int] = defaultdict(int)  # a count never made reads 0
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.totals[name] += n
+
+
 class ReservationNotifier:
-    def __init__(self, base_url: str, stats: Stats | None = None, timeout_s: float = 1.0, token: str | None = None):
+    def __init__(self, base_url: str, stats: Counters | None = None, timeout_s: float = 1.0,
+                 token: str | None = None):
         """``token``: the service's token, sent with every call (the service refuses
         them without it); see :func:`reservation_token`."""
         self.base_url = base_url.rstrip("/")
-        self.stats = stats or Stats()
+        self.stats: Counters = stats if stats is not None else _Counts()
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._q: queue.Queue[_Call | None] = queue.Queue(maxsize=10000)

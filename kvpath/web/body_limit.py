@@ -13,7 +13,7 @@ from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpath.proxy.errors import error_response
+from kvpath.web.errors import error_response
 
 
 class BodyLimit:

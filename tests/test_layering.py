@@ -223,3 +223,11 @@ def test_the_reservation_package_imports_a_web_framework_only_in_its_http_app():
             if hits:
                 offenders[name] = hits
     assert offenders == {}
+
+
+def test_every_package_on_disk_is_a_package_of_the_wheel():
+    """A subpackage missing from pyproject's list works in the editable install and is
+    absent from the wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {name for name, p in project_modules().items() if p.name == "__init__.py"}
+    assert on_disk == set(setuptools["packages"])

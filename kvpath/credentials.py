@@ -9,8 +9,12 @@ file the same way: an error naming the field, never a traceback.
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 MAX_SECRET_BYTES = 4096  # a token is tens of bytes: a larger file is a wrong path
 
@@ -69,3 +73,28 @@ def write_secret_file(path: str | os.PathLike[str], secret: str) -> Path:
         f.write(secret + "\n")
     os.chmod(p, 0o600)
     return p
+
+
+def secret_arg(args: argparse.Namespace, prog: str, file_opt: str, env: str, argv_opt: str = "") -> str | None:
+    """A token from ``file_opt`` (a file), else from the deprecated ``argv_opt`` (the
+    token itself on the command line, with a warning), else from the environment
+    variable ``env``; None when none is given. A bad file is a ``kvpath PROG: error``
+    naming the option, never a traceback; the token itself is never logged."""
+    dest = lambda opt: opt.lstrip("-").replace("-", "_")  # noqa: E731
+    path = getattr(args, dest(file_opt), None)
+    literal = getattr(args, dest(argv_opt), None) if argv_opt else None
+    if path and literal:
+        raise SystemExit(f"kvpath {prog}: error: give {file_opt} or the deprecated {argv_opt}, not both")
+    if literal:
+        logger.warning("%s is deprecated: a command line is readable by every local user (ps, /proc/PID/cmdline); "
+                       "use %s PATH (a 0600 file) or the %s environment variable", argv_opt, file_opt, env)
+        token, source = literal, argv_opt
+    else:
+        try:
+            token, source = load_secret(file_opt, path, env), file_opt if path else f"${env}"
+        except CredentialError as e:
+            raise SystemExit(f"kvpath {prog}: error: {e}") from None
+    if token is not None and not header_safe(token):
+        # it travels in an HTTP header: anything else could never match, or never be sent
+        raise SystemExit(f"kvpath {prog}: error: {source}: a token must be one word of printable ASCII")
+    return token

@@ -1,16 +1,15 @@
-"""Command-line entry points: ``kvpath proxy`` and ``kvpath reservation``."""
+"""Command-line entry point: ``kvpath proxy``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from kvpath.credentials import CredentialError, header_safe, load_secret
-from kvpath.fabric import FabricSpec, FabricSpecError
+from kvpath.credentials import CredentialError, header_safe, load_secret, secret_arg
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
-from kvpath.reservation.decisions import ReservationError, ReservationService
-from kvpath.reservation.wire import METRICS, MODES as RES_MODES, RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
+from kvpath.reservation.cli import add_reservation_args, build_service
+from kvpath.reservation.wire import RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 INSTANCE_KEYS = ("kv_addr", "fabric_host", "engine_id", "tp")
@@ -35,13 +34,6 @@ def parse_instance(spec: str, role: str) -> Instance:
     return Instance(url.rstrip("/"), role, **kw, tp_size=int(tp or 0))
 
 
-def load_fabric(path: str | None) -> FabricSpec:
-    try:
-        return FabricSpec.resolve(path) if path else FabricSpec()
-    except FabricSpecError as e:
-        raise SystemExit(f"kvpath: error: --fabric: {e}") from None
-
-
 class DeprecatedAlias(argparse.Action):
     """An old option name kept working: stores into the new option's dest and warns."""
 
@@ -55,78 +47,6 @@ class DeprecatedAlias(argparse.Action):
 
 
 ADMIN_TOKEN_ENV = "KVPATH_ADMIN_TOKEN"  # the proxy's /admin token (else --admin-token-file)
-
-
-def secret_arg(args: argparse.Namespace, prog: str, file_opt: str, env: str, argv_opt: str = "") -> str | None:
-    """A token from ``file_opt`` (a file), else from the deprecated ``argv_opt`` (the
-    token itself on the command line, with a warning), else from the environment
-    variable ``env``; None when none is given. A bad file is a ``kvpath PROG: error``
-    naming the option, never a traceback; the token itself is never logged."""
-    dest = lambda opt: opt.lstrip("-").replace("-", "_")  # noqa: E731
-    path = getattr(args, dest(file_opt), None)
-    literal = getattr(args, dest(argv_opt), None) if argv_opt else None
-    if path and literal:
-        raise SystemExit(f"kvpath {prog}: error: give {file_opt} or the deprecated {argv_opt}, not both")
-    if literal:
-        logger.warning("%s is deprecated: a command line is readable by every local user (ps, /proc/PID/cmdline); "
-                       "use %s PATH (a 0600 file) or the %s environment variable", argv_opt, file_opt, env)
-        token, source = literal, argv_opt
-    else:
-        try:
-            token, source = load_secret(file_opt, path, env), file_opt if path else f"${env}"
-        except CredentialError as e:
-            raise SystemExit(f"kvpath {prog}: error: {e}") from None
-    if token is not None and not header_safe(token):
-        # it travels in an HTTP header: anything else could never match, or never be sent
-        raise SystemExit(f"kvpath {prog}: error: {source}: a token must be one word of printable ASCII")
-    return token
-
-
-def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") -> None:
-    p.add_argument("--fabric", help="fabric preset (small, rack3, rack4, rack4-os2, rack8) or spec file, JSON or YAML "
-                                    "(default: 4 leaves x 4 spines x 4 hosts)")
-    p.add_argument("--kernel-oracle", metavar="NETNS_PREFIX", default="",
-                   help="ask a running testbed's kernel which spine a lane takes (its namespaces are named "
-                        "NETNS_PREFIX-<node>, e.g. kvp-ab12) instead of the fabric model's hash")
-    p.add_argument(mode_flag, dest="res_mode", choices=RES_MODES, default="cc", help="reservation decision mode")
-    p.add_argument("--lease-s", type=float, default=10.0, help="a reservation ends after this without a release")
-    p.add_argument("--dc-delay-s", type=float, default=0.0, help="dc mode: broadcast delay between agents")
-    p.add_argument("--cc-metric", choices=METRICS, default="flows",
-                   help="cc/dc: least reserved flows on a path's busiest link, or least reserved bytes")
-    p.add_argument("--lanes-ttl-s", type=float, default=900.0,
-                   help="forget a worker pair's lanes not registered again for this long (P re-registers each minute)")
-
-
-def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,
-                  kernel_oracle: str = "", metric: str = "flows", lanes_ttl_s: float = 900.0) -> ReservationService:
-    spec = load_fabric(fabric)
-    oracle = None
-    if kernel_oracle:
-        from kvpath.oracle import KernelOracle
-
-        oracle = KernelOracle.for_prefix(spec, kernel_oracle)
-    try:
-        return ReservationService(spec, mode, lease_s=lease_s, dc_delay_s=dc_delay_s, oracle=oracle, metric=metric,
-                                  lanes_ttl_s=lanes_ttl_s)
-    except ReservationError as e:
-        raise SystemExit(f"kvpath: error: {e}") from None
-
-
-def cmd_reservation(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvpath.reservation.app import create_app
-
-    token = secret_arg(args, "reservation", "--token-file", RESERVATION_TOKEN_ENV, "--admin-token")
-    if not token:
-        raise SystemExit(f"kvpath reservation: error: no token: give --token-file PATH (a file holding it) or set "
-                         f"{RESERVATION_TOKEN_ENV}; every call but /health and /metrics needs it, and the proxy and "
-                         f"P's connectors send it (docs/reservation.md)")
-    svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
-                        args.lanes_ttl_s)
-    logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
-    uvicorn.run(create_app(svc, token=token), host=args.host, port=args.port, log_level="warning")
-    return 0
 
 
 ENGINE_API_KEY_ENV = ("KVPATH_ENGINE_API_KEY", "VLLM_API_KEY")  # the proxy's own first, then vLLM's
@@ -211,18 +131,6 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser("reservation", help="the path reservation service (FastAPI)")
-    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    r.add_argument("--port", type=int, default=8900, help="TCP port to listen on (default %(default)s)")
-    r.add_argument("--token-file", metavar="PATH",
-                   help=f"a file holding the service's token (else the {RESERVATION_TOKEN_ENV} environment variable; "
-                        "one of the two is needed): every call but /health and /metrics needs "
-                        "'Authorization: Bearer TOKEN'")
-    r.add_argument("--admin-token", metavar="TOKEN",
-                   help="deprecated (every local user can read a command line): the token itself")
-    add_reservation_args(r)
-    r.set_defaults(func=cmd_reservation)
-
     p = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy (FastAPI)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")

@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.progress import track as progress
 from rich.table import Table
 
-from kvpath.reservation import wire
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.reservation import wire
 from kvpath.testbed.readiness import free_port, wait_http
 
 LANES = 8

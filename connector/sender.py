@@ -33,9 +33,9 @@ from kvpath.connector.nixl_io import configure_ucx
 from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_state import FinishedPrefill, Match, WriterState
 from kvpath.connector.step_commands import VllmTimes
-from kvpath.reservation.notifier import ReservationNotifier, reservation_token
 from kvpath.connector.telemetry import Stats
 from kvpath.connector.write_loop import InFlight, WriteLoop
+from kvpath.reservation.notifier import ReservationNotifier, reservation_token
 from kvpath.trace import TraceWriter, TransferRecord
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import RESERVE_AT_PUSH
 from kvpath.connector.kv_verify import tokens_written
 from kvpath.connector.layout import build_descs
-from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.connector.push_state import FinishedPrefill, Match
+from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.reservation.decisions import default_lane
 from kvpath.reservation.wire import FlowScope
 from kvpath.trace import TransferRecord

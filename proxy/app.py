@@ -17,13 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpath.web.body_limit import BodyLimit
-from kvpath.reservation.app import MAX_BODY_BYTES as RESERVATION_MAX_BODY_BYTES
 from kvpath.proxy.bodies import INFERENCE, ChatBody, CompletionBody, InstanceBody
 from kvpath.proxy.core import Proxy
-from kvpath.web.errors import describe_validation_errors, error_response, is_invalid_json
 from kvpath.proxy.instances import Instance
 from kvpath.proxy.upstream import engine_error, exc_text
+from kvpath.reservation.app import MAX_BODY_BYTES as RESERVATION_MAX_BODY_BYTES
+from kvpath.web.body_limit import BodyLimit
+from kvpath.web.errors import describe_validation_errors, error_response, is_invalid_json
 
 __all__ = ["create_app"]
 

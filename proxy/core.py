@@ -28,14 +28,14 @@ from starlette.responses import Response
 
 from kvpath.proxy import legs
 from kvpath.proxy.aio import cancel_and_wait
-from kvpath.web.auth import bearer_ok
 from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
-from kvpath.web.errors import describe_validation_errors, error_response
 from kvpath.proxy.health import HealthChecker
 from kvpath.proxy.instances import Instance, InstancePool, NoInstance
 from kvpath.proxy.metrics import ProxyMetrics
 from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
+from kvpath.web.auth import bearer_ok
+from kvpath.web.errors import describe_validation_errors, error_response
 from kvpath.proxy.upstream import (UpstreamError, engine_error, exc_text, first_byte_timeout, is_transport_failure,
                                    transport_error)
 from kvpath.reservation.wire import AsyncReserver, FlowScope, LaneGrant

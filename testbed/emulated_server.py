@@ -30,11 +30,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpath.deployment import KV_SIDE_CHANNEL_PORT
-from kvpath.reservation.wire import RESERVE_AT
 from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.reservation.wire import RESERVE_AT
 from kvpath.testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ import httpx
 from rich.console import Console
 
 from kvpath.fabric import pd_placement as placement
-from kvpath.trace import ReceivedRecord, TransferRecord, read_connector_log, received_by_flow
 from kvpath.testbed.counters import link_bytes, port_drops, spine_flow_bytes, tcp_retransmits
 from kvpath.testbed.driver import drive
 from kvpath.testbed.engine_kinds import engines_for
@@ -37,6 +36,7 @@ from kvpath.testbed.engines import Engines, RunSite
 from kvpath.testbed.netns_fabric import LinkShaping, NetnsFabric
 from kvpath.testbed.readiness import spawn, terminate, wait_http
 from kvpath.testbed.run_config import RunConfig
+from kvpath.trace import ReceivedRecord, TransferRecord, read_connector_log, received_by_flow
 
 logger = logging.getLogger(__name__)
 PROXY_PORT = 18000

@@ -14,17 +14,17 @@ from typing import Any, Sequence
 from rich.console import Console
 
 from kvpath.fabric import FabricSpec
+from kvpath.reservation.replay import ReplayError, replay
+from kvpath.testbed import envelope
+from kvpath.testbed.orchestrator import RunData, run
+from kvpath.testbed.plots import compare_modes
+from kvpath.testbed.repeats import aggregate, rotation, run_dir
+from kvpath.testbed.run_config import RunConfig
+from kvpath.testbed.run_report import Joined, fidelity, join, summarize
+from kvpath.testbed.run_table import print_summaries
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
 from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
 from kvpath.trace_header import META_BURST, META_DROPS, META_POOLS, META_QUEUE, META_RETRANS
-from kvpath.testbed.orchestrator import RunData, run
-from kvpath.testbed.run_config import RunConfig
-from kvpath.reservation.replay import ReplayError, replay
-from kvpath.testbed.plots import compare_modes
-from kvpath.testbed import envelope
-from kvpath.testbed.repeats import aggregate, rotation, run_dir
-from kvpath.testbed.run_report import Joined, fidelity, join, summarize
-from kvpath.testbed.run_table import print_summaries
 
 logger = logging.getLogger(__name__)
 

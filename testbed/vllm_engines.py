@@ -28,11 +28,11 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvpath.trace import TransferRecord, kv_ready_at, read_connector_log, read_transfers
 from kvpath.testbed.driver import prompt_ids
 from kvpath.testbed.engines import API_PORT, KV_PORT, RunSite, engine_id
 from kvpath.testbed.run_config import CONNECTORS
 from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config, cpus_for, rank_cores
+from kvpath.trace import TransferRecord, kv_ready_at, read_connector_log, read_transfers
 
 logger = logging.getLogger(__name__)
 

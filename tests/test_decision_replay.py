@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from kvpath.reservation.replay import ReplayError, replay
 from kvpath.reservation.decisions import ReservationService
+from kvpath.reservation.replay import ReplayError, replay
 from kvpath.reservation.wire import METRICS
 from tests.test_reservation import SPEC, Clock, _sequence
 

@@ -14,10 +14,10 @@ import pytest
 
 from kvpath.credentials import read_secret_file, write_secret_file
 from kvpath.reservation.wire import TOKEN_ENV as RES_TOKEN_ENV
-from kvpath.tiny_model import build_tiny_model
-from kvpath.trace import read_transfers
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config, vllm_executable
+from kvpath.tiny_model import build_tiny_model
+from kvpath.trace import read_transfers
 
 pytestmark = pytest.mark.e2e
 

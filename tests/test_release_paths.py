@@ -10,9 +10,9 @@ import pytest
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.push_state import FinishedPrefill, PendingRegistration, WriterState
-from kvpath.reservation.notifier import ReservationNotifier
 from kvpath.connector.sender import PushSender
 from kvpath.connector.telemetry import Stats
+from kvpath.reservation.notifier import ReservationNotifier
 
 
 class Clock:

@@ -8,13 +8,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpath.reservation import wire
-from kvpath.reservation.notifier import ReservationNotifier
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
+from kvpath.reservation import wire
 from kvpath.reservation.app import create_app
 from kvpath.reservation.clients import HttpReserver, InProcessReserver
 from kvpath.reservation.decisions import ReservationService, SyncReserver
+from kvpath.reservation.notifier import ReservationNotifier
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]

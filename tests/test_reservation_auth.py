@@ -14,8 +14,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpath.reservation import wire
 from kvpath.fabric import FabricSpec
+from kvpath.reservation import wire
 from kvpath.reservation.app import create_app
 from kvpath.reservation.decisions import ReservationError, ReservationService
 
@@ -316,8 +316,8 @@ def _cfg(**knobs):
 
 def test_p_connector_reads_its_token_from_a_file_or_the_environment(tmp_path, monkeypatch, caplog):
     from kvpath.connector.config import ConfigError
-    from kvpath.reservation.notifier import reservation_token
     from kvpath.credentials import CredentialError
+    from kvpath.reservation.notifier import reservation_token
 
     monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
     assert reservation_token(_cfg()) is None

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.reservation.wire import MODES
 from kvpath.trace import TraceWriter, read_trace
 from kvpath.workloads import Request, load_workload
-from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 
 ITM = IterationTimeModel.preset()
 # links slow enough (20 Gbit/s) that pushes overlap and ECMP collides at this load, not so slow that all queue

@@ -14,8 +14,6 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from kvpath.trace import ReceivedRecord, TransferRecord
-from kvpath.workloads import Request, Workload
 from kvpath.proxy.config import TRANSFER_ID_HEADER
 from kvpath.testbed.driver import drive
 from kvpath.testbed.emulated_engines import EmulatedEngines
@@ -24,6 +22,8 @@ from kvpath.testbed.engines import RunSite
 from kvpath.testbed.orchestrator import Push, proxy_argv, pushes
 from kvpath.testbed.run_config import RunConfig
 from kvpath.testbed.vllm_engines import VllmEngines
+from kvpath.trace import ReceivedRecord, TransferRecord
+from kvpath.workloads import Request, Workload
 
 T1, T2 = "ce701065dac44f5b842e24d593f75e6a", "ef7f5eac35f64755bf4516d50b4b34c5"
 
@@ -296,10 +296,10 @@ def test_a_push_joins_its_request_and_lands_in_the_trace_with_its_lane(tmp_path)
     from dataclasses import asdict
 
     from kvpath.five_tuple import FiveTuple
-    from kvpath.trace import read_trace
     from kvpath.testbed.orchestrator import RunData
     from kvpath.testbed.run_report import join
     from kvpath.testbed.run_session import write_trace
+    from kvpath.trace import read_trace
 
     _write_logs(tmp_path)
     site = _site(tmp_path)

@@ -108,9 +108,9 @@ def test_cli_errors_name_the_bad_field():
 
 def test_the_reservation_service_reserves_the_spines_the_kernel_forwards_lanes_over():
     from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+    from kvpath.five_tuple import FiveTuple
     from kvpath.reservation.cli import build_service
     from kvpath.reservation.decisions import LaneInfo
-    from kvpath.five_tuple import FiveTuple
     from kvpath.testbed.counters import measured_spine, spine_flow_bytes
 
     spec = FabricSpec.resolve("small")

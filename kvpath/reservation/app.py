@@ -35,10 +35,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpath.reservation import wire
+from kvpath.reservation.decisions import ReservationError, ReservationService, UnregisteredLanes
 from kvpath.web.auth import bearer_ok
 from kvpath.web.body_limit import BodyLimit
 from kvpath.web.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
-from kvpath.reservation.decisions import ReservationError, ReservationService, UnregisteredLanes
 
 logger = logging.getLogger(__name__)
 

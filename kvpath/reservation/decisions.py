@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
-from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.oracle import ModelOracle, PathOracle
+from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.reservation.wire import MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
 
 __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "ReservationError", "ReservationService",

@@ -19,8 +19,8 @@ from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import msgspec
 
-from kvpath.reservation import wire
 from kvpath.credentials import CredentialError, header_safe, load_secret
+from kvpath.reservation import wire
 from kvpath.reservation.wire import LaneInfo, ReservedCallback
 
 logger = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.reservation.wire import MODES
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 from kvpath.workloads import load_workload
 
 # leaves, spines, hosts per leaf: 1,024, 8,192 and 65,536 hosts

@@ -49,7 +49,7 @@ from kvpath.bridge.compare import header_net_params, replay_trace
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.testbed.counters import drops_by_tier
 from kvpath.trace import Trace, read_trace
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPATH = str(ROOT / ".venv" / "bin" / "kvpath")

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpath.trace import read_trace
-from kvpath.trace_metrics import TraceMetrics
+from kvpath.trace.metrics import TraceMetrics
 
 
 def spread(values: list[float]) -> float | None:

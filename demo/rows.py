@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvpath.testbed.repeats import spread, valid_count
 from kvpath.testbed.run_table import num
-from kvpath.trace_metrics import TraceMetrics, mean_p99
+from kvpath.trace.metrics import TraceMetrics, mean_p99
 
 QUANTITIES = ("fct", "ttft", "tpot")
 

@@ -135,7 +135,7 @@ def replay(measured: list[Measured], backends: list[str], console: Console) -> R
 def _replay_one(m: Measured, backends: list[str], cal: object, res: Replays, console: Console) -> list[Row]:
     """One run's rows: measured, each backend raw, and the flow model calibrated."""
     from kvpath.bridge.compare import header_net_params, replay_trace
-    from kvpath.trace_header import TraceSetup
+    from kvpath.trace.header import TraceSetup
 
     console.rule(f"bridge: replaying {m.name} through {', '.join(backends)}")
     params = header_net_params(TraceSetup(m.trace))
@@ -161,7 +161,7 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
     from kvpath.iteration_time import IterationTimeModel
     from kvpath.fabric import FabricSpec
     from kvpath.trace import TraceWriter
-    from kvpath.trace_metrics import TraceMetrics
+    from kvpath.trace.metrics import TraceMetrics
     from kvpath.workloads import load_workload
 
     res = Replays()

@@ -36,7 +36,7 @@ from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.bridge.request_replay import ComputeParams, ReplayInput, replay
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 
 EFFICIENCY_GRID = tuple(float(x) for x in np.round(np.linspace(0.80, 1.0, 11), 3))
 BURST_GRID = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10)

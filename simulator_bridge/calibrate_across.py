@@ -26,7 +26,7 @@ from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.bridge.request_replay import ComputeParams
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 
 
 @dataclass

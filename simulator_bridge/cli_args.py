@@ -52,7 +52,7 @@ def ns3_params(args: argparse.Namespace, verb: str, trace: Trace | None = None) 
     """The ns3 options; the queue per port is the trace header's when the run recorded
     it (a testbed trace), so ns-3 drops where the testbed's links would."""
     from kvpath.bridge.ns3_backend import Ns3Params
-    from kvpath.trace_header import TraceSetup
+    from kvpath.trace.header import TraceSetup
 
     queue = args.ns3_queue_bytes
     if queue is None and trace is not None:

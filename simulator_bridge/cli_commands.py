@@ -28,7 +28,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from kvpath.bridge.compare import compare_replays
     from kvpath.bridge.flow_model import NetParams
     from kvpath.bridge.ns3_backend import Ns3Error
-    from kvpath.trace_header import TraceSetup
+    from kvpath.trace.header import TraceSetup
 
     names = backends(args.backend, "compare")
     trace = load_trace(args.trace, "compare")

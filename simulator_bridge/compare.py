@@ -19,7 +19,7 @@ from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
 from kvpath.bridge.serving_sim import BACKENDS
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 
 if TYPE_CHECKING:
     from kvpath.bridge.request_replay import ComputeParams

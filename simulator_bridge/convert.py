@@ -15,8 +15,8 @@ from types import ModuleType
 
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.trace import FlowRecord, Header, RequestRecord, Trace, TraceWriter, read_trace
-from kvpath.trace_header import header_fabric
-from kvpath.trace_formats import (REQUEST_METRICS_COLUMNS, SIMAI_COLUMNS, FlowInput, from_fct_txt, from_hpcc_flows,
+from kvpath.trace.header import header_fabric
+from kvpath.trace.formats import (REQUEST_METRICS_COLUMNS, SIMAI_COLUMNS, FlowInput, from_fct_txt, from_hpcc_flows,
                                   from_request_metrics_csv, from_simai_csv, to_fct_txt, to_hpcc_flows,
                                   to_request_metrics_csv, to_simai_csv)
 
@@ -112,9 +112,9 @@ def _fabric(arg: str | None, header: Header | None, fmt: str, role: str) -> Fabr
 
 
 def _parquet() -> ModuleType:
-    """kvpath.trace_parquet, imported only when Parquet is asked for: pyarrow is the bridge's extra."""
+    """kvpath.trace.parquet, imported only when Parquet is asked for: pyarrow is the bridge's extra."""
     try:
-        import kvpath.trace_parquet as m
+        import kvpath.trace.parquet as m
     except ImportError as e:
         raise ConvertError(f"parquet needs pyarrow (pip install -r requirements/bridge.txt): {e}") from None
     return m

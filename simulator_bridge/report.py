@@ -28,8 +28,8 @@ from kvpath.bridge.serving_sim import ServingConfig
 from kvpath.bridge.serving_sim import simulate as serve
 from kvpath.deployment import format_pools
 from kvpath.trace import Trace
-from kvpath.trace_header import META_BACKEND, META_SOURCE, TraceSetup
-from kvpath.trace_metrics import TraceMetrics
+from kvpath.trace.header import META_BACKEND, META_SOURCE, TraceSetup
+from kvpath.trace.metrics import TraceMetrics
 from kvpath.workloads import Request
 
 logger = logging.getLogger(__name__)

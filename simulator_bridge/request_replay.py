@@ -31,7 +31,7 @@ import numpy as np
 from kvpath.bridge.serving_sim import ServingConfig, decode_drain, prefill_drain
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import Trace
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 from kvpath.workloads import Request
 
 

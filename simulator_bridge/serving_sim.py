@@ -37,9 +37,9 @@ from kvpath.oracle import TableOracle
 from kvpath.reservation.decisions import LaneInfo, ReservationService, default_lane
 from kvpath.reservation.wire import MODES, RESERVE_AT
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
-from kvpath.trace_header import (META_BACKEND, META_ITERATION_TIME, META_NET, META_POOLS, META_RESERVE_AT,
+from kvpath.trace.header import (META_BACKEND, META_ITERATION_TIME, META_NET, META_POOLS, META_RESERVE_AT,
                                  META_SOURCE)
-from kvpath.trace_metrics import TraceMetrics
+from kvpath.trace.metrics import TraceMetrics
 from kvpath.workloads import Request
 
 __all__ = ["MODES", "BACKENDS", "SOURCE", "ServingConfig", "prefill_drain", "decode_drain", "simulate", "summarize"]

@@ -23,8 +23,8 @@ from kvpath.testbed.run_config import RunConfig
 from kvpath.testbed.run_report import Joined, fidelity, join, summarize
 from kvpath.testbed.run_table import print_summaries
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, TraceWriter, read_trace
-from kvpath.trace_formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
-from kvpath.trace_header import META_BURST, META_DROPS, META_POOLS, META_QUEUE, META_RETRANS
+from kvpath.trace.formats import to_fct_txt, to_request_metrics_csv, to_simai_csv
+from kvpath.trace.header import META_BURST, META_DROPS, META_POOLS, META_QUEUE, META_RETRANS
 
 logger = logging.getLogger(__name__)
 

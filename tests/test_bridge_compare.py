@@ -102,7 +102,7 @@ def test_each_tier_runs_at_its_own_rate_in_every_backend(tmp_path, ns3_wheel, ho
     half."""
     import dataclasses
 
-    from kvpath.trace_header import header_fabric
+    from kvpath.trace.header import header_fabric
 
     burst = 1 << 20
     rate = min(host_mbit, spine_mbit) * 1e6 / 8

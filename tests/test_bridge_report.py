@@ -15,7 +15,7 @@ import pytest
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace, TraceWriter
-from kvpath.trace_header import TraceSetup
+from kvpath.trace.header import TraceSetup
 from kvpath.workloads import load_workload
 from kvpath.bridge import report
 from kvpath.bridge.cli import add_parsers

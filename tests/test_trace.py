@@ -6,7 +6,7 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.trace import SCHEMA_VERSION, FiveTuple, FlowRecord, Header, RequestRecord, TraceError, TraceWriter, read_trace
-from kvpath.trace_formats import from_fct_txt, hex_ip, to_fct_txt, to_request_metrics_csv, to_simai_csv
+from kvpath.trace.formats import from_fct_txt, hex_ip, to_fct_txt, to_request_metrics_csv, to_simai_csv
 
 FT = FiveTuple("10.0.2.1", "10.1.3.1", 41000, 5600)
 

@@ -13,10 +13,10 @@ import pytest
 
 from kvpath.fabric import FabricSpec
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace, TraceError, TraceWriter, read_trace
-from kvpath.trace_formats import (FlowInput, from_fct_txt, from_hpcc_flows, from_request_metrics_csv, from_simai_csv,
+from kvpath.trace.formats import (FlowInput, from_fct_txt, from_hpcc_flows, from_request_metrics_csv, from_simai_csv,
                                   src_port_for, to_fct_txt, to_hpcc_flows, to_request_metrics_csv,
                                   to_simai_csv)
-from kvpath.trace_parquet import parquet_paths, read_parquet, to_parquet
+from kvpath.trace.parquet import parquet_paths, read_parquet, to_parquet
 from kvpath.bridge.cli import add_parsers as add_bridge_parsers
 from kvpath.bridge.convert import guess_format
 

@@ -1,5 +1,5 @@
-"""The one reader of a trace's header (kvpath/trace_header.py), the one summary of its
-metrics (kvpath/trace_metrics.py) and the shared CDF (kvpath/plotting.py)."""
+"""The one reader of a trace's header (kvpath/trace/header.py), the one summary of its
+metrics (kvpath/trace/metrics.py) and the shared CDF (kvpath/plotting.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kvpath.bridge.serving_sim import ServingConfig, simulate, summarize
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
-from kvpath.trace_header import TraceSetup
-from kvpath.trace_metrics import TraceMetrics
+from kvpath.trace.header import TraceSetup
+from kvpath.trace.metrics import TraceMetrics
 from kvpath.workloads import load_workload
 
 SPEC = FabricSpec.resolve("small")
@@ -104,7 +104,7 @@ def test_the_shared_cdf_steps_to_one() -> None:
 
 
 def test_header_fabric_runs_each_tier_at_the_testbed_rate_it_had():
-    from kvpath.trace_header import header_fabric
+    from kvpath.trace.header import header_fabric
 
     os2 = FabricSpec(leaves=4, spines=4, hosts_per_leaf=4, spine_link_gbps=50.0)  # rack4-os2
     h = Header(t0_unix=0.0, fabric=os2.to_dict(), link_mbit=100.0, host_link_mbit=200.0)

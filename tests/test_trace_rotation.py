@@ -4,7 +4,7 @@ processes append to it."""
 import multiprocessing as mp
 
 from kvpath.trace import ReceivedRecord, TraceWriter, read_connector_log
-from kvpath.trace_rotation import log_files
+from kvpath.trace.rotation import log_files
 
 
 def _rec(i: int) -> ReceivedRecord:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvpath.trace import Trace
+from kvpath.trace.records import Trace
 
 __all__ = ["TraceMetrics", "mean_p99"]
 

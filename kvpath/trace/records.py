@@ -31,12 +31,12 @@ from typing import IO, Any, Iterable, Union
 import msgspec
 
 from kvpath.five_tuple import PROTOS, FiveTuple
-from kvpath.trace_rotation import log_files, rotate_if_full
+from kvpath.trace.rotation import log_files, rotate_if_full
 
 __all__ = [
     "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "REQUEST_ORDER", "TraceError", "FiveTuple", "Header", "RequestRecord", "FlowRecord",
     "TransferRecord", "ReceivedRecord", "LaneRecord", "LanesRecord", "Record", "Trace", "ConnectorLog", "validate",
-    "TraceWriter", "read_trace", "upgrade", "read_connector_log", "read_transfers",
+    "TraceWriter", "read_trace", "upgrade", "read_connector_log", "read_transfers", "kv_ready_at", "received_by_flow",
 ]
 
 # 2: flows carry their lane and predicted path (a request may own several flows); the
@@ -323,7 +323,7 @@ class TraceWriter:
     With a header: a run's trace, the file truncated and the header written first.
     Without one: a connector's log, appended to (several processes may share the file);
     ``{pid}`` in the path becomes this process's id, and ``max_bytes`` rotates it
-    (:mod:`kvpath.trace_rotation`, ``keep`` old files). A ``None`` path writes nothing."""
+    (:mod:`kvpath.trace.rotation`, ``keep`` old files). A ``None`` path writes nothing."""
 
     def __init__(self, path: str | Path | None, header: Header | None = None, max_bytes: int | None = None,
                  keep: int = 3):

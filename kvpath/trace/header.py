@@ -22,7 +22,7 @@ from kvpath.deployment import parse_pools
 from kvpath.fabric import FabricSpec
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.reservation.wire import RESERVE_AT
-from kvpath.trace import Header, Trace
+from kvpath.trace.records import Header, Trace
 
 __all__ = [
     "META_POOLS", "META_BURST", "META_QUEUE", "META_DROPS", "META_RETRANS", "META_NET", "META_ITERATION_TIME", "META_RESERVE_AT", "META_TIME_SCALE",

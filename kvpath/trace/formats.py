@@ -1,5 +1,5 @@
 """A kvpath trace to and from the simulator family's text formats. ``docs/formats.md``
-documents every column; Parquet lives in :mod:`kvpath.trace_parquet`.
+documents every column; Parquet lives in :mod:`kvpath.trace.parquet`.
 
 - SimAI/Vidur flow trace CSV: ``timestamp_ns,src_node_id,dst_node_id,size_bytes``.
 - ``fct.txt`` (HPCC style): ``sip dip sport dport size start_ns fct_ns
@@ -27,7 +27,7 @@ import msgspec
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.five_tuple import FiveTuple
-from kvpath.trace import FlowRecord, RequestRecord, Trace, TraceError, validate
+from kvpath.trace.records import FlowRecord, RequestRecord, Trace, TraceError, validate
 
 SIMAI_COLUMNS = ("timestamp_ns", "src_node_id", "dst_node_id", "size_bytes")
 FCT_FIELDS = ("sip", "dip", "sport", "dport", "size", "start_ns", "fct_ns", "standalone_fct_ns")

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvpath.five_tuple import FiveTuple
-from kvpath.trace import (EPS, REQUEST_ORDER, FlowRecord, Header, RequestRecord, Trace, TraceError, upgrade,
+from kvpath.trace.records import (EPS, REQUEST_ORDER, FlowRecord, Header, RequestRecord, Trace, TraceError, upgrade,
                           validate)
 
 HEADER_KEY = b"kvpath.header"

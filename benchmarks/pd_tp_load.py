@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpath.tiny_model import TinyModelSpec, build_tiny_model
-from kvpath.tiny_training import TRAINED_STEPS, corpus_words
+from kvpath.tiny_model.training import TRAINED_STEPS, corpus_words
 from pd_stack import Stack
 
 logger = logging.getLogger(__name__)

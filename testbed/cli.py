@@ -191,7 +191,7 @@ def add_connector_parsers(conn: argparse._SubParsersAction) -> None:
     """``kvpath connector demo`` (in the connector's command group): the connector on real
     vLLM servers, which the testbed starts."""
     d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
-    from kvpath.tiny_training import TRAINED_STEPS
+    from kvpath.tiny_model.training import TRAINED_STEPS
 
     d.add_argument("--workdir", default="runs/connector-demo",
                    help="logs, keys and trace go here (the model is cached under $KVPATH_CACHE/models, "

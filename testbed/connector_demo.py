@@ -21,7 +21,7 @@ from rich.table import Table
 
 from kvpath.connector.pd_client import PDResult, pd_and_decode_only
 from kvpath.tiny_model import TinyModelSpec, build_tiny_model
-from kvpath.tiny_training import TRAINED_STEPS, corpus_prompts
+from kvpath.tiny_model.training import TRAINED_STEPS, corpus_prompts
 from kvpath.trace import ConnectorLog, LaneRecord, read_connector_log
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 

@@ -61,7 +61,7 @@ def test_the_wheel_adds_one_top_level_package(installed):
     for part in ("connector", "proxy", "testbed", "bridge"):
         assert f"kvpath/{part}/__init__.py" in names
     assert "kvpath/bridge/ns3/kvflows.cc" in names  # the ns-3 scenario is compiled on first use
-    assert "kvpath/data/corpus.txt" in names  # the text the tiny model trains on
+    assert "kvpath/tiny_model/data/corpus.txt" in names  # the text the tiny model trains on
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(installed["wheel"]) as z:
         text = z.read(ep).decode()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpath.tiny_model import MARKER, TinyModelSpec, build_tiny_model, write_tiny_model
-from kvpath.tiny_training import TRAINED_STEPS, corpus_prompts, corpus_words
+from kvpath.tiny_model.training import TRAINED_STEPS, corpus_prompts, corpus_words
 
 # small enough to train a few steps in about a second
 SMALL = TinyModelSpec(layers=1, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=400, steps=3)

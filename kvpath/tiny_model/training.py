@@ -1,4 +1,4 @@
-"""Training the tiny Llama on the text the package ships (``kvpath/data/corpus.txt``:
+"""Training the tiny Llama on the text the package ships (``kvpath/tiny_model/data/corpus.txt``:
 about 11 KB of simple English, fables retold and short descriptions written for kvpath),
 so that its greedy output is readable words that continue the prompt.
 

@@ -2,7 +2,7 @@
 
 Random weights (``steps=0``, what the tests and the testbed use) or, with ``steps > 0``,
 weights trained for that many steps on the text the package ships
-(:mod:`kvpath.tiny_training`), so greedy output is readable words continuing the prompt.
+(:mod:`kvpath.tiny_model.training`), so greedy output is readable words continuing the prompt.
 Trained models are built once per spec in a cache (``$KVPATH_CACHE/models``, default
 ``~/.cache/kvpath/models``). vLLM's CPU attention needs head_dim in {32, 64, 80, ...};
 the defaults give a model that loads in seconds and serves with one core.
@@ -87,7 +87,7 @@ def build_tokenizer(out: Path, spec: TinyModelSpec):
         show_progress=False,
     )
     if spec.steps:
-        from kvpath.tiny_training import corpus_text
+        from kvpath.tiny_model.training import corpus_text
 
         texts = corpus_text().splitlines()
     else:
@@ -131,7 +131,7 @@ def write_tiny_model(out: str | Path, spec: TinyModelSpec | None = None) -> Path
     )
     model = LlamaForCausalLM(cfg)
     if spec.steps:
-        from kvpath.tiny_training import train
+        from kvpath.tiny_model.training import train
 
         losses = train(model, tok, spec.steps, spec.seed)
         logger.info("tiny model trained for %d steps: loss %.2f -> %.2f", spec.steps, losses[0], losses[-1])
@@ -158,7 +158,7 @@ def cached_tiny_model(spec: TinyModelSpec | None = None) -> Path:
     the training settings and code version, the corpus and the library versions; built in
     a temporary folder and renamed into place, under a lock, so concurrent callers wait
     for one build and a crash never leaves a partial model."""
-    from kvpath.tiny_training import training_key
+    from kvpath.tiny_model.training import training_key
 
     spec = spec or TinyModelSpec()
     spec.validate()
@@ -235,7 +235,7 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """``kvpath model tiny``."""
-    from kvpath.tiny_training import TRAINED_STEPS
+    from kvpath.tiny_model.training import TRAINED_STEPS
 
     d = TinyModelSpec()
     model = sub.add_parser("model", help="local models for tests and demos").add_subparsers(dest="model_cmd")

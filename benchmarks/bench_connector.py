@@ -60,9 +60,9 @@ from kvpath.connector.config import KVPathConfig  # noqa: E402
 from kvpath.connector.layout import build_descs, layout_from_buffers  # noqa: E402
 from kvpath.connector.messages import make_notif  # noqa: E402
 from kvpath.connector.nixl_io import make_agent, register  # noqa: E402
-from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers  # noqa: E402
 from kvpath.connector.receiver import PushReceiver  # noqa: E402
 from kvpath.connector.sender import PushSender  # noqa: E402
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers  # noqa: E402
 from connector_common import CONTROL_KNOBS, fmt_bytes, med, med_range, set_control  # noqa: E402
 from connector_latency import _latency_one, bench_latency  # noqa: E402
 from connector_prefill import bench_prefill  # noqa: E402

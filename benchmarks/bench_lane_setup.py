@@ -30,7 +30,7 @@ from rich.table import Table
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.control_auth import shared_keys
-from kvpath.connector.peer_process import BufferSpec, PeerProcess
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess
 from kvpath.testbed.veth_peer import veth_peer
 
 SPEC = BufferSpec(regions=2, num_blocks=64, block_len=16 * 1024, block_size=16)

@@ -22,8 +22,8 @@ from kvpath.connector.config import KVPathConfig
 from kvpath.connector.layout import build_descs, layout_from_buffers
 from kvpath.connector.messages import make_notif
 from kvpath.connector.nixl_io import make_agent, register
-from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 from connector_common import (
     CONTROL_KNOBS,
     LANES,
@@ -43,11 +43,11 @@ SETTLE_S = 0.02  # after registering, before the push: control traffic and acks 
 
 
 def _serve_timed(cfg: KVPathConfig, spec: BufferSpec, q_in, q_out, opts: dict) -> None:
-    """PeerProcess's D loop (kvpath.connector.peer_process.serve_decode, unchanged) plus two stamps
+    """PeerProcess's D loop (kvpath.testbed.peer_process.serve_decode, unchanged) plus two stamps
     taken inside D: when its receiver thread saw a push's completion notification
     (ReceiverState.on_done) and when the PeerProcess loop took the release
     (ReceiverState.take). ("stamps", request_ids) returns them, as time.monotonic()."""
-    from kvpath.connector import peer_process, recv_state
+    from kvpath.testbed import peer_process, recv_state
 
     seen: dict[str, float] = {}
     taken: dict[str, float] = {}

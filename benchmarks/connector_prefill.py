@@ -20,8 +20,8 @@ from rich.table import Table
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
-from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 from connector_common import (
     CONTROL_KNOBS,
     LANES,

@@ -1,7 +1,7 @@
 """``kvpath connector demo``: a tiny model (by default briefly trained on the text kvpath
 ships, so its output is readable), real P and D vLLM servers with KVPathConnector
 (started by :mod:`kvpath.testbed.vllm_server`) and the P-then-D client of
-:mod:`kvpath.connector.pd_client`. It prints, per request, the P/D completion, the
+:mod:`kvpath.testbed.pd_client`. It prints, per request, the P/D completion, the
 decode-only one (a plain request on P) and whether they are equal, then the connector's
 pushes; it fails when a request fails, is not pushed, or differs from decode-only."""
 
@@ -19,11 +19,11 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpath.connector.pd_client import PDResult, pd_and_decode_only
+from kvpath.testbed.pd_client import PDResult, pd_and_decode_only
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import TinyModelSpec, build_tiny_model
 from kvpath.tiny_model.training import TRAINED_STEPS, corpus_prompts
 from kvpath.trace import ConnectorLog, LaneRecord, read_connector_log
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.control_auth import make_keys, make_trust_dir, routing_id
 from kvpath.connector.layout import layout_from_buffers
-from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 
 SPEC = BufferSpec(regions=2, num_blocks=32, block_len=1024, block_size=16)
 _port = [6700]

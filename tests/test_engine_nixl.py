@@ -10,8 +10,8 @@ import zmq
 
 from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
-from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
 from kvpath.connector.sender import PushSender
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 
 SPEC = BufferSpec(regions=3, num_blocks=96, block_len=2048, block_size=16)
 _port = [5900]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvpath.connector.config import KVPathConfig
-from kvpath.connector.peer_process import BufferSpec, PeerProcess
+from kvpath.testbed.peer_process import BufferSpec, PeerProcess
 from kvpath.testbed.veth_peer import veth_peer
 
 SPEC = BufferSpec(regions=2, num_blocks=48, block_len=64 * 1024, block_size=16)

@@ -266,7 +266,7 @@ def test_checked_pushes_land_and_a_flipped_byte_fails_that_request_by_name(keyed
     received (kv_verify_ok); with the test hook flipping one byte of a landed block of
     one transfer on D, that request (only) is failed, its error names kv_verify and the
     transfer, exactly one mismatch is counted, and its blocks are released."""
-    from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+    from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 
     spec = BufferSpec(**SPEC_KW)
     c = _cfg(keyed, 6710)
@@ -301,7 +301,7 @@ def test_a_d_rank_fed_by_two_p_ranks_checks_each_flow_against_its_own_heads(keye
     """P at TP 2 into D at TP 1 (each P rank writes half the heads of every D block), and
     unequal block sizes: D recomputes each flow's slice from the check. Then one flow
     corrupted: the request fails, naming kv_verify and the transfer id."""
-    from kvpath.connector.peer_process import BufferSpec, PeerProcess, make_buffers
+    from kvpath.testbed.peer_process import BufferSpec, PeerProcess, make_buffers
 
     heads, p_bs, d_bs = 4, 16, 32
     p_spec = BufferSpec(regions=2, num_blocks=40, block_len=2 * p_bs * 2 * ROW, block_size=p_bs)  # 2 heads

@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from kvpath.connector.pd_client import engine_client
-from kvpath.tiny_model import build_tiny_model
+from kvpath.testbed.pd_client import engine_client
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -98,7 +98,7 @@ def test_the_demo_model_continues_each_prompt_with_corpus_words():
 
 def test_random_weights_still_depend_on_the_prompt(tmp_path):
     """What the vLLM end-to-end tests serve: P/D == decode-only means something only if so."""
-    from kvpath.connector.pd_client import make_prompts
+    from kvpath.testbed.pd_client import make_prompts
 
     outs = greedy(write_tiny_model(tmp_path / "m", TinyModelSpec()), make_prompts(3, seed=1), n=8)
     assert len(set(outs)) == 3, outs

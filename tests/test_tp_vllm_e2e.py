@@ -20,7 +20,7 @@ import pytest
 
 from kvpath.connector.kv_dump import dump_path
 from kvpath.connector.params import decode_leg_params
-from kvpath.connector.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
+from kvpath.testbed.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
 from kvpath.testbed.readiness import wait_http
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model

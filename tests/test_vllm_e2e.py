@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from kvpath.connector.kv_verify import FAULT_ENV
-from kvpath.connector.pd_client import direct_request, engine_client, make_prompts, pd_and_decode_only
+from kvpath.testbed.pd_client import direct_request, engine_client, make_prompts, pd_and_decode_only
+from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
 
 pytestmark = pytest.mark.e2e
 

@@ -3,9 +3,9 @@
 import httpx
 import pytest
 
-from kvpath.connector.pd_client import make_prompts
-from kvpath.tiny_model import build_tiny_model
+from kvpath.testbed.pd_client import make_prompts
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ backend's error on each, raw and calibrated on another trace of the same fabric.
    modelled: this machine's client and proxy share its 2 cores with the engines); the
    table also gives, in brackets, the TTFT error with the fitted constant front end.
 
-Writes suite.json and suite.md (the table in docs/bridge.md) under --out. Needs root
+Writes suite.json and suite.md (a run's table is in docs/results.md, section 7) under --out. Needs root
 (network namespaces); --skip-runs re-tabulates the traces already under --out.
 """
 

@@ -58,6 +58,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich import box
 from rich.table import Table
 
+from kvpath.request_timeline import PARTS as TIMELINE_ALL_PARTS
 from kvpath.reservation.wire import MODES as RESERVATION_MODES
 
 
@@ -837,8 +838,9 @@ def table(lines: Sequence[dict[str, Any]], title: str) -> Table:
     return t
 
 
-# the parts a run's connector records know (the client's ends are not recorded)
-TIMELINE_PARTS = ("P queue", "P prefill", "wait D", "push", "D sees")
+# the parts a run's connector records know: request_timeline's, but for those that end
+# at the client (`vllm bench serve` keeps no per-request send times)
+TIMELINE_PARTS = tuple(name for name, start, end in TIMELINE_ALL_PARTS if "client" not in (start + end))
 
 
 def breakdown_table(lines: Sequence[dict[str, Any]], title: str) -> Table | None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvpath.bridge.backends import make
 from kvpath.bridge.compare import Errors, simulate, trace_flows
 from kvpath.bridge.flow_model import FlowSpec, NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
@@ -161,17 +162,17 @@ def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: 
     One offset for all sets (the median residual of their training flows together): the
     constants belong to the fabric and the stack, not to one trace; the loss adds each
     set's |mean| + |p99| FCT error on its training flows."""
-    spec = sets[0].spec
-    mtu = ((ns3.mtu if ns3 else None) or spec.mtu) if backend == "ns3" else 0
-    if backend == "ns3" and known_burst and known_burst <= mtu:
-        raise ValueError(f"burst_bytes {known_burst} must exceed the ns3 MTU {mtu}: a token bucket holds a packet")
+    model = make(backend, sets[0].spec, NetParams(), ns3)
+    mtu = model.packet_bytes()  # 0: a fluid model, whose bucket holds any burst
+    if mtu and known_burst and known_burst <= mtu:
+        raise ValueError(f"burst_bytes {known_burst} must exceed the {backend} MTU {mtu}: "
+                         "a token bucket holds a packet")
     default_net = NetParams(burst_bytes=int(known_burst or 0))
     fct0 = [net_run(fs, default_net) for fs in sets]
     bursts = BURST_GRID if known_burst is None else (int(known_burst),)
-    if backend == "ns3":  # ns-3 models headers and TCP itself: no efficiency; a bucket holds a packet
-        grid = [(1.0, b) for b in bursts if b == 0 or b > mtu]
-    else:
-        grid = list(itertools.product(EFFICIENCY_GRID, bursts))
+    # a backend that models headers and TCP itself (ns-3) fits no efficiency; a bucket holds a packet
+    effs = EFFICIENCY_GRID if model.fits_efficiency else (1.0,)
+    grid = [(e, b) for e, b in itertools.product(effs, bursts) if not mtu or b == 0 or b > mtu]
     best: tuple[float, NetParams, list[np.ndarray]] | None = None
     for eff, burst in grid:
         p = dataclasses.replace(default_net, efficiency=eff, burst_bytes=burst)

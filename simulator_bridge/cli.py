@@ -6,24 +6,29 @@ from __future__ import annotations
 
 import argparse
 
+from kvpath.bridge.backends import names as backend_names
 from kvpath.bridge.cli_args import add_ns3_args, add_workload_args
 from kvpath.bridge.cli_commands import cmd_calibrate, cmd_compare, cmd_convert, cmd_report, cmd_simulate
 from kvpath.bridge.cli_sweep import cmd_sweep
 from kvpath.bridge.convert import FORMATS as CONVERT_FORMATS
 from kvpath.bridge.report import DEFAULT_DELAYS
-from kvpath.bridge.serving_sim import ADMISSION, BACKENDS
+from kvpath.bridge.serving_sim import ADMISSION
 from kvpath.reservation.wire import MODES, RESERVE_AT
 
 __all__ = ["add_parsers"]
 
-_BACKENDS = ", ".join(BACKENDS)
 _MODES = ", ".join(MODES)
+
+
+def _backends() -> str:
+    """The registered network backends, as the help lists them."""
+    return ", ".join(backend_names())
 
 
 def _add_compare(br: argparse._SubParsersAction) -> None:
     c = br.add_parser("compare", help="replay a trace's KV flows through network backends and print the FCT errors")
     c.add_argument("trace", help="a kvpath trace (trace.jsonl, docs/trace.md)")
-    c.add_argument("--backend", default="flow,trivial", help=f"comma-separated: {_BACKENDS}")
+    c.add_argument("--backend", default="flow,trivial", help=f"comma-separated: {_backends()}")
     c.add_argument("--overhead-s", type=float, default=0.0, help="fixed cost per flow added to its FCT")
     c.add_argument("--efficiency", type=float, default=1.0, help="share of a link's rate a flow's payload gets")
     c.add_argument("--cold-s", type=float, default=0.0,
@@ -44,7 +49,7 @@ def _add_calibrate(br: argparse._SubParsersAction) -> None:
                                             "with --evaluate, the traces to fit on, whole")
     k.add_argument("--evaluate", default=None,
                    help="comma-separated traces of the same fabric to report the errors on (never fitted on)")
-    k.add_argument("--backend", default="flow", help=f"comma-separated: {_BACKENDS}")
+    k.add_argument("--backend", default="flow", help=f"comma-separated: {_backends()}")
     k.add_argument("--train-frac", type=float, default=0.5,
                    help="the first share of requests by arrival that the fit sees (the rest is held out)")
     k.add_argument("--burst-bytes", type=int, default=None,
@@ -64,7 +69,7 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
     s.add_argument("--qps", type=float, default=6.0,
                    help="request arrival rate, requests/s (a trace file is rescaled to it) (default %(default)s)")
     s.add_argument("--mode", default=",".join(MODES), help=f"comma-separated: {_MODES}")
-    s.add_argument("--backend", default="trivial,flow", help=f"comma-separated: {_BACKENDS}")
+    s.add_argument("--backend", default="trivial,flow", help=f"comma-separated: {_backends()}")
     s.add_argument("--scale-s", type=float, default=1.0, help="KV bytes divided by S (1: the datacenter's)")
     s.add_argument("--lanes", type=int, default=4,
                    help="lanes per P-D pair; lane k crosses spine k mod spines (default %(default)s)")
@@ -101,7 +106,8 @@ def _add_report(br: argparse._SubParsersAction) -> None:
     r = br.add_parser("report", help="an HTML page with figures of traces: timelines, slowdowns, a dc delay sweep")
     r.add_argument("trace", nargs="+", help="kvpath traces (docs/trace.md); the first one's workload is swept")
     r.add_argument("--out", required=True, help="directory for index.html and its PNGs")
-    r.add_argument("--backend", default="flow", help=f"network backend of the measured-vs-simulated replay: {_BACKENDS}")
+    r.add_argument("--backend", default="flow",
+                   help=f"network backend of the measured-vs-simulated replay: {_backends()}")
     r.add_argument("--dc-delays", default=",".join(f"{d:g}" for d in DEFAULT_DELAYS),
                    help="comma-separated dc broadcast delays in seconds (trace clock)")
     r.add_argument("--gantt-requests", default="40", help="requests per timeline (the first by arrival)")

@@ -76,14 +76,14 @@ def load_trace(path: str, verb: str) -> Trace:
         raise fail(verb, f"{path}: {e}") from None
 
 
-def backends(arg: str, verb: str) -> list[str]:
-    """A comma list of network backends (``serving_sim.BACKENDS``)."""
-    from kvpath.bridge.serving_sim import BACKENDS
+def backends(arg: str, verb: str, one: bool = False) -> list[str]:
+    """A comma list of registered network backends (``kvpath.bridge.backends.names()``);
+    ``one``: a single name, no list."""
+    from kvpath.bridge.backends import names as registered
 
     names = [b for b in arg.split(",") if b]
-    bad = [b for b in names if b not in BACKENDS]
-    if bad or not names:
-        raise fail(verb, f"--backend: choose from {', '.join(BACKENDS)}, got {arg!r}")
+    if not names or (one and "," in arg) or any(b not in registered() for b in names):
+        raise fail(verb, f"--backend: choose from {', '.join(registered())}, got {arg!r}")
     return names
 
 

@@ -240,10 +240,8 @@ def _report_trace(path: str) -> Trace:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from kvpath.bridge.report import write_report
-    from kvpath.bridge.serving_sim import BACKENDS
 
-    if args.backend not in BACKENDS:
-        raise fail("report", f"--backend: choose from {', '.join(BACKENDS)}, got {args.backend!r}")
+    backends(args.backend, "report", one=True)
     try:
         n = int(args.gantt_requests)
     except ValueError:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
-from kvpath.bridge.serving_sim import BACKENDS
+from kvpath.bridge.backends import make
+from kvpath.bridge.flow_model import FlowSpec, NetParams
+from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.fabric import FabricSpec
 from kvpath.trace import Trace
 from kvpath.trace.header import TraceSetup
@@ -24,7 +24,7 @@ from kvpath.trace.header import TraceSetup
 if TYPE_CHECKING:
     from kvpath.bridge.request_replay import ComputeParams
 
-__all__ = ["BACKENDS", "Errors", "Replayed", "compare", "compare_fct", "compare_replays", "header_net_params",
+__all__ = ["Errors", "Replayed", "compare", "compare_fct", "compare_replays", "header_net_params",
            "connections", "first_on_connection", "replay_trace", "simulate", "simulate_run", "trace_flows"]
 
 
@@ -87,15 +87,9 @@ def simulate(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetP
 def simulate_run(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: NetParams,
                  ns3: Ns3Params | None = None) -> tuple[np.ndarray, int | None, dict[str, int] | None]:
     """(FCT per flow, packets dropped, dropped per tier of port): drops only from a
-    packet-level backend (ns3), None from the others, which model no queue."""
-    if backend == "flow":
-        return FlowModel(spec, params).run(flows), None, None
-    if backend == "trivial":
-        return trivial_fct(spec, flows, params), None, None
-    if backend == "ns3":
-        res = Ns3Backend(spec, params, ns3).run(flows)
-        return res.fct_s, res.drops, res.tier_drops
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    packet-level backend (``counts_drops``: ns3), None from the others, which model no queue."""
+    res = make(backend, spec, params, ns3).replay(flows)
+    return res.fct_s, res.drops, res.tier_drops
 
 
 @dataclass

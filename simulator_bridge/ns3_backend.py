@@ -6,7 +6,7 @@ source, the ns-3 version and the flags), because importing the Python bindings c
 ~10 s and 0.7 GB per process. Each run writes the flows to a file, runs the binary
 and reads one FCT per flow back.
 
-The model (documented in docs/bridge.md): point-to-point links at the spec's rates with
+The model (documented in docs/bridge-ns3.md): point-to-point links at the spec's rates with
 a propagation delay per link, drop-tail queues at every egress port, TCP (Cubic by
 default) with one connection per flow, or per ``FlowSpec.conn`` (a lane's flows share
 its stream: written in turns of 64 KiB, a turn only while less than that is unsent in

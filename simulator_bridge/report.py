@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvpath.bridge import report_figures as figs
-from kvpath.bridge.compare import BACKENDS, Errors, header_net_params, simulate, trace_flows
+from kvpath.bridge.backends import backend_type
+from kvpath.bridge.compare import Errors, header_net_params, simulate, trace_flows
 from kvpath.bridge.ns3_backend import Ns3Error
 from kvpath.bridge.serving_sim import ServingConfig
 from kvpath.bridge.serving_sim import simulate as serve
@@ -203,8 +204,7 @@ def write_report(traces: Sequence[Trace | tuple[str, Trace]], out_dir: str | Pat
     empty = [n for n, t in zip(names, ts) if not t.requests]
     if empty:
         raise ValueError(f"empty trace(s), no requests: {', '.join(empty)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    backend_type(backend)  # a ValueError naming the registered backends
     if not dc_delays or any(not math.isfinite(d) or d < 0 for d in dc_delays):
         raise ValueError(f"dc delays must be finite numbers >= 0, at least one, got {list(dc_delays)}")
     if gantt_requests < 1:

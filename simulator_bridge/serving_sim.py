@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpath.bridge.flow_model import FlowModel, FlowSpec, NetParams, trivial_fct
-from kvpath.bridge.ns3_backend import Ns3Backend, Ns3Params
+from kvpath.bridge.backends import LaneHooks, backend_type, make
+from kvpath.bridge.flow_model import FlowSpec, NetParams, trivial_fct
+from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
 from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
 from kvpath.iteration_time import IterationTimeModel
@@ -42,9 +43,8 @@ from kvpath.trace.header import (META_BACKEND, META_ITERATION_TIME, META_NET, ME
 from kvpath.trace.metrics import TraceMetrics
 from kvpath.workloads import Request
 
-__all__ = ["MODES", "BACKENDS", "SOURCE", "ServingConfig", "prefill_drain", "decode_drain", "simulate", "summarize"]
+__all__ = ["MODES", "SOURCE", "ServingConfig", "prefill_drain", "decode_drain", "simulate", "summarize"]
 
-BACKENDS = ("flow", "trivial", "ns3")  # the network backends (compare replays through the same ones)
 LANE_PORT0 = 40000  # lane k of a P-D pair has source port LANE_PORT0 + k
 ADMISSION = RESERVE_AT[0]  # reserve a lane at the request's arrival (else at push start)
 SOURCE = "simulator_bridge"  # meta.source of the traces this writes (the value older traces carry)
@@ -54,7 +54,7 @@ SOURCE = "simulator_bridge"  # meta.source of the traces this writes (the value 
 class ServingConfig:
     pools: tuple[int, int] = (8, 8)
     mode: str = "ecmp"
-    backend: str = "flow"
+    backend: str = "flow"  # a registered network backend (kvpath.bridge.backends.names())
     lanes: int = 4
     reserve_at: str = ADMISSION  # or push
     dc_delay_s: float = 0.0
@@ -73,8 +73,7 @@ class ServingConfig:
         check_pools_fit(spec, *self.pools)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        backend_type(self.backend)  # a ValueError naming the registered backends
         if self.reserve_at not in RESERVE_AT:
             raise ValueError(f"reserve_at must be {' or '.join(RESERVE_AT)}, got {self.reserve_at!r}")
         if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0 or self.iteration_wall_s < 0:
@@ -174,36 +173,23 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
             svc.register_lanes(p, d, lanes.infos(p, d))
     leases: dict[int, str] = {}
     lane_of: dict[int, int] = {}
-    spine_of: dict[int, int | None] = {}
 
     def decide(i: int, now: float) -> int | None:
         clock[0] = now
         r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
         leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
-        spine_of[i] = lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
-                                          LANE_PORT0 + lane_of[i], KV_SIDE_CHANNEL_PORT)]
-        return spine_of[i]
+        return lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
+                                   LANE_PORT0 + lane_of[i], KV_SIDE_CHANNEL_PORT)]
 
     def on_end(i: int, now: float) -> None:
         clock[0] = now
         svc.release(leases.pop(i))
 
     decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == ADMISSION else pre_end
-    info: dict[str, Any] = {}
-    if cfg.backend in ("flow", "ns3"):
-        fct = FlowModel(spec, cfg.net).run(flows, decide=decide, decide_at=decide_at, on_end=on_end)
-        if cfg.backend == "ns3":
-            # one packet-level run on the lanes decided on the flow model's clock: the
-            # reservation code cannot call into a running ns-3 (docs/bridge.md)
-            pinned = [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spine_of[i]) for i, f in enumerate(flows)]
-            res = Ns3Backend(spec, cfg.net, cfg.ns3).run(pinned)
-            fct, info["ns3_drops"], info["ns3_wall_s"] = res.fct_s, res.drops, res.wall_s
-    else:  # trivial: flows never meet (each is alone), so a reservation ends as soon as it is made
-        for i in np.argsort(decide_at, kind="stable"):
-            decide(int(i), float(decide_at[i]))
-            svc.release(leases.pop(int(i)))
-        fct = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, f.start_s, spine_of[i]) for i, f in enumerate(flows)],
-                          cfg.net)
+    # the backend decides when the lanes are decided: on its own clock (closed loop), or
+    # first, on another's or each flow alone, then its run on them (backends/base.py)
+    net = make(cfg.backend, spec, cfg.net, cfg.ns3).serve(flows, LaneHooks(decide, decide_at, on_end))
+    fct, info = net.fct_s, dict(net.info)
     ready = pre_end + fct  # never before the KV has arrived
     dstart, first, done = decode_drain(reqs, d_of, n_d, ready, itm, cfg)
     trace = _trace(spec, reqs, cfg, p_hosts, d_hosts, p_of, d_of, pre_start, pre_end, flows, fct, lane_of, dstart,

@@ -44,7 +44,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_TLS", "tcp")
@@ -184,7 +183,7 @@ def bench_idle_cpu(console: Console, idle_s: float, port: int = 6200) -> dict:
     # an idle pair as in service: D connected to P (handshake and lanes done), nothing held
     r.connect(f"127.0.0.1:{port}")
     deadline = time.monotonic() + 30
-    while not any(link.welcomed for link in list(r._links.values())):
+    while not any(link.welcomed for link in list(r.links.by_addr.values())):
         if time.monotonic() > deadline:
             s.close()
             r.close()

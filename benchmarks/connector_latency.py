@@ -128,7 +128,7 @@ def _latency_one(mib: float, reps: int, port: int, **knobs) -> dict:
     sender = PushSender(cfg, lay, spans).start()
     recs = _record_sink(sender)
     xfer: dict = {}
-    for agent in sender.lane_agents:
+    for agent in sender.lanes.agents:
         _instrument(agent, xfer)
     src = list(range(nb))
     dst = [list(range(j * nb, (j + 1) * nb)) for j in range(CONC)]

@@ -150,7 +150,7 @@ def bench_prefill(console: Console, rounds: int, window_s: float, push_mib: floa
     sender = PushSender(cfg, layout_from_buffers(spans, nb, 16), spans).start()
     recs = _record_sink(sender)
     xfer: dict = {}
-    for agent in sender.lane_agents:
+    for agent in sender.lanes.agents:
         _instrument(agent, xfer)
     src = list(range(nb))
     dst = [list(range(j * nb, (j + 1) * nb)) for j in range(depth)]

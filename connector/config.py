@@ -69,7 +69,7 @@ class KVPathConfig:
     # at once when one comes. -1: 20 ms at TP > 1, 0 at TP 1. At TP > 1 every step is a
     # shared-memory round trip whose readers spin on sched_yield; back to back, those
     # spinning workers and EngineCore starved every other thread on these cores (the
-    # API server, our own writer) for a whole lease (docs/connector.md, "TP > 1").
+    # API server, our own writer) for a whole lease (docs/connector-tp.md, "TP > 1 on a busy CPU").
     idle_step_wait_ms: float = -1.0
     # Optional fixed engine id (default: random per process).
     engine_id: str | None = None
@@ -101,7 +101,7 @@ class KVPathConfig:
     # P ask the reservation service (reservation_url) when the push is ready to start,
     # for requests that came without a lane (waiting 50 ms at most for the answer).
     reserve_at: str = RESERVE_AT_ADMISSION
-    # The control channel's security (libzmq CURVE, docs/connector.md "Security"): this
+    # The control channel's security (libzmq CURVE, docs/connector-security.md): this
     # engine's secret key file (NAME.key_secret from `kvpath connector keys`) and a
     # directory of the public key files (*.key) of the peers it trusts: P accepts only
     # those D keys, D talks only to those P keys. Without them the connector refuses to

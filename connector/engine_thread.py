@@ -75,7 +75,7 @@ class EngineThread:
         if self.CTX_MAX_SOCKETS is not None:
             self._ctx.set(zmq.MAX_SOCKETS, self.CTX_MAX_SOCKETS)
         # A small registered buffer: D's is the target of lane-opening probes, P's the source.
-        self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        self.probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self._wake_lock = threading.Lock()
         addr = f"inproc://kvpath-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -91,7 +91,7 @@ class EngineThread:
     def _register(self, agent: Any, spans: list[tuple[int, int]], mem_type: str, device_id: int = 0) -> None:
         self._nixl_regs.append((agent, register(agent, spans, mem_type, device_id)))
 
-    def _record(self, rec: Any) -> None:
+    def record(self, rec: Any) -> None:
         """Append a record to the connector's log. Never raises: a record that cannot be
         written (disk full, a value the schema refuses) must not skip the release, ack or
         cleanup that follows it on the engine thread."""
@@ -129,7 +129,7 @@ class EngineThread:
                 logger.exception("%s: unexpected error (loop continues)", threading.current_thread().name)
                 time.sleep(0.01)  # a persistent fault must not spin a core
 
-    def _poll(self, timeout_ms: int) -> dict | None:
+    def poll_events(self, timeout_ms: int) -> dict | None:
         """Wait up to ``timeout_ms`` for socket events (a wake-up is consumed here);
         None when the sockets were closed under us: the thread then stops."""
         try:
@@ -141,7 +141,7 @@ class EngineThread:
             self._drain_wake()
         return events
 
-    def _put(self, kind: str, arg: Any) -> None:
+    def put(self, kind: str, arg: Any) -> None:
         """Called from the engine thread: queue work and wake the engine thread."""
         self._cmds.put((kind, arg))
         self._wake()

@@ -9,7 +9,7 @@ On a RoCEv2 fabric the entropy is the QP's UDP source port (dst port 4791) and a
 provider would answer from the QP: with a zero flow label the kernel derives it from
 the two QP numbers, UCX's RC transport sets ``0xC000 | (UCX_IB_ROCE_PATH_FACTOR *
 path_index)``, or ``mlx5dv_modify_qp_udp_sport`` sets it explicitly. NIXL does not
-expose a UCX endpoint's QP numbers, so that provider is a design (docs/connector.md),
+expose a UCX endpoint's QP numbers, so that provider is a design (docs/connector-protocol.md, "Real fabrics (RoCE)"),
 not code.
 """
 

@@ -1,5 +1,5 @@
 """Copies of pushed KV, for checking what landed against what was sent (the
-``kv_dump_dir`` knob; docs/connector.md, "Checking the bytes").
+``kv_dump_dir`` knob; docs/connector-verify.md, "Checking the bytes (kv_dump_dir)").
 
 P writes the blocks it pushed from, D the blocks the push landed in, once all of a
 request's flows into that D rank have landed: one ``.npz`` per side, transfer and

@@ -1,5 +1,5 @@
 """kv_verify: an opt-in check that the KV a decode engine decodes from is the KV P sent
-(the ``kv_verify`` knob; docs/connector.md, "KV integrity check (kv_verify)").
+(the ``kv_verify`` knob; docs/connector-verify.md, "KV integrity check (kv_verify)").
 
 ``kv_verify`` is ``off`` (the default), ``all``, or ``sample:N``: one push in N, chosen
 from the transfer id alone (:func:`selected`), so P and D pick the same pushes without
@@ -38,15 +38,12 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvpath.connector import messages as M
 from kvpath.connector.tp_map import RankKV, heads_of, plan, rank_kv
-
-if TYPE_CHECKING:
-    from kvpath.connector.receiver import PushReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -361,44 +358,42 @@ class Verifier:
         return M.make_notif(transfer_id, encode_check(chk))
 
     # D -----------------------------------------------------------------------------
-    def check_landed(self, rx: "PushReceiver", transfer_id: str, sender: str, raw_check: bytes | None) -> str:
-        """"" when the push ``transfer_id`` from agent ``sender`` is not checked or
-        checks out; else why it failed (for the log and the request's failure). Called on
-        the receiver thread before the notification ends the flow, so the blocks are
-        still the request's."""
-        if not self.selected(transfer_id):
-            return ""
-        with rx._lock:
-            w = rx.state.done_flow(transfer_id, sender, rx._agents)
-        if w is None:
-            return ""  # stray: the caller drops it
+    def check_landed(self, transfer_id: str, w: Any, reg: M.Register | None, raw_check: bytes | None,
+                     layout: M.BlockLayout, compat: M.Compat, stats: Any) -> str:
+        """"" when flow ``w``'s push of ``transfer_id`` (registered as ``reg``) checks out,
+        or came without a check; else why it failed (for the log and the request's
+        failure). Called on the receiver thread before the notification ends the flow, so
+        the blocks are still the request's."""
         if raw_check is None:
-            rx.stats.inc("kv_verify_skipped")
+            stats.inc("kv_verify_skipped")
             if not self._missing_logged:
                 self._missing_logged = True
                 logger.warning("kv_verify: the push of transfer %s came without a check: P does not have kv_verify "
                                "set to this value (counted in kv_verify_skipped, logged once)", transfer_id)
             return ""
         try:
-            return self._check(rx, w, transfer_id, raw_check)
+            bad = self._check(w, reg, transfer_id, raw_check, layout, compat)
         except Exception as e:  # a bug here must not lose the notification: the flow fails instead
             logger.exception("kv_verify: checking transfer %s raised", transfer_id)
             return f"kv_verify: transfer {transfer_id}: checking it raised {type(e).__name__}: {e}"
+        if not bad:
+            stats.inc("kv_verify_ok")
+        return bad
 
-    def _check(self, rx: "PushReceiver", w: Any, transfer_id: str, raw_check: bytes) -> str:
-        reg = rx._regs.get((transfer_id, w.peer))
+    def _check(self, w: Any, reg: M.Register | None, transfer_id: str, raw_check: bytes, layout: M.BlockLayout,
+               compat: M.Compat) -> str:
         try:
             if reg is None:
                 raise ValueError("D kept no registration for this flow")
             chk = decode_check(raw_check)
             if chk.alg != ALG:
                 raise ValueError(f"P hashed with {chk.alg!r}, D knows {ALG!r}")
-            p_tp_expected = reg.p_tp_size or rx.compat.tp_size
+            p_tp_expected = reg.p_tp_size or compat.tp_size
             if chk.p_tp != p_tp_expected or (w.peer_rank >= 0 and chk.p_rank != w.peer_rank):
                 raise ValueError(f"P says TP rank {chk.p_rank} of {chk.p_tp}, D registered with rank "
                                  f"{w.peer_rank} of {p_tp_expected}")
-            rows = d_rows(rx.layout, rx.compat, chk, reg.block_ids, reg.skip_blocks)
-            check_inside(rx.layout, rows, reg.block_ids)
+            rows = d_rows(layout, compat, chk, reg.block_ids, reg.skip_blocks)
+            check_inside(layout, rows, reg.block_ids)
             if self.fault and transfer_id.startswith(self.fault):
                 self._flip_one_byte(rows, transfer_id)
             digest, nbytes = digest_rows(self.mem, rows)
@@ -410,7 +405,6 @@ class Verifier:
         if digest != chk.digest:
             return (f"kv_verify: transfer {transfer_id}: the KV that landed differs from what P sent "
                     f"({nbytes} bytes; {ALG} {digest} on D, {chk.digest} from P rank {chk.p_rank})")
-        rx.stats.inc("kv_verify_ok")
         return ""
 
     def _flip_one_byte(self, rows: np.ndarray, transfer_id: str) -> None:

@@ -124,7 +124,7 @@ class LaneSet:
         """Open every lane, one probe at a time: yields while a probe is in flight (the
         writer's loop steps it between its other work), raises when a lane cannot
         open. What a failed set-up created is released before it raises."""
-        yield from self._reachable_steps()
+        yield from self.reachable_steps()
         if self.path_of is None:
             for i in range(self.n_lanes):
                 self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
@@ -167,7 +167,7 @@ class LaneSet:
 
     def reopen_steps(self, i: int) -> Generator[None, None, None]:
         """Reopen broken lane ``i`` on the writer's loop (one probe poll per step)."""
-        yield from self._reachable_steps()
+        yield from self.reachable_steps()
         self.lanes[i] = yield from self._connect_steps(self.lanes[i].agent, i)
 
     def _connect_steps(self, a: int, lane_id: int) -> Generator[None, None, Lane]:
@@ -203,7 +203,7 @@ class LaneSet:
             lane.path = self.path_of(lane)
         return lane
 
-    def _reachable_steps(self) -> Generator[None, None, None]:
+    def reachable_steps(self) -> Generator[None, None, None]:
         """Check, without blocking, that D's UCX listeners answer a TCP connect (an
         accept or a refusal both do): NIXL's add_remote_agent connects synchronously and
         would hold the writer for as long as the kernel retries a SYN that a firewall

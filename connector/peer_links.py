@@ -1,23 +1,23 @@
 """D's control connections to its P peers (one DEALER each): made on the first request
 to a peer, dropped when they hold nothing and were idle for peer_idle_timeout_s, and
-bounded in number. A mixin of :class:`~kvpath.connector.receiver.PushReceiver` (the
-state is the receiver's; receiver thread only)."""
+bounded in number. A part of :class:`~kvpath.connector.receiver.PushReceiver` that owns
+the links, their sockets and monitors (receiver thread only); what goes over them is
+the receiver's."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable, Iterator
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpath.connector import messages as M
-from kvpath.connector.control_auth import harden, routing_id, secure_client
-
-if TYPE_CHECKING:
-    from kvpath.connector.receiver import PushReceiver
+from kvpath.connector.config import KVPathConfig
+from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
+from kvpath.connector.telemetry import Stats
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ MAX_LINKS = 1024
 
 
 @dataclass
-class _PeerLink:
+class PeerLink:
     addr: str
     sock: zmq.Socket
     welcomed: bool = False
@@ -71,19 +71,69 @@ LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | LINK_DOWN
 
 
 class PeerLinks:
-    def _link(self: "PushReceiver", peer: str, server_key: bytes | None) -> _PeerLink | None:
+    """The links by P address, with the sockets they hold."""
+
+    def __init__(self, cfg: KVPathConfig, ctx: zmq.Context, stats: Stats, keys: ControlKeys | None,
+                 sockets: list[zmq.Socket], *, on_unsent: Callable[[M.Register, str, str], None],
+                 busy: Callable[[], set[str]]):
+        """``sockets``: the thread's list of sockets to close (a link's are added and
+        removed); ``on_unsent(reg, why, addr)``: a queued registration will never be sent;
+        ``busy()``: P addresses a request waits on (their links are kept)."""
+        self.cfg, self.stats = cfg, stats
+        self._ctx, self._keys, self._sockets = ctx, keys, sockets
+        self._on_unsent, self._busy = on_unsent, busy
+        self.by_addr: dict[str, PeerLink] = {}
+        self._monitors: dict[zmq.Socket, PeerLink] = {}  # each link's monitor -> the link
+        self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
+        self.poller: zmq.Poller | None = None  # the receiver thread's, set when it runs
+        self.agent_name = ""  # our NIXL agent's name, set at start
+
+    def get(self, peer: str) -> PeerLink | None:
+        return self.by_addr.get(peer)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self.by_addr
+
+    def __iter__(self) -> Iterator[PeerLink]:
+        return iter(list(self.by_addr.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_addr)
+
+    def agents(self, peer: str, instance: str) -> set[str]:
+        """NIXL names of the agents P process ``instance`` at ``peer`` listed."""
+        link = self.by_addr.get(peer)
+        return link.agents.get(instance, set()) if link is not None else set()
+
+    def lanes_announced(self, but: PeerLink | None, instance: str) -> set[tuple[str, int]]:
+        """The lanes live P processes announced last, but ``instance``'s at ``but``."""
+        return {lane for lk in self.by_addr.values() if not (lk is but and lk.instance == instance)
+                for lane in lk.current_lanes}
+
+    def reconnect_all(self) -> None:
+        for link in self.by_addr.values():
+            link.sock.disconnect(f"tcp://{link.addr}")
+            link.sock.connect(f"tcp://{link.addr}")
+
+    def on_events(self, events: dict) -> None:
+        """Follow the links whose monitor has news."""
+        for sock in events:
+            link = self._monitors.get(sock)
+            if link is not None:
+                self.drain_monitor(link)
+    def link(self, peer: str, server_key: bytes | None) -> PeerLink | None:
         """The control connection to ``peer``; None when it is known by another key."""
-        link = self._links.get(peer)
+        link = self.by_addr.get(peer)
         if link is not None and link.server_key != server_key:
             if link.instance:  # that key answered: P at this address holds it
                 return None
             # never welcomed: the other key may be the wrong one; the newest request decides
-            self._drop_link(link, "P's key changed before its handshake completed")
+            self.drop(link, "P's key changed before its handshake completed")
             link = None
         if link is None:
-            if len(self._links) >= MAX_LINKS:
-                self._prune_links(time.monotonic(), need_room=True)
-                if len(self._links) >= MAX_LINKS:
+            if len(self.by_addr) >= MAX_LINKS:
+                self.prune(time.monotonic(), need_room=True)
+                if len(self.by_addr) >= MAX_LINKS:
                     return None
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
@@ -92,7 +142,7 @@ class PeerLinks:
             # connection, or a link dropped while idle and made again, P knows us by it
             # (its handshake and registrations are bound to the id).
             if self._routing_id is None:
-                self._routing_id = routing_id(self._keys.public if self._keys else None, self.agent.name)
+                self._routing_id = routing_id(self._keys.public if self._keys else None, self.agent_name)
             s.routing_id = self._routing_id
             if self._keys is not None and server_key is not None:
                 secure_client(s, self._keys, server_key)
@@ -103,15 +153,16 @@ class PeerLinks:
                 s.close(0)
                 return None
             s.connect(f"tcp://{peer}")
-            link = self._links[peer] = _PeerLink(peer, s, server_key=server_key, monitor=mon)
+            link = self.by_addr[peer] = PeerLink(peer, s, server_key=server_key, monitor=mon)
             self._sockets += [mon, s]  # the monitor closes before its socket
             self._monitors[mon] = link
-            self._poller.register(s, zmq.POLLIN)
-            self._poller.register(mon, zmq.POLLIN)
+            assert self.poller is not None, "links are made on the receiver thread"
+            self.poller.register(s, zmq.POLLIN)
+            self.poller.register(mon, zmq.POLLIN)
         return link
 
-    def _drain_link_monitor(self: "PushReceiver", link: _PeerLink) -> None:
-        """Follow the control connection's state (``_PeerLink.up``)."""
+    def drain_monitor(self, link: PeerLink) -> None:
+        """Follow the control connection's state (``PeerLink.up``)."""
         assert link.monitor is not None
         while True:
             try:
@@ -127,55 +178,53 @@ class PeerLinks:
             elif kind is not None and kind & LINK_DOWN:
                 link.up = False
 
-    def _transport_alive(self: "PushReceiver", peer: str) -> int | None:
+    def transport_alive(self, peer: str) -> int | None:
         """The connection (epoch) by which P's process at ``peer`` is alive and reachable
         now, or None."""
-        link = self._links.get(peer)
-        return None if link is None else self._epoch(link)
+        link = self.by_addr.get(peer)
+        return None if link is None else self.epoch(link)
 
-    def _epoch(self: "PushReceiver", link: _PeerLink) -> int | None:
+    def epoch(self, link: PeerLink) -> int | None:
         return link.epoch if link.up else None
 
-    def _drop_link(self: "PushReceiver", link: _PeerLink, why: str) -> None:
+    def drop(self, link: PeerLink, why: str) -> None:
         for reg in link.queued:
-            with self._lock:
-                self.state.send_failed(reg.transfer_id, why, link.addr, reg.request_id)
+            self._on_unsent(reg, why, link.addr)
         link.queued.clear()
         if link.monitor is not None:
-            self._poller.unregister(link.monitor)
+            self.poller.unregister(link.monitor)
             self._sockets.remove(link.monitor)
             self._monitors.pop(link.monitor, None)
             link.sock.disable_monitor()
             link.monitor.close(0)
-        self._poller.unregister(link.sock)
+        self.poller.unregister(link.sock)
         self._sockets.remove(link.sock)
         link.sock.close(0)
-        del self._links[link.addr]
+        del self.by_addr[link.addr]
 
-    def _prune_links(self: "PushReceiver", now: float, need_room: bool = False) -> None:
+    def prune(self, now: float, need_room: bool = False) -> None:
         """Drop links that hold nothing (no request waits on that P, nothing queued) and
         were idle for peer_idle_timeout_s, or whose Hello was never answered for two
         heartbeats; ``need_room``: also the least recently used idle one."""
-        with self._lock:
-            busy = {w.peer for w in self.state.waiting()}
+        busy = self._busy()
         window = 2 * self.cfg.heartbeat_s()
-        idle = sorted((link.used_at, addr) for addr, link in self._links.items()
+        idle = sorted((link.used_at, addr) for addr, link in self.by_addr.items()
                       if addr not in busy and not link.queued)
         for used_at, addr in idle:
-            link = self._links[addr]
+            link = self.by_addr[addr]
             unanswered = not link.welcomed and now - link.hello_at > window
             if now - used_at > self.cfg.peer_idle_timeout_s or unanswered:
-                self._drop_link(link, "idle")
+                self.drop(link, "idle")
                 self.stats.inc("peers_forgotten")
-        if need_room and len(self._links) >= MAX_LINKS:
-            rest = [addr for _, addr in idle if addr in self._links]
+        if need_room and len(self.by_addr) >= MAX_LINKS:
+            rest = [addr for _, addr in idle if addr in self.by_addr]
             if rest:
-                self._drop_link(self._links[rest[0]], "the least recently used, to make room")
+                self.drop(self.by_addr[rest[0]], "the least recently used, to make room")
                 self.stats.inc("peers_forgotten")
 
-    def _handshaking(self: "PushReceiver", now: float) -> bool:
+    def handshaking(self, now: float) -> bool:
         """A Hello went out recently and P has not answered: P may be opening its lanes
         into us (a link that never gets an answer stops counting after two heartbeats)."""
         window = 2 * self.cfg.heartbeat_s()
-        return any(not link.welcomed and now - link.hello_at < window for link in self._links.values())
+        return any(not link.welcomed and now - link.hello_at < window for link in self.by_addr.values())
 

@@ -156,7 +156,7 @@ def _prefill_refused(fp: FinishedPrefill, reg: Register) -> bool:
     return not fp.transfer_key and bool(reg.transfer_key)
 
 
-class WriterState:
+class SenderState:
     """Bookkeeping of the writer thread, kept pure so it can be unit-tested. Every map
     is keyed by flow key, except ``prefills`` for a prefill not split yet (its transfer
     id) and ``_fan``/``_shares`` (transfer ids of fanned-out transfers)."""

@@ -23,7 +23,7 @@ from kvpath.connector.config import KVPathConfig, is_loopback, parse_host_port
 from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_sockets
-from kvpath.connector.peer_links import MAX_LINKS, PeerLinks, _PeerLink
+from kvpath.connector.peer_links import MAX_LINKS, PeerLink, PeerLinks
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.tcp_table import lanes_drained
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 REFUSAL_RETRY_S = 5.0
 
 
-class PushReceiver(PeerLinks, EngineThread):
+class PushReceiver(EngineThread):
     # every control link holds a DEALER and a monitor (two sockets and libzmq's inner one)
     CTX_MAX_SOCKETS = 3 * MAX_LINKS + 64
 
@@ -55,9 +55,6 @@ class PushReceiver(PeerLinks, EngineThread):
         self.state = ReceiverState(cfg.registration_timeout_s, cfg.max_wait_s, cfg.fence_grace_s,
                                    write_bound_s=cfg.transfer_timeout_s)
         self._lock = threading.Lock()  # guards self.state between threads
-        self._links: dict[str, _PeerLink] = {}
-        self._monitors: dict[zmq.Socket, _PeerLink] = {}  # each link's monitor -> the link
-        self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
         self._next_prune = 0.0
         # (transfer id, P peer) -> its Register; receiver thread only: to re-send after P restarted
         self._regs: dict[tuple[str, str], M.Register] = {}
@@ -67,6 +64,8 @@ class PushReceiver(PeerLinks, EngineThread):
         if cfg.control_key:
             self._keys = ControlKeys.load(cfg.control_key, cfg.control_trusted_keys or "")
         self.agent: Any = None
+        self.links = PeerLinks(cfg, self._ctx, self.stats, self._keys, self._sockets, on_unsent=self._unsent,
+                               busy=self._busy_peers)
 
     def start(self) -> "PushReceiver":
         configure_ucx(self.cfg)
@@ -78,8 +77,9 @@ class PushReceiver(PeerLinks, EngineThread):
             self.listen_addrs = sorted(listening_sockets() - before)
             self.listen_ports = sorted({port for _, port in self.listen_addrs})
         self._register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
-        self._register(self.agent, [(self._probe.ctypes.data, PROBE_BYTES)], "DRAM")
+        self._register(self.agent, [(self.probe.ctypes.data, PROBE_BYTES)], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
+        self.links.agent_name = self.agent.name
         self._start_thread(self._run, "kvpath-push-receiver")
         return self
 
@@ -121,7 +121,7 @@ class PushReceiver(PeerLinks, EngineThread):
                 logger.warning("request %s reuses transfer id %s, which another request is waiting on: failed",
                                request_id, transfer_id)
                 return
-        self._put("register", (request_id, transfer_id, peers, list(block_ids), skip_blocks, server_key, transfer_key,
+        self.put("register", (request_id, transfer_id, peers, list(block_ids), skip_blocks, server_key, transfer_key,
                                p_tp_size))
 
     def refuse(self, request_id: str, why: str) -> None:
@@ -139,12 +139,12 @@ class PushReceiver(PeerLinks, EngineThread):
         server_key, why = self._server_key(peer, peer_key)
         if why:
             raise ValueError(why)
-        self._put("connect", (peer, server_key))
+        self.put("connect", (peer, server_key))
 
     def reconnect(self) -> None:
         """Close and re-open every control connection (as a broken TCP connection does). The
         routing id stays, so P's answers to held registrations still reach us."""
-        self._put("reconnect", None)
+        self.put("reconnect", None)
 
     def _server_key(self, peer: str, peer_key: str | None) -> tuple[bytes | None, str]:
         """(P's CURVE key to use, why not) for a registration naming ``peer``: only a key
@@ -182,28 +182,29 @@ class PushReceiver(PeerLinks, EngineThread):
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
+        self.links.poller = self._poller
         self._next_expire = 0.0
-        self._active_until = 0.0
-        self._loop(self._step)
+        self.active_until = 0.0
+        self._loop(self.step)
 
-    def _step(self) -> None:
+    def step(self) -> None:
         try:
-            self._step_body()
+            self.step_body()
         finally:  # also after an error mid-step: a release made before it is reported now
             with self._lock:
                 ready = bool(self.state.released)
             if ready:
                 self.results_ready.set()
 
-    def _step_body(self) -> None:
+    def step_body(self) -> None:
         with self._lock:
             need = self.state.progress_need()
             held = self.state.pending() > 0
         now = time.monotonic()
-        if need == "idle" and self._handshaking(now):
+        if need == "idle" and self.links.handshaking(now):
             need = "fast"  # P probes its lanes into us now: each probe waits on our progress
         if held or need != "idle":
-            self._active_until = now + LINGER_S
+            self.active_until = now + LINGER_S
         # Over TCP a WRITE moves only while the target progresses UCX: while a posted
         # push should be moving, progress without pause (yielding the GIL); while one
         # is slow or a handshake's lane probes may come, every millisecond; while
@@ -214,37 +215,34 @@ class PushReceiver(PeerLinks, EngineThread):
             timeout_ms = 0
         elif need == "fast":
             timeout_ms = 1
-        elif now < self._active_until:
+        elif now < self.active_until:
             timeout_ms = int(self.cfg.idle_poll_s * 1000)
         else:
             timeout_ms = DORMANT_POLL_MS
-        events = self._poll(timeout_ms)
+        events = self.poll_events(timeout_ms)
         if events is None:
             return
-        self._drain_cmds()
-        for sock in events:
-            mon_link = self._monitors.get(sock)
-            if mon_link is not None:
-                self._drain_link_monitor(mon_link)
-        for link in list(self._links.values()):
+        self.drain_commands()
+        self.links.on_events(events)
+        for link in self.links:
             if link.sock in events:
                 self._drain_replies(link)
-        self._poll_notifs()
+        self.poll_notifs()
         if spinning:
             burst_end = time.monotonic() + 0.001
             while time.monotonic() < burst_end:
                 time.sleep(0.00005)  # hand the GIL (and the CPU) to the engine thread between calls
-                self._poll_notifs()
+                self.poll_notifs()
         now = time.monotonic()
         if now >= self._next_expire:
             self._expire()
             self._next_expire = now + 0.05
         if now >= self._next_prune:
-            self._prune_links(now)
+            self.links.prune(now)
             self._next_prune = now + 1.0
-        self._send_cancels()
+        self.send_cancels()
 
-    def _drain_cmds(self) -> None:
+    def drain_commands(self) -> None:
         for kind, arg in self._commands():
             if kind == "register":
                 request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp = arg
@@ -255,19 +253,17 @@ class PushReceiver(PeerLinks, EngineThread):
                         p_tp_size=p_tp,
                     ))
             elif kind == "reconnect":
-                for link in self._links.values():
-                    link.sock.disconnect(f"tcp://{link.addr}")
-                    link.sock.connect(f"tcp://{link.addr}")
+                self.links.reconnect_all()
             elif kind == "connect":
-                link = self._link(*arg)
+                link = self.links.link(*arg)
                 if link is not None:
-                    self._flush(link)
+                    self.flush(link)
 
     def _register_flow(self, request_id: str, tid: str, peer: str, server_key: bytes | None,
                        reg: M.Register) -> None:
-        link = self._link(peer, server_key)
+        link = self.links.link(peer, server_key)
         if link is None:
-            known = peer in self._links
+            known = peer in self.links
             why = "P is known by another key" if known else f"{MAX_LINKS} P peers connected, none idle"
             with self._lock:
                 self.state.send_failed(tid, why, peer, request_id)
@@ -277,9 +273,9 @@ class PushReceiver(PeerLinks, EngineThread):
         link.used_at = time.monotonic()
         self._regs[(tid, peer)] = reg
         link.queued.append(reg)
-        self._flush(link)
+        self.flush(link)
 
-    def _flush(self, link: _PeerLink) -> None:
+    def flush(self, link: PeerLink) -> None:
         """Send what waits for ``link``: a Hello first, registrations once welcomed."""
         now = time.monotonic()
         if link.refused_until > now:
@@ -291,7 +287,7 @@ class PushReceiver(PeerLinks, EngineThread):
                 self._send(link, M.Hello(
                     engine_id=self.engine_id, agent_name=self.agent.name, agent_metadata=self.metadata,
                     layout=self.layout, compat=self.compat, instance=self.instance,
-                    heartbeat_s=self.cfg.heartbeat_s(), probe_addr=self._probe.ctypes.data, probe_len=PROBE_BYTES,
+                    heartbeat_s=self.cfg.heartbeat_s(), probe_addr=self.probe.ctypes.data, probe_len=PROBE_BYTES,
                     listen_ports=self.listen_ports, listen_addrs=self.listen_addrs, host=self.cfg.side_channel_host,
                     fabric_host=self.cfg.fabric_host or "",
                 ))
@@ -303,14 +299,14 @@ class PushReceiver(PeerLinks, EngineThread):
             # Register is on its way to P.
             with self._lock:
                 if not self.state.on_sent(reg.transfer_id, link.instance, link.addr, reg.request_id,
-                                          epoch=self._epoch(link)):
+                                          epoch=self.links.epoch(link)):
                     continue  # given up while queued
             stamped = msgspec.structs.replace(reg, sent_at=time.time())
             if not self._send(link, stamped):  # not queued: P cannot know of it
                 with self._lock:
                     self.state.send_failed(reg.transfer_id, "control channel full", link.addr, reg.request_id)
 
-    def _send(self, link: _PeerLink, msg: Any) -> bool:
+    def _send(self, link: PeerLink, msg: Any) -> bool:
         try:
             link.sock.send(M.encode(msg), zmq.NOBLOCK)
             return True
@@ -319,7 +315,7 @@ class PushReceiver(PeerLinks, EngineThread):
             logger.warning("cannot send %s to P at %s: %s", type(msg).__name__, link.addr, e)
             return False
 
-    def _fail_queued(self, link: _PeerLink, why: str) -> None:
+    def _fail_queued(self, link: PeerLink, why: str) -> None:
         link.queued.clear()
         with self._lock:
             failed = self.state.fail_unsent(link.addr, why)
@@ -327,7 +323,7 @@ class PushReceiver(PeerLinks, EngineThread):
             self.stats.inc("recv_failed")
             logger.warning("request %s not registered with %s: %s", w.request_id, link.addr, why)
 
-    def _drain_replies(self, link: _PeerLink) -> None:
+    def _drain_replies(self, link: PeerLink) -> None:
         while True:
             try:
                 data = link.sock.recv(zmq.NOBLOCK)
@@ -341,15 +337,15 @@ class PushReceiver(PeerLinks, EngineThread):
                 logger.warning("dropped malformed message from %s: %s", link.addr, e)
                 continue
             if isinstance(msg, M.Welcome):
-                self._on_welcome(link, msg)
+                self.on_welcome(link, msg)
             elif isinstance(msg, M.Pending):
                 with self._lock:
                     for tid in msg.transfer_ids:
-                        self.state.on_alive(tid, link.addr, epoch=self._epoch(link))
+                        self.state.on_alive(tid, link.addr, epoch=self.links.epoch(link))
             else:
-                self._on_ack(link, msg)
+                self.on_ack(link, msg)
 
-    def _on_welcome(self, link: _PeerLink, msg: M.Welcome) -> None:
+    def on_welcome(self, link: PeerLink, msg: M.Welcome) -> None:
         if not msg.ok:
             link.welcomed = False
             link.refused_until = time.monotonic() + REFUSAL_RETRY_S
@@ -371,16 +367,16 @@ class PushReceiver(PeerLinks, EngineThread):
             link.incomplete.add(msg.instance)
         link.agents.setdefault(msg.instance, set()).update(msg.agents)
         link.instance, link.welcomed, link.refusal = msg.instance, True, ""
-        self._flush(link)
+        self.flush(link)
 
-    def _on_ack(self, link: _PeerLink, ack: M.Ack) -> None:
+    def on_ack(self, link: PeerLink, ack: M.Ack) -> None:
         if ack.status == "accepted":
             with self._lock:
-                self.state.on_alive(ack.transfer_id, link.addr, epoch=self._epoch(link))
+                self.state.on_alive(ack.transfer_id, link.addr, epoch=self.links.epoch(link))
             return
         if ack.status == "posted":
             with self._lock:
-                self.state.on_posted(ack.transfer_id, ack.bytes, peer=link.addr, epoch=self._epoch(link))
+                self.state.on_posted(ack.transfer_id, ack.bytes, peer=link.addr, epoch=self.links.epoch(link))
             return
         if ack.status == "unknown_peer":
             # P does not know us (it restarted): handshake again, then re-send.
@@ -391,7 +387,7 @@ class PushReceiver(PeerLinks, EngineThread):
             key = (ack.transfer_id, link.addr)
             if w is not None and not w.failed and key in self._regs:
                 link.queued.append(self._regs[key])
-            self._flush(link)
+            self.flush(link)
             return
         with self._lock:
             outcome, w = self.state.on_ended(ack.transfer_id, ack.posted, f"{ack.status}: {ack.detail}",
@@ -406,28 +402,27 @@ class PushReceiver(PeerLinks, EngineThread):
             self.stats.inc("recv_failed")
             logger.warning("push for %s ended as %s: %s", w.request_id, ack.status, ack.detail)
 
-    def _send_cancels(self) -> None:
+    def send_cancels(self) -> None:
         with self._lock:
             todo = self.state.to_cancel()  # counts them sent and schedules the re-send
         for w in todo:
-            link = self._links.get(w.peer)
+            link = self.links.get(w.peer)
             if link is not None:
                 self._send(link, M.Cancel(w.transfer_id))
 
-    def _drained(self, peer: str, instance: str) -> bool | None:
+    def drained(self, peer: str, instance: str) -> bool | None:
         """Every lane connection of the P process ``instance`` at ``peer`` into us is
         closed and fully read. None: we cannot tell (the state's bound decides): we know
         none of its lanes, its Welcome said the list is incomplete, or a connection into
         our UCX ports that no P announced is still open (a reopened lane whose Welcome
         was lost, or NAT rewriting P's addresses: it may be this P's)."""
-        link = self._links.get(peer)
+        link = self.links.get(peer)
         lanes = link.lanes.get(instance, set()) if link is not None else set()
-        if not lanes or instance in link.incomplete:
+        if link is None or not lanes or instance in link.incomplete:
             return None
         # lanes live P processes announced last (not the fenced process's own: its are
         # ``lanes``): an open connection from any of those is another P's
-        announced = lanes | {lane for lk in self._links.values() if not (lk is link and lk.instance == instance)
-                             for lane in lk.current_lanes}
+        announced = lanes | self.links.lanes_announced(link, instance)
         return lanes_drained(set(self.listen_ports), lanes, announced)
 
     def _expire(self) -> None:
@@ -435,12 +430,12 @@ class PushReceiver(PeerLinks, EngineThread):
         # step) and once per P process that has requests fenced, not once per request.
         with self._lock:
             fenced = {(w.peer, w.instance) for w in self.state.fencing()}
-        drained = {key: self._drained(*key) for key in fenced}
+        drained = {key: self.drained(*key) for key in fenced}
         with self._lock:
             holds = self.state.transport_holds
             # not asked yet (newly given up): "not drained", asked next time
             gave_up, released = self.state.expire(lambda peer, instance: drained.get((peer, instance), False),
-                                                  self._transport_alive)
+                                                  self.links.transport_alive)
             held = self.state.transport_holds - holds
         if held:
             self.stats.inc("liveness_held_by_transport", held)
@@ -460,15 +455,15 @@ class PushReceiver(PeerLinks, EngineThread):
                 continue
             self.stats.inc("fence_drain_releases")
             logger.info("blocks of %s released: P's connections to us are closed and drained", w.request_id)
-        for link in self._links.values():
+        for link in self.links:
             if link.queued:
-                self._flush(link)
+                self.flush(link)
         with self._lock:
             live = {(w.transfer_id, w.peer, w.request_id) for w in self.state.waiting() if not w.sent}
             live_keys = {(w.transfer_id, w.peer) for w in self.state.waiting()}
         for key in [k for k in self._regs if k not in live_keys]:
             del self._regs[key]
-        for link in self._links.values():  # a flow that ended while its Register waited: never sent
+        for link in self.links:  # a flow that ended while its Register waited: never sent
             link.queued = [r for r in link.queued if (r.transfer_id, link.addr, r.request_id) in live]
 
     def _dump_copy(self, w: Any) -> Any:
@@ -477,11 +472,27 @@ class PushReceiver(PeerLinks, EngineThread):
             return None
         return self.kv_dump.copy(w.transfer_id, self.layout, self.compat, reg.block_ids, reg.skip_blocks)
 
-    def _agents(self, peer: str, instance: str) -> set[str]:
-        link = self._links.get(peer)
-        return link.agents.get(instance, set()) if link is not None else set()
+    def _unsent(self, reg: M.Register, why: str, addr: str) -> None:
+        """A dropped link's queued registration: its flow fails, never sent."""
+        with self._lock:
+            self.state.send_failed(reg.transfer_id, why, addr, reg.request_id)
 
-    def _poll_notifs(self) -> None:
+    def _busy_peers(self) -> set[str]:
+        with self._lock:
+            return {w.peer for w in self.state.waiting()}
+
+    def _verify(self, tid: str, sender: str, raw_check: bytes | None) -> str:
+        """kv_verify: "" when the push is not checked or checks out, else why it failed."""
+        if self.kv_verify is None or not self.kv_verify.selected(tid):
+            return ""
+        with self._lock:
+            w = self.state.done_flow(tid, sender, self.links.agents)
+        if w is None:
+            return ""  # stray: the caller drops it
+        reg = self._regs.get((tid, w.peer))
+        return self.kv_verify.check_landed(tid, w, reg, raw_check, self.layout, self.compat, self.stats)
+
+    def poll_notifs(self) -> None:
         notifs = self.agent.get_new_notifs()
         for sender, msgs in notifs.items():  # keyed by the sending agent's NIXL name
             for raw in msgs:
@@ -490,10 +501,10 @@ class PushReceiver(PeerLinks, EngineThread):
                     continue
                 tid, check = parsed
                 # kv_verify: hashed before the flow ends (the blocks are still the request's)
-                bad = self.kv_verify.check_landed(self, tid, sender, check) if self.kv_verify is not None else ""
+                bad = self._verify(tid, sender, check)
                 copied = None
                 with self._lock:
-                    w = self.state.on_done(tid, sender, self._agents, bad)
+                    w = self.state.on_done(tid, sender, self.links.agents, bad)
                     if w is not None and self.kv_dump is not None and tid not in self.state.by_tid:
                         # every flow of it into this rank has landed; copied under the lock, so
                         # the engine cannot take the release (and reuse the blocks) first
@@ -513,5 +524,5 @@ class PushReceiver(PeerLinks, EngineThread):
                 elif not w.failed:
                     self.stats.inc("recv_ok")
                     # when the last byte is here: the push's end as D sees it
-                    self._record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
+                    self.record(ReceivedRecord(transfer_id=tid, request_id=w.request_id, engine=self.engine_id,
                                                 at=time.time(), peer_rank=w.peer_rank))

@@ -72,7 +72,7 @@ class KVPathScheduler:
         # transfer id -> the live D request that registered it. vLLM serves n > 1 as child
         # requests sharing the prompt and its kv_transfer_params: one of them receives the
         # push, the others wait for it and take its blocks from the prefix cache.
-        self._owners: dict[str, _Owner] = {}
+        self.owners: dict[str, _Owner] = {}
         self._owned: dict[str, str] = {}  # request id -> the transfer id it owns
         self._step = 0  # build_connector_meta calls: the scheduler's steps
         # transfers whose owner ended (the last SPENT_REMEMBERED): a child that comes
@@ -107,7 +107,7 @@ class KVPathScheduler:
             request.kv_transfer_params = None
             self._role_errors[request.request_id] = why
             return 0, False
-        owner = self._owners.get(dp.transfer_id)
+        owner = self.owners.get(dp.transfer_id)
         if owner is not None or dp.transfer_id in self._spent:
             prompt = hash(tuple(request.prompt_token_ids or ()))
             if owner is not None and owner.request_id != request.request_id and owner.prompt == prompt:
@@ -152,8 +152,8 @@ class KVPathScheduler:
         self._meta.registrations.append(RecvReq(request.request_id, dp.transfer_id, dp.peer, list(new_ids), skip,
                                                 dp.peer_key, dp.transfer_key, dp.tp_size))
         self._d_waiting.add(request.request_id)
-        if dp.transfer_id not in self._owners:  # a live owner is never replaced (a reused id fails)
-            self._owners[dp.transfer_id] = _Owner(request.request_id, hash(tuple(request.prompt_token_ids or ())))
+        if dp.transfer_id not in self.owners:  # a live owner is never replaced (a reused id fails)
+            self.owners[dp.transfer_id] = _Owner(request.request_id, hash(tuple(request.prompt_token_ids or ())))
             self._owned[request.request_id] = dp.transfer_id
         params["do_remote_prefill"] = False  # a re-entry after preemption must not register again
 
@@ -189,7 +189,7 @@ class KVPathScheduler:
         times = self._p_times.pop(rid, None)
         tid = self._owned.pop(rid, None)
         if tid is not None:  # siblings still waiting compute their prefill locally
-            self._spent[tid] = self._owners.pop(tid).prompt
+            self._spent[tid] = self.owners.pop(tid).prompt
             if len(self._spent) > SPENT_REMEMBERED:
                 self._spent.popitem(last=False)
         role_error = self._role_errors.pop(rid, None)
@@ -241,7 +241,7 @@ class KVPathScheduler:
             self._d_waiting.discard(rid)
             tid = self._owned.get(rid)
             if tid is not None:
-                self._owners[tid].landed_step = self._step
+                self.owners[tid].landed_step = self._step
             self._d_cancelled.discard(rid)
 
     def has_pending_push_work(self) -> bool:

@@ -45,7 +45,7 @@ class KVPathWorker:
         self.receiver: PushReceiver | None = None
         self.tp_size = int(self.compat_fields.get("tp_size", 1) or 1)
         self.idle_wait_s = cfg.idle_step_wait_s(self.tp_size)
-        self._ready = threading.Event()  # shared by the writer and the receiver
+        self.results_ready = threading.Event()  # shared by the writer and the receiver
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         layout, spans = layout_from_tensors(list(kv_caches.values()), self.num_blocks, self.block_size)
@@ -60,13 +60,13 @@ class KVPathWorker:
             self.sender = PushSender(
                 self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
             )
-            self.sender.results_ready = self._ready
+            self.sender.results_ready = self.results_ready
             self.sender.start()
         if self.role in ("kv_consumer", "kv_both"):
             self.receiver = PushReceiver(
                 self.cfg, layout, spans, self.engine_id, self.rank, self.stats, self.trace, compat=compat
             )
-            self.receiver.results_ready = self._ready
+            self.receiver.results_ready = self.results_ready
             self.receiver.start()
 
     def process_metadata(self, meta: KVPathMetadata) -> None:
@@ -99,12 +99,12 @@ class KVPathWorker:
         """Block until the writer or receiver has a result to report, at most ``timeout_s``.
 
         Called on a step that runs no model: the engine steps again at once after it,
-        and at TP > 1 such back-to-back steps spin every worker (docs/connector.md)."""
-        self._ready.clear()  # before looking: a result that comes after the look sets it again
+        and at TP > 1 such back-to-back steps spin every worker (docs/connector-tp.md, "TP > 1 on a busy CPU")."""
+        self.results_ready.clear()  # before looking: a result that comes after the look sets it again
         parts = [p for p in (self.sender, self.receiver) if p is not None]
         if any(p.has_results() for p in parts):
             return True
-        return self._ready.wait(timeout_s)
+        return self.results_ready.wait(timeout_s)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(P requests whose blocks may be freed, D requests released, of which failed)."""

@@ -2,7 +2,8 @@
 (given, asked of the reservation service at push time, or the hash's), its WRITE is
 posted on that lane's agent and progressed until NIXL says done or failed; then the
 blocks are freed, the reservation ended, D told, and the transfer record written.
-Every method runs on the writer thread.
+This part owns the pushes asking for a lane, waiting for one (:mod:`parked_pushes`)
+and in flight. Every method runs on the writer thread.
 """
 
 from __future__ import annotations
@@ -10,22 +11,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 
 from kvpath.connector import messages as M
-from kvpath.connector.config import RESERVE_AT_PUSH
-from kvpath.connector.kv_verify import tokens_written
+from kvpath.connector.config import RESERVE_AT_PUSH, KVPathConfig
+from kvpath.connector.control_channel import ControlChannel
+from kvpath.connector.freed_blocks import FreedBlocks
+from kvpath.connector.kv_dump import KVDump
+from kvpath.connector.kv_verify import Verifier, tokens_written
+from kvpath.connector.lane_setup import MAX_QUEUED_SETUPS, LaneSetup, Peer
 from kvpath.connector.layout import build_descs
-from kvpath.connector.push_state import FinishedPrefill, Match
+from kvpath.connector.parked_pushes import ParkedPushes
+from kvpath.connector.push_state import Match, SenderState
+from kvpath.connector.telemetry import Stats
 from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.reservation.decisions import default_lane
+from kvpath.reservation.notifier import ReservationNotifier
 from kvpath.reservation.wire import FlowScope
 from kvpath.trace import TransferRecord
-
-if TYPE_CHECKING:
-    from kvpath.connector.sender import PushSender
 
 logger = logging.getLogger(__name__)
 
@@ -45,34 +50,64 @@ class InFlight:
 
 
 class WriteLoop:
-    """The WRITE half of :class:`~kvpath.connector.sender.PushSender` (a mixin: the
-    state is the sender's, this groups the code that posts and completes pushes)."""
+    """Matched pushes, from their lane to their end."""
 
-    def _ask_lane(self: "PushSender", m: Match) -> bool:
+    def __init__(
+        self, cfg: KVPathConfig, layout: M.BlockLayout, compat: M.Compat, state: SenderState, stats: Stats,
+        channel: ControlChannel, lanes: LaneSetup, freed: FreedBlocks, *, record: Callable[[Any], None],
+        put: Callable[[str, Any], None], kv_verify: Verifier | None = None, kv_dump: KVDump | None = None,
+    ):
+        self.cfg, self.layout, self.compat, self.state, self.stats = cfg, layout, compat, state, stats
+        self.channel, self.lanes, self.freed = channel, lanes, freed
+        self._record, self._put = record, put  # put: hands a reservation's answer back to the writer thread
+        self.kv_verify, self.kv_dump = kv_verify, kv_dump
+        self.notifier: ReservationNotifier | None = None  # set by the sender's start()
+        self.parked = ParkedPushes()
+        self.in_flight: dict[str, InFlight] = {}  # flow key -> its posted WRITE
+        self.asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
+
+    def spinning(self) -> bool:
+        """A WRITE in flight is progressed in a busy loop (none is past transfer_timeout_s)."""
+        return any(not f.slow for f in self.in_flight.values())
+
+    def busy(self) -> bool:
+        return bool(self.in_flight) or bool(self.asking)
+
+    def holds(self, key: str) -> bool:
+        """Flow ``key`` is in flight, asking for its lane or waiting for one."""
+        return key in self.in_flight or key in self.asking or self.parked.holds(key)
+
+    def busy_peers(self) -> set[str]:
+        """D agent names a push is in flight, asking or waiting for."""
+        busy = {f.match.registration.reg.agent_name for f in self.in_flight.values()}
+        busy |= {m.registration.reg.agent_name for m, _ in self.asking.values()}
+        return busy | set(self.parked.names())
+
+    def _ask_lane(self, m: Match) -> bool:
         """reserve_at=push: ask the reservation service for this push's lane first (on
         the notifier's thread); the WRITE starts when the answer comes. False when
         there is nothing to ask (a lane was given, no service, hosts unknown)."""
         fp = m.prefill
         if self.cfg.reserve_at != RESERVE_AT_PUSH or fp.lane is not None or fp.lane_asked or self.notifier is None:
             return False
-        peer = self._peers.get(m.registration.reg.agent_name)
+        peer = self.lanes.peer(m.registration.reg.agent_name)
         if peer is None or not peer.hello.fabric_host:
             return False
         fp.lane_asked = True
         try:  # this flow's bytes: with unequal TP sizes a part of either side's blocks
-            nbytes = self._descs(peer.hello, fp.block_ids, m.registration.reg)[2]
-        except Exception:  # a plan that fails fails the push at _start_write; ask for the blocks
+            nbytes = self.descs(peer.hello, fp.block_ids, m.registration.reg)[2]
+        except Exception:  # a plan that fails fails the push at start; ask for the blocks
             nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
-        self._asking[fp.key] = (m, time.monotonic())
+        self.asking[fp.key] = (m, time.monotonic())
         # this worker pair's flow only (with TP>1 every rank asks for its own)
-        pair = self.worker_pair(peer.hello)
+        pair = self.lanes.worker_pair(peer.hello)
         scope = FlowScope(p_engine=pair.p_engine, d_engine=pair.d_engine, p_rank=pair.p_rank, d_rank=pair.d_rank)
         self.notifier.reserve(self.cfg.fabric_host, peer.hello.fabric_host, nbytes, transfer_id=fp.transfer_id,
                               scope=scope, done=lambda _tid, lane, lease, key=fp.key: self._put("reserved", (key, lane, lease)))
         return True
 
-    def _on_reserved(self: "PushSender", key: str, lane: int | None, lease_id: str | None) -> None:
-        asked = self._asking.pop(key, None)
+    def on_reserved(self, key: str, lane: int | None, lease_id: str | None) -> None:
+        asked = self.asking.pop(key, None)
         if asked is None:  # too late: the push went on the hash's lane; free what was reserved
             if lease_id and self.notifier is not None:
                 self.notifier.release(lease_id)
@@ -80,25 +115,25 @@ class WriteLoop:
         m = asked[0]
         m.prefill.lane, m.prefill.lease_id = lane, lease_id  # None: the hash's lane
         self.stats.inc("lanes_reserved_at_push" if lane is not None else "lanes_reserve_fallback")
-        self._start_write(m)
+        self.start(m)
 
-    def _stop_asking(self: "PushSender") -> None:
+    def stop_asking(self) -> None:
         """A push waits ASK_TIMEOUT_S at most for its lane, then goes on the hash's lane."""
         now = time.monotonic()
-        for key, (m, at) in list(self._asking.items()):
+        for key, (m, at) in list(self.asking.items()):
             if now - at > ASK_TIMEOUT_S:
-                del self._asking[key]
+                del self.asking[key]
                 self.stats.inc("lanes_reserve_fallback")
-                self._start_write(m)
+                self.start(m)
 
-    def _start_write(self: "PushSender", m: Match) -> None:
+    def start(self, m: Match) -> None:
         if self._ask_lane(m):
             return
         fp, pr = m.prefill, m.registration
         reg = pr.reg
         n_lanes = self.cfg.lanes
         lane = fp.lane if fp.lane is not None and 0 <= fp.lane < n_lanes else default_lane(fp.transfer_id, n_lanes)
-        peer = self._peers[reg.agent_name]
+        peer = self.lanes.peers[reg.agent_name]
         rec = TransferRecord(
             transfer_id=fp.transfer_id, request_id=fp.request_id, peer_engine=peer.hello.engine_id,
             peer_request_id=reg.request_id, peer_rank=peer.hello.compat.tp_rank, lane=lane, lease_id=fp.lease_id or "",
@@ -106,11 +141,11 @@ class WriteLoop:
             **(fp.times.record_fields() if fp.times is not None else {}),
         )
         if time.monotonic() >= pr.post_by:
-            self._fail(m, "D's post_by deadline passed before the prefill finished", rec)
+            self.fail(m, "D's post_by deadline passed before the prefill finished", rec)
             return
-        short = self._too_few_blocks(peer.hello, fp.block_ids, reg)
+        short = self.too_few_blocks(peer.hello, fp.block_ids, reg)
         if short:
-            self._fail(m, short, rec)
+            self.fail(m, short, rec)
             return
         try:
             if peer.lanes.lanes[lane].broken:
@@ -118,7 +153,7 @@ class WriteLoop:
                 if live:
                     # another lane carries this push now; the broken one reopens on the
                     # writer's loop (a blocking reopen would hold every other push)
-                    self._queue_lane_reopen(peer, lane)
+                    self.lanes.queue_reopen(peer, lane)
                     lane = rec.lane = live[0]
                 else:  # no lane open to D at all: the push waits for the reopen, on the loop
                     self._park(peer, lane, m, rec)
@@ -126,7 +161,7 @@ class WriteLoop:
             agent = peer.lanes.agent(lane)
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
-            loc, rem, nbytes = self._descs(peer.hello, fp.block_ids, reg)
+            loc, rem, nbytes = self.descs(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
             # kv_verify: a digest of the source bytes, from blocks held until the WRITE ends
             notif = (M.make_notif(fp.transfer_id) if self.kv_verify is None else self.kv_verify.p_notif(
@@ -134,21 +169,21 @@ class WriteLoop:
             rec.submit_at = time.time()
             h = None
             if len(loc) == 0:  # this rank writes no head of D's: the notification alone
-                self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", instance=self.instance))
+                self.channel.ack(pr.reply_to, fp.transfer_id, "posted")
                 agent.send_notif(reg.agent_name, notif)
             else:
                 l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
                 r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
                 h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, notif)
         except Exception as e:  # nothing was posted
-            self._fail(m, f"preparing the WRITE failed: {e}", rec)
+            self.fail(m, f"preparing the WRITE failed: {e}", rec)
             return
         if h is None:  # outside the try: an error in it must not fail a push that ended
             rec.completed_at = time.time()
-            self._succeed(m, rec)
+            self.succeed(m, rec)
             return
         # D: progress fast now (and a WRITE is posted: no "never posted" answer ends it)
-        self._send(pr.reply_to, M.Ack(fp.transfer_id, "posted", bytes=nbytes, instance=self.instance))
+        self.channel.ack(pr.reply_to, fp.transfer_id, "posted", nbytes=nbytes)
         try:
             state = agent.transfer(h)
         except Exception as e:
@@ -157,18 +192,18 @@ class WriteLoop:
         f = InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s,
                      lane_obj=peer.lanes.lanes[lane])
         if state == "ERR":
-            self._failed_write(f, "NIXL refused the WRITE")
+            self.failed_write(f, "NIXL refused the WRITE")
             return
-        self._inflight[fp.key] = f
+        self.in_flight[fp.key] = f
         if state == "DONE":
-            self._progress()
+            self.progress()
 
-    def _descs(self: "PushSender", hello: M.Hello, p_blocks: list[int], reg: M.Register
+    def descs(self, hello: M.Hello, p_blocks: list[int], reg: M.Register
                ) -> tuple[np.ndarray, np.ndarray, int]:
         """The WRITE's descriptors: blocks as they are at equal sizes; else the heads this
         rank holds that D's rank needs, each at its offset in D's blocks (tp_map.plan)."""
         src = p_blocks[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
-        if self.same_sizes(hello):
+        if self.lanes.same_sizes(hello):
             return build_descs(self.layout, hello.layout, src, reg.block_ids)
         d_bs = hello.layout.block_size
         # The tokens both sides' blocks hold: past the prompt's last token they are the
@@ -178,7 +213,7 @@ class WriteLoop:
         return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks,
                     [0] * reg.skip_blocks + list(reg.block_ids), n, reg.skip_blocks * d_bs)
 
-    def _too_few_blocks(self: "PushSender", hello: M.Hello, p_blocks: list[int], reg: M.Register) -> str:
+    def too_few_blocks(self, hello: M.Hello, p_blocks: list[int], reg: M.Register) -> str:
         """Why P's blocks cannot fill D's (another prompt length), or "": at equal block
         sizes P has a block for each of D's; else P's tokens reach into D's last block."""
         d_blocks = reg.skip_blocks + len(reg.block_ids)
@@ -190,9 +225,9 @@ class WriteLoop:
         return "" if ok else (f"P has {len(p_blocks)} blocks of {p_bs} tokens, D expects {d_blocks} blocks of "
                               f"{d_bs} tokens")
 
-    def _progress(self: "PushSender") -> None:
+    def progress(self) -> None:
         now = time.monotonic()
-        for key, f in list(self._inflight.items()):
+        for key, f in list(self.in_flight.items()):
             try:
                 state = f.agent.check_xfer_state(f.handle)
             except Exception as e:  # the peer vanished under the transfer
@@ -206,64 +241,67 @@ class WriteLoop:
                     logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
                                    f.match.prefill.transfer_id, self.cfg.transfer_timeout_s)
                 continue
-            del self._inflight[key]
+            del self.in_flight[key]
             if state == "DONE":
                 self._release_handle(f)
                 f.record.completed_at = time.time()
-                self._succeed(f.match, f.record)
+                self.succeed(f.match, f.record)
             else:
-                self._failed_write(f, why)
+                self.failed_write(f, why)
 
-    def _release_handle(self: "PushSender", f: InFlight) -> None:
+    def _release_handle(self, f: InFlight) -> None:
         try:
             f.agent.release_xfer_handle(f.handle)
         except Exception:
             logger.debug("releasing handle of %s failed", f.match.prefill.transfer_id, exc_info=True)
 
-    def _failed_write(self: "PushSender", f: InFlight, why: str) -> None:
+    def failed_write(self, f: InFlight, why: str) -> None:
         """UCX reported the WRITE failed: it no longer reads the source blocks, and its
         connection is broken. The lane is reopened on its next use."""
-        self._inflight.pop(f.match.prefill.key, None)
+        self.in_flight.pop(f.match.prefill.key, None)
         self._release_handle(f)
-        peer = self._peers.get(f.match.registration.reg.agent_name)
+        peer = self.lanes.peer(f.match.registration.reg.agent_name)
         # the lane it was posted on, not one reopened under the same index since
         if peer is not None and (f.lane_obj is None or peer.lanes.lanes[f.lane] is f.lane_obj):
             peer.lanes.tear_down(f.lane)
             self.stats.inc("lanes_torn_down")
-        self._fail(f.match, why, f.record, posted=True)
+        self.fail(f.match, why, f.record, posted=True)
 
-    def _succeed(self: "PushSender", m: Match, rec: TransferRecord) -> None:
+    def succeed(self, m: Match, rec: TransferRecord) -> None:
         share = m.prefill.share
         if self.kv_dump is not None and (share is None or share.left == 1):  # once, before the blocks are freed
             self.kv_dump.write(m.prefill.transfer_id, self.layout, self.compat, m.prefill.block_ids)
         self.state.complete(m.prefill.key, "ok")
-        self._release(m.prefill)
+        self.freed.release(m.prefill)
         self.stats.inc("pushes_ok")
         self.stats.observe_transfer(rec)
         self._record(rec)
         logger.debug("pushed %s: %d B in %d descs on lane %d", rec.transfer_id, rec.bytes, rec.descriptors, rec.lane)
 
-    def _fail(self: "PushSender", m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
+    def fail(self, m: Match, why: str, rec: TransferRecord | None = None, posted: bool = False) -> None:
         tid = m.prefill.transfer_id
         self.state.active.setdefault(m.prefill.key, m)
         self.state.complete(m.prefill.key, "failed", posted)  # what a later Cancel is answered with
-        self._release(m.prefill)
+        self.freed.release(m.prefill)
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)
         rec.status, rec.detail, rec.completed_at = "failed", why, time.time()
         self._record(rec)
         logger.warning("push %s failed: %s", tid, why)
-        self._ack(m.registration.reply_to, tid, "failed", why, posted)
+        self.channel.ack(m.registration.reply_to, tid, "failed", why, posted)
 
-    def _expire(self: "PushSender") -> None:
-        if self._parked:
-            self._expire_parked(time.monotonic())
+    def expire(self) -> None:
+        for m, rec in self.parked.expire(time.monotonic()):
+            try:
+                self.fail(m, "D's post_by deadline passed while its lane reopened", rec)
+            except Exception:
+                logger.exception("failing push %s failed", m.prefill.transfer_id)
         ex = self.state.expire()
         # each one on its own: a failure on one (already popped from the state) must not
         # strand the blocks or the answers of the others
         for fp in ex.prefills:
             try:
-                self._release(fp)
+                self.freed.release(fp)
                 self.stats.inc("pushes_expired")
                 self._record(
                     TransferRecord(fp.transfer_id, fp.request_id, status="expired", prefill_done_at=fp.finished_at,
@@ -276,33 +314,70 @@ class WriteLoop:
         for pr in ex.registrations:
             try:
                 self.stats.inc("registrations_rejected")
-                self._ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
+                self.channel.ack(pr.reply_to, pr.reg.transfer_id, "expired", "no matching prefill finished in time")
             except Exception:
                 self.stats.inc("engine_thread_errors")
                 logger.exception("answering the expiry of %s failed", pr.reg.transfer_id)
 
-    def _release(self: "PushSender", fp: FinishedPrefill) -> None:
-        """The push of flow ``fp`` ended (any way): end the reservation asked for it; at
-        the prefill's last flow free its blocks and end the reservation it came with."""
-        last = self.state.flow_ended(fp)
-        if fp.lane_asked and fp.lease_id and self.notifier is not None:  # this flow's own
-            try:
-                self.notifier.release(fp.lease_id)
-            except Exception:
-                logger.exception("releasing the reservation of %s failed", fp.transfer_id)
-        if not last:
+    # -- pushes waiting for a lane (parked) ---------------------------------------
+    def _park(self, peer: Peer, lane: int, m: Match, rec: TransferRecord) -> None:
+        """A push to a D with no lane open: queue lane ``lane``'s reopen and wait for it."""
+        name = peer.hello.agent_name
+        if not self.lanes.queue_reopen(peer, lane) and name not in self.parked:
+            self.fail(m, f"no lane to D is open and {MAX_QUEUED_SETUPS} lane set-ups are queued", rec)
             return
-        request_id = fp.request_id
-        # Report each request once: vLLM frees (and forgets) it on the first report.
-        if request_id not in self._released:
-            self._released[request_id] = None
-            if len(self._released) > 65536:
-                self._released.popitem(last=False)
-            with self._finished_lock:
-                self._finished.add(request_id)
-            self.results_ready.set()
-        if fp.lease_id and not fp.lane_asked and self.notifier is not None:  # after the blocks: it must not keep them
+        self.parked.add(name, m, rec)
+
+    def reopen_ended(self, name: str, why: str | None) -> None:
+        """A lane reopen to D ``name`` ended (``why``: it failed). Its waiting pushes go on
+        when a lane to D is open now; when none is, they fail, and the D's other queued
+        reopens are dropped (D is unreachable: each would spend its own probe timeout)."""
+        if name not in self.parked:
+            return
+        peer = self.lanes.peer(name)
+        if peer is not None and any(not ln.broken for ln in peer.lanes.lanes):
+            self._unpark(name, None)
+            return
+        self.lanes.drop_reopens_of(name)
+        self._unpark(name, why or "no lane to D could be reopened")
+
+    def _unpark(self, name: str, why: str | None) -> None:
+        """Start D ``name``'s waiting pushes (``why`` None), or fail them with ``why``.
+        Each on its own: one that raises is failed and strands none of the others."""
+        for m, rec in self.parked.pop(name):
             try:
-                self.notifier.release(fp.lease_id)
-            except Exception:
-                logger.exception("releasing the reservation of %s failed", fp.transfer_id)
+                if why is None:
+                    self.start(m)
+                else:
+                    self.fail(m, why, rec)
+            except Exception as e:
+                logger.exception("push %s waiting for a lane could not go on", m.prefill.transfer_id)
+                try:
+                    self.fail(m, f"resuming the push failed: {e}", rec)
+                except Exception:
+                    logger.exception("failing push %s failed", m.prefill.transfer_id)
+
+    def cancel_parked(self, key: str) -> bool:
+        """D's Cancel of a push (flow ``key``) waiting for a lane: it ends "cancelled", not
+        posted, its blocks freed. False when it is not waiting."""
+        got = self.parked.take(key)
+        if got is None:
+            return False
+        m, rec = got
+        tid = m.prefill.transfer_id
+        self.state.complete(key, "cancelled", posted=False)
+        self.freed.release(m.prefill)
+        self.stats.inc("pushes_cancelled")
+        rec.status, rec.detail, rec.completed_at = "cancelled", "cancelled while its lane reopened", time.time()
+        self._record(rec)
+        self.channel.ack(m.registration.reply_to, tid, "cancelled", "cancelled while its lane reopened", False)
+        return True
+
+    def drop_all(self) -> None:
+        """Shutdown: WRITEs in flight are released (nobody will complete them), waiting
+        pushes fail."""
+        for f in list(self.in_flight.values()):
+            self._release_handle(f)
+        self.in_flight.clear()
+        for name in self.parked.names():
+            self._unpark(name, "P is shutting down")

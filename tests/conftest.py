@@ -63,3 +63,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     bad = _old_names_imported()
     if bad:
         raise pytest.UsageError(f"a test module imports an old top-level name (use kvpath.*): {', '.join(bad)}")
+
+
+@pytest.fixture(autouse=True)
+def _close_bare_engine_threads():
+    """Engine threads a test built without starting (tests/engine_doubles.py) hold a ZMQ
+    context each: closed after the test."""
+    yield
+    doubles = sys.modules.get("tests.engine_doubles")
+    if doubles is not None:
+        doubles.close_made()

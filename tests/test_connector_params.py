@@ -54,7 +54,7 @@ class _Failing:
 
 
 class _Thread:
-    """What EngineThread._record touches: its log, its counters and its TP rank."""
+    """What EngineThread.record touches: its log, its counters and its TP rank."""
 
     def __init__(self, trace: object):
         self.trace, self.stats, self.rank = trace, Stats(), 1
@@ -65,7 +65,7 @@ class _Thread:
 def test_a_record_that_cannot_be_written_is_counted_not_raised(exc):
     t = _Thread(_Failing(exc))
     rec = TransferRecord("tid", "rid")
-    EngineThread._record(t, rec)  # type: ignore[arg-type]
+    EngineThread.record(t, rec)  # type: ignore[arg-type]
     assert t.trace.calls == 1 and t.stats.snapshot()["trace_write_failed"] == 1
     assert (rec.rank, rec.peer_rank) == (1, 1)  # the writer's rank, and D's (equal ranks are paired)
 

@@ -139,7 +139,7 @@ def test_p_never_writes_for_a_registration_or_cancel_that_is_not_its_senders(key
             p.submit_finished("pw", "warm", [1])
             assert d.call("wait", ["warm"], 10)[1] == ["warm"]
             _, _, victim_agent, _ = d.call("info")
-            assert victim_agent in p.lanes()  # P knows the victim's agent (it has lanes to it)
+            assert victim_agent in p.lane_map()  # P knows the victim's agent (it has lanes to it)
             d.call("register", "d1", "t-victim", p.address, [5], 0)
             assert wait_for(lambda: p.state.registered_by("t-victim") is not None)
             m = client(ctx, p.address, keys["mallory"], keys["p_pub"], routing_id(keys["mallory"][0], victim_agent))
@@ -254,7 +254,7 @@ def test_a_hello_whose_nixl_metadata_names_another_agent_is_refused(keys):
         assert m.poll(10000)
         w = msgspec.msgpack.decode(m.recv(), type=M.Welcome)
         assert not w.ok and "names agent" in w.detail, w
-        assert "mallory-agent" not in p.lanes()
+        assert "mallory-agent" not in p.lane_map()
     finally:
         ctx.destroy(0)
         p.close()
@@ -276,7 +276,7 @@ def test_a_hello_of_another_protocol_version_is_answered_with_a_refusal_naming_i
         assert (w.ok, w.field) == (False, "protocol")
         assert w.detail == f"protocol version {M.PROTOCOL_VERSION - 1}, expected {M.PROTOCOL_VERSION}"
         st = p.stats.snapshot()
-        assert st["handshakes_refused"] == 1 and st["messages_malformed"] == 0 and "old-agent" not in p.lanes()
+        assert st["handshakes_refused"] == 1 and st["messages_malformed"] == 0 and "old-agent" not in p.lane_map()
     finally:
         ctx.destroy(0)
         p.close()

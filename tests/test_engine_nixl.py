@@ -6,7 +6,6 @@ import uuid
 
 import numpy as np
 import pytest
-import zmq
 
 from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
@@ -32,10 +31,12 @@ def cfg(**kw) -> KVPathConfig:
 
 
 class PSide:
-    def __init__(self, c: KVPathConfig):
+    def __init__(self, c: KVPathConfig, compat=None):
         self.bufs = make_buffers(SPEC, "random", seed=7)
         spans = [(b.ctypes.data, b.nbytes) for b in self.bufs]
-        self.sender = PushSender(c, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans).start()
+        lay = layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size)
+        compat = compat(lay) if callable(compat) else compat
+        self.sender = PushSender(c, lay, spans, compat=compat).start()
 
     def expect(self, blocks):
         return self.expect_blocks(SPEC, blocks)
@@ -91,7 +92,7 @@ def test_fragmented_pushes_arrive_byte_exact(pair, order):
         assert d.call("read", dst)[1] == p.expect(src), f"{tid}: bytes differ"
     stats = p.sender.stats.snapshot()
     assert stats["pushes_ok"] == 6 and stats["pushes_failed"] == 0
-    lanes = next(iter(p.sender.lanes().values()))
+    lanes = next(iter(p.sender.lane_map().values()))
     assert len(lanes) == p.sender.cfg.lanes
     ports = [l.src_port for l in lanes]
     assert all(ports) and len(set(ports)) == len(ports), "each lane has its own source port"
@@ -116,7 +117,7 @@ def test_lane_choice_is_honoured_and_skip_blocks_respected():
 
         kv = [r for r in records if getattr(r, "transfer_id", "").startswith("lane-")]
         assert [r.lane for r in kv] == [2, 0, 1, default_lane("lane-3", 3)]
-        lanes = next(iter(p.sender.lanes().values()))
+        lanes = next(iter(p.sender.lane_map().values()))
         assert [r.src_port for r in kv[:3]] == [lanes[2].src_port, lanes[0].src_port, lanes[1].src_port]
         assert [r.five_tuple for r in kv] == [lanes[r.lane].five_tuple() for r in kv]
         assert all(r.descriptors == SPEC.regions and r.bytes == SPEC.regions * SPEC.block_len for r in kv)
@@ -135,7 +136,7 @@ def test_the_connector_log_holds_trace_records_that_read_transfers_reads(tmp_pat
         p.sender.submit_finished("p0", "log-0", [3])
         _, done, _ = d.call("wait", ["d0"], 10)
         assert done == ["d0"]
-        lanes = next(iter(p.sender.lanes().values()))
+        lanes = next(iter(p.sender.lane_map().values()))
     p.sender.close()
     mine = tmp_path / f"log-{os.getpid()}.jsonl"
     (t,) = read_transfers(mine)
@@ -159,13 +160,13 @@ def test_lanes_are_picked_to_cover_distinct_paths_by_the_fabric_spec(tmp_path):
     path.write_text(_json.dumps(spec.to_dict()))
     c = cfg(lanes=2, lane_candidates=8, fabric_spec=str(path), fabric_host="l0h0")
     p = PSide(c)
-    assert len(p.sender.lane_agents) == 16
+    assert len(p.sender.lanes.agents) == 16
     with PeerProcess(dataclasses.replace(c, fabric_host="l1h0"), SPEC) as d:
         d.call("register", "d1", "paths", p.sender.address, [5], 0)
         p.sender.submit_finished("p1", "paths", [6])
         assert d.call("wait", ["d1"], 20)[1] == ["d1"]
         assert d.call("read", [5])[1] == p.expect([6])
-    lanes = next(iter(p.sender.lanes().values()))
+    lanes = next(iter(p.sender.lane_map().values()))
     oracle = ModelOracle(spec)
     spines = [oracle.path("l0h0", "l1h0", l.src_port, l.dst_port).spine for l in lanes]
     # 16 candidates miss one of 2 spines with probability 2 x 2^-16
@@ -313,16 +314,15 @@ def test_a_mismatched_peer_is_refused_at_the_handshake_naming_the_field(caplog):
     from kvpath.connector.messages import Compat
 
     c = cfg(lanes=1)
-    p = PSide(c)
-    p_compat = p.sender.compat
-    p.sender.compat = Compat(model="tiny", dtype="float32", block_size=SPEC.block_size, kv_layout=p_compat.kv_layout)
-    d_compat = Compat(model="tiny", dtype="bfloat16", block_size=SPEC.block_size, kv_layout=p_compat.kv_layout)
+    p = PSide(c, compat=lambda lay: Compat(model="tiny", dtype="float32", block_size=SPEC.block_size,
+                                           kv_layout=lay.shape()))
+    d_compat = Compat(model="tiny", dtype="bfloat16", block_size=SPEC.block_size, kv_layout=p.sender.compat.kv_layout)
     with PeerProcess(c, SPEC, compat=d_compat) as d:
         d.call("register", "d1", "m1", p.sender.address, [1], 0)
         _, done, failed = d.call("wait", ["d1"], 5)
         assert failed == ["d1"]
         assert d.call("stats")[1]["handshakes_refused"] == 1
-        assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lanes()
+        assert p.sender.stats.snapshot()["handshakes_refused"] == 1 and not p.sender.lane_map()
     assert any("dtype differs: P has 'float32', D has 'bfloat16'" in r.getMessage() for r in caplog.records)
     p.sender.close()
 
@@ -586,7 +586,7 @@ def test_an_exception_in_an_engine_loop_is_counted_and_the_loop_keeps_serving(si
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
     rx = PushReceiver(c, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans).start()
     target = p.sender if side == "writer" else rx
-    real = target._drain_cmds
+    real = target.drain_commands
     boom = {"n": 0}
 
     def flaky():
@@ -595,7 +595,7 @@ def test_an_exception_in_an_engine_loop_is_counted_and_the_loop_keeps_serving(si
             raise RuntimeError("injected fault")
         real()
 
-    target._drain_cmds = flaky
+    target.drain_commands = flaky
     try:
         rx.register("d1", "x1", p.sender.address, [1], 0)
         p.sender.submit_finished("p1", "x1", [2])

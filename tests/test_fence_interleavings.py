@@ -3,7 +3,7 @@
 Safety invariant: no NIXL WRITE ever lands in a block D has released to vLLM. D
 fences before it frees; P never frees source blocks while a WRITE may be in
 flight. Every test drives the pure state machines (``ReceiverState`` on D,
-``WriterState`` on P) or one method of the engine threads built without sockets
+``SenderState`` on P) or one method of the engine threads built without sockets
 or NIXL (fakes stand in for the ZMQ socket and the NIXL agent), on a fake clock.
 """
 
@@ -12,26 +12,24 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 
 import pytest
-import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.lane_setup import Peer
 from kvpath.connector.lanes import LaneSet
-from kvpath.connector.push_state import FinishedPrefill, WriterState
-from kvpath.connector.receiver import PushReceiver, _PeerLink
+from kvpath.connector.push_state import FinishedPrefill, SenderState
+from kvpath.connector.peer_links import PeerLink
+from kvpath.connector.receiver import PushReceiver
 from kvpath.connector import recv_state
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.sender import PushSender
 from kvpath.connector.tcp_table import lanes_drained
-from kvpath.connector.telemetry import Stats
+from tests.engine_doubles import LAY, FakeAgent, FakeDealer, FakeRouter, bare_receiver, bare_sender  # noqa: F401
 
 PEER = "h:1"
-LAY = M.BlockLayout([M.Region(4096, 64, 64)], 16, 16)
 
 
 class Clock:
@@ -59,72 +57,20 @@ def unknown_lanes(peer: str, instance: str) -> bool | None:
     return None  # D does not know P's lane connections
 
 
-# -- fakes of the engine threads' I/O -----------------------------------------
-class FakeDealer:
-    """D's DEALER socket: records what was queued; ``on_send`` runs inside send()."""
-
-    def __init__(self, on_send=None, full: bool = False) -> None:
-        self.out: list = []
-        self.on_send = on_send
-        self.full = full
-
-    def send(self, data: bytes, flags: int = 0) -> None:
-        if self.on_send is not None:
-            self.on_send()
-        if self.full:
-            raise zmq.Again()
-        self.out.append(M.decode_to_prefill(data))
-
-
-class FakeRouter:
-    """P's ROUTER socket: records (identity, message)."""
-
-    def __init__(self) -> None:
-        self.out: list = []
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-        self.out.append((frames[0], M.decode_to_decode(frames[1])))
-
-
-class FakeAgent:
-    def __init__(self, name: str, notifs: dict[str, list[bytes]] | None = None) -> None:
-        self.name = name
-        self.notifs = notifs or {}
-
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        out, self.notifs = self.notifs, {}
-        return out
-
-
-def receiver(c: Clock, **kw) -> tuple[PushReceiver, _PeerLink]:
-    """A PushReceiver without its thread, sockets or NIXL agent, welcomed by P ``pA``."""
-    rcv = PushReceiver.__new__(PushReceiver)
-    rcv.rank = 0
+def receiver(c: Clock, **kw) -> tuple[PushReceiver, PeerLink]:
+    """A PushReceiver without its thread or NIXL agent, welcomed by P ``pA``."""
+    rcv = bare_receiver()
     rcv.state = rstate(c, **kw)
-    rcv._lock = threading.Lock()
-    rcv.stats = Stats()
-    rcv._regs = {}
-    rcv.kv_dump = None
-    rcv.engine_id = "d"
-    rcv.listen_ports = []
-    rcv._wake = lambda: None
-    rcv._record = lambda rec: None
-    link = _PeerLink(PEER, FakeDealer(), welcomed=True, instance="pA")
+    link = PeerLink(PEER, FakeDealer(), welcomed=True, instance="pA")
     link.agents["pA"] = {"pA-lane0"}
-    rcv._links = {PEER: link}
+    rcv.links.by_addr = {PEER: link}
     return rcv, link
 
 
 def sender(instance: str) -> PushSender:
     """A PushSender (P's writer) without its thread, sockets or NIXL agents."""
-    snd = PushSender.__new__(PushSender)
-    snd.state = WriterState(lease_s=30.0)
-    snd.instance = instance
-    snd.stats = Stats()
-    snd._router = FakeRouter()
-    snd._record = lambda rec: None
-    snd._parked = {}
-    snd._peers = {}
+    snd = bare_sender(instance=instance)
+    snd.state.lease_s = 30.0
     return snd
 
 
@@ -155,10 +101,10 @@ def test_restarted_p_end_to_end_cancel_answer_is_ignored_and_a_late_register_ref
     rcv, link = receiver(c)
     sent(rcv.state, "d1", "t1", instance="pA")
     new_p = sender("pB")
-    new_p._on_cancel(b"d", "t1")  # the Cancel reached the new process
-    ident, ack = new_p._router.out[-1]
+    new_p.flows.on_cancel(b"d", "t1")  # the Cancel reached the new process
+    ident, ack = new_p.channel.router.out[-1]
     assert (ack.status, ack.posted, ack.instance) == ("cancelled", False, "pB")
-    rcv._on_ack(link, ack)
+    rcv.on_ack(link, ack)
     assert rcv.state.take() == (set(), set())  # held: pA's bytes may still land
     assert rcv.stats.totals["acks_ignored"] == 1
     # pB recorded the transfer as cancelled: a Register arriving late is refused.
@@ -169,7 +115,7 @@ def test_restarted_p_end_to_end_cancel_answer_is_ignored_and_a_late_register_ref
 def test_p_answers_a_cancel_for_a_finished_transfer_with_its_record():
     """The WRITE failed after it was posted; D's Cancel crossed the failure Ack. P must
     not overwrite its record with "cancelled, never posted"."""
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_registration(register("t1"), b"d", 5.0)
     s.add_prefill(FinishedPrefill("p1", "t1", [3, 4]))
     s.complete("t1", "failed", posted=True)
@@ -189,13 +135,13 @@ def test_crossing_cancelled_and_failed_posted_acks_keep_the_grace():
     p.state.add_registration(register("t1"), b"d", 5.0)
     p.state.add_prefill(FinishedPrefill("p1", "t1", [3, 4]))
     p.state.complete("t1", "failed", posted=True)  # UCX: ERR
-    rcv._on_ack(link, M.Ack("t1", "failed", "broken", posted=True, instance="pA"))
-    p._on_cancel(b"d", "t1")  # D's Cancel, sent before the failure arrived
-    ack = p._router.out[-1][1]
+    rcv.on_ack(link, M.Ack("t1", "failed", "broken", posted=True, instance="pA"))
+    p.flows.on_cancel(b"d", "t1")  # D's Cancel, sent before the failure arrived
+    ack = p.channel.router.out[-1][1]
     assert (ack.status, ack.posted) == ("failed", True)
-    rcv._on_ack(link, ack)
+    rcv.on_ack(link, ack)
     # An older P's answer ("cancelled, never posted") must not cut the grace short either.
-    rcv._on_ack(link, M.Ack("t1", "cancelled", posted=False, instance="pA"))
+    rcv.on_ack(link, M.Ack("t1", "cancelled", posted=False, instance="pA"))
     assert rcv.state.take() == (set(), set())
     c.t = 0.99
     rcv.state.expire(never_drained)
@@ -251,7 +197,7 @@ def test_send_cancels_resends_through_the_socket():
     rcv.cancel("d1")
     for t in (0.0, 0.1, 0.25):
         c.t = t
-        rcv._send_cancels()
+        rcv.send_cancels()
     assert [type(m).__name__ for m in link.sock.out] == ["Cancel", "Cancel"]
 
 
@@ -276,7 +222,7 @@ def test_flush_abort_between_check_and_send_does_not_release_as_never_sent():
     rcv.state.add("d1", "t1", PEER)
     link.queued.append(register("t1"))
     link.sock = FakeDealer(on_send=lambda: rcv.cancel("d1"))  # the engine thread aborts mid-send
-    rcv._flush(link)
+    rcv.flush(link)
     assert [m.transfer_id for m in link.sock.out] == ["t1"]  # P gets the Register...
     assert rcv.state.take() == (set(), set())  # ...so the blocks stay fenced
     assert [w.transfer_id for w in rcv.state.to_cancel()] == ["t1"]
@@ -289,7 +235,7 @@ def test_flush_send_failure_ends_as_not_posted():
     rcv.state.add("d2", "t2", PEER)
     link.queued += [register("t1"), register("t2")]
     link.sock = FakeDealer(on_send=lambda: rcv.cancel("d2") if not link.sock.out else None, full=True)
-    rcv._flush(link)
+    rcv.flush(link)
     # Never queued, so P cannot know them: d1 failed, d2 (aborted meanwhile) released.
     assert rcv.state.take() == ({"d1", "d2"}, {"d1"})
 
@@ -342,7 +288,7 @@ def test_poll_notifs_counts_stray_ones():
     sent(rcv.state, "d1", "t1", instance="pA")
     rcv.agent = FakeAgent("d-agent", {"evil": [M.make_notif("t1")], "pA-lane0": [M.make_notif("t2"),
                                                                                  M.make_notif("t1")]})
-    rcv._poll_notifs()
+    rcv.poll_notifs()
     assert rcv.state.take() == ({"d1"}, set())
     assert rcv.stats.totals["notifs_stray"] == 2 and rcv.stats.totals["recv_ok"] == 1
 
@@ -351,12 +297,12 @@ def test_welcome_names_the_lane_agents_and_d_keeps_them_per_instance():
     p = sender("pA")
     hello = M.Hello("d", "d-agent", b"m", LAY, M.Compat(), "dI", 1.0)
     lanes = LaneSet(hello, [FakeAgent("pA-lane0"), FakeAgent("pA-lane1"), FakeAgent("pA-spare")], 0, 0, 2)
-    p._welcome(Peer(hello, b"d", lanes))
-    welcome = p._router.out[-1][1]
+    p.lanes.welcome(Peer(hello, b"d", lanes))
+    welcome = p.channel.router.out[-1][1]
     assert welcome.agents == ["pA-lane0", "pA-lane1"] and welcome.instance == "pA"
     rcv, link = receiver(Clock())
     link.agents.clear()
-    rcv._on_welcome(link, M.decode_to_decode(M.encode(welcome)))
+    rcv.on_welcome(link, M.decode_to_decode(M.encode(welcome)))
     assert link.agents == {"pA": {"pA-lane0", "pA-lane1"}}
 
 
@@ -424,28 +370,23 @@ def test_a_welcome_that_cannot_list_every_lane_leaves_that_p_to_the_bound(from_a
     port, remote, _, _ = from_another_process
     rcv, link = receiver(Clock())
     rcv.listen_ports = [port]
-    rcv._links = {"h:1": link}
-    rcv._on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4000)], agents=["a"], complete=False))
-    assert rcv._drained("h:1", "pA") is None
-    rcv._on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4001)], agents=["a"], complete=True))
-    assert rcv._drained("h:1", "pA") is None  # sticky: the unlisted lane may still be open
+    rcv.links.by_addr = {"h:1": link}
+    rcv.on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4000)], agents=["a"], complete=False))
+    assert rcv.drained("h:1", "pA") is None
+    rcv.on_welcome(link, M.Welcome("pA", True, lanes=[("10.9.9.9", 4001)], agents=["a"], complete=True))
+    assert rcv.drained("h:1", "pA") is None  # sticky: the unlisted lane may still be open
     link.incomplete.clear()  # (a complete view of this P: only its own lanes count)
-    assert rcv._drained("h:1", "pA") is None  # our established one is announced by nobody
+    assert rcv.drained("h:1", "pA") is None  # our established one is announced by nobody
     link.lanes["pOld"] = {remote}  # announced by a process of that P that is gone: says nothing
-    assert rcv._drained("h:1", "pA") is None
-    other = _PeerLink("h:2", FakeDealer(), welcomed=True, instance="pB")
-    rcv._links["h:2"] = other
-    rcv._on_welcome(other, M.Welcome("pB", True, lanes=[remote], agents=["b"], complete=True))
-    assert rcv._drained("h:1", "pA") is True  # a live P's announced lane is that P's
+    assert rcv.drained("h:1", "pA") is None
+    other = PeerLink("h:2", FakeDealer(), welcomed=True, instance="pB")
+    rcv.links.by_addr["h:2"] = other
+    rcv.on_welcome(other, M.Welcome("pB", True, lanes=[remote], agents=["b"], complete=True))
+    assert rcv.drained("h:1", "pA") is True  # a live P's announced lane is that P's
 
 
 def test_p_says_its_welcome_is_incomplete_when_a_lanes_5_tuple_is_unknown():
-    hello = M.Hello(engine_id="d", agent_name="d1", agent_metadata=b"d1", layout=LAY, compat=M.Compat(),
-                    instance="i", heartbeat_s=1.0, probe_addr=8192, probe_len=8)
-    out = []
-    snd = PushSender.__new__(PushSender)
-    snd.instance = "pA"
-    snd._send = lambda ident, msg: out.append(msg)
+    snd = sender("pA")
 
     class Lanes:
         def __init__(self, ports):
@@ -454,8 +395,9 @@ def test_p_says_its_welcome_is_incomplete_when_a_lanes_5_tuple_is_unknown():
         def agent(self, i):
             return types.SimpleNamespace(name=f"a{i}")
 
-    snd._welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 4001])))
-    snd._welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 0])))
+    snd.lanes.welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 4001])))
+    snd.lanes.welcome(types.SimpleNamespace(ident=b"d1", lanes=Lanes([4000, 0])))
+    out = [msg for _, msg in snd.channel.router.out]
     assert [(w.complete, w.lanes) for w in out] == [(True, [("10.0.0.1", 4000), ("10.0.0.1", 4001)]),
                                                      (False, [("10.0.0.1", 4000)])]
 
@@ -466,8 +408,8 @@ def test_receiver_drain_with_a_hostname_peer_and_no_lanes_is_unknown(established
     port, _ = established
     rcv, link = receiver(Clock())
     rcv.listen_ports = [port]
-    rcv._links = {"localhost:5600": _PeerLink("localhost:5600", FakeDealer(), instance="pA")}
-    assert rcv._drained("localhost:5600", "pA") is None
+    rcv.links.by_addr = {"localhost:5600": PeerLink("localhost:5600", FakeDealer(), instance="pA")}
+    assert rcv.drained("localhost:5600", "pA") is None
 
 
 def test_unknown_lanes_release_only_after_the_bound():
@@ -496,7 +438,7 @@ def test_known_lanes_never_drained_hold_past_the_bound():
 
 
 def test_a_cancel_cannot_free_a_prefill_nobody_registered_and_forgotten_records_answer_posted():
-    s = WriterState(lease_s=5, remember=2)
+    s = SenderState(lease_s=5, remember=2)
     s.add_prefill(FinishedPrefill("p1", "t1", [1]))
     assert s.cancel("t1")[0] == "unregistered" and "t1" in s.prefills  # waits for its registration or lease
     for i in range(3):  # the memory of ended transfers is bounded: one record is forgotten
@@ -518,7 +460,7 @@ def test_a_register_left_queued_by_an_ended_request_is_never_sent_for_the_next_o
     assert rcv.state.take() == ({"d1"}, set())  # never sent: released at once
     rcv.state.add("d2", "t1", PEER)
     link.queued.append(M.Register("t1", "d2", "d-agent", [5, 6]))
-    rcv._flush(link)
+    rcv.flush(link)
     assert [(m.request_id, m.block_ids) for m in link.sock.out] == [("d2", [5, 6])]
 
 
@@ -526,15 +468,9 @@ def test_a_flow_whose_start_raises_fails_alone_and_its_sibling_still_starts():
     """D TP 2 above P TP 1: one prefill, two flows. Starting the first raises (a bug, a
     NIXL error outside its own handling): that flow fails (D hears it, nothing was
     posted), the second still starts, and the blocks wait for the second flow."""
-    from collections import OrderedDict
-
     from kvpath.connector.push_state import flow_key
-    from kvpath.connector.write_loop import WriteLoop
 
     snd = sender("pA")
-    snd._inflight, snd._asking = {}, {}
-    snd._released, snd._finished_lock, snd._finished = OrderedDict(), threading.Lock(), set()
-    snd.results_ready, snd.notifier = threading.Event(), None
     keys = tuple(flow_key("t1", d, 2, 2) for d in range(2))
     for d in range(2):
         snd.state.add_registration(M.Register("t1", "d1", f"agent{d}", [1]), b"d%d" % d, 1e9, keys[d], keys)
@@ -545,14 +481,14 @@ def test_a_flow_whose_start_raises_fails_alone_and_its_sibling_still_starts():
             raise RuntimeError("boom")
         started.append(m)
 
-    snd._start_write = start
-    PushSender._on_finished(snd, FinishedPrefill("p1", "t1", [3, 4]))
+    snd.writes.start = start
+    snd.flows.on_finished(FinishedPrefill("p1", "t1", [3, 4]))
     assert [m.prefill.key for m in started] == [keys[1]] and snd.state.final(keys[0]) == ("failed", False)
-    assert [(ident, msg.status) for ident, msg in snd._router.out] == [(b"d0", "failed")]
-    assert snd._finished == set()  # the second flow still reads the blocks
+    assert [(ident, msg.status) for ident, msg in snd.channel.router.out] == [(b"d0", "failed")]
+    assert snd.take_finished() == set()  # the second flow still reads the blocks
     snd.state.complete(keys[1])  # the second flow's WRITE landed
-    WriteLoop._release(snd, started[0].prefill)
-    assert snd._finished == {"p1"}
+    snd.freed.release(started[0].prefill)
+    assert snd.take_finished() == {"p1"}
 
 
 def test_a_connection_of_this_process_to_itself_is_not_a_peers():

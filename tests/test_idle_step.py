@@ -12,7 +12,6 @@ from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.push_state import FinishedPrefill
 from kvpath.connector.vllm_scheduler import KVPathMetadata, KVPathScheduler, SendReq
 from kvpath.connector.vllm_worker import KVPathWorker
-from kvpath.connector.write_loop import WriteLoop
 
 
 def test_the_wait_is_on_at_tp_above_one_only_by_default():
@@ -75,7 +74,7 @@ class FakeSender:
 def _worker(tp_size: int, sender: FakeSender) -> KVPathWorker:
     w = KVPathWorker(KVPathConfig(), "p-engine", "kv_producer", 32, 16, compat={"tp_size": tp_size})
     w.sender = sender
-    sender.results_ready = w._ready  # as register_kv_caches wires it
+    sender.results_ready = w.results_ready  # as register_kv_caches wires it
     return w
 
 
@@ -120,36 +119,33 @@ def test_tp_one_never_waits():
 
 
 def test_the_writer_sets_the_event_when_a_push_ends():
-    from collections import OrderedDict
+    from tests.engine_doubles import bare_sender
 
-    ev = threading.Event()
-    from kvpath.connector.push_state import WriterState
-
-    writer = SimpleNamespace(_released=OrderedDict(), _finished_lock=threading.Lock(), _finished=set(),
-                             results_ready=ev, notifier=None, state=WriterState(lease_s=5))
-    WriteLoop._release(writer, FinishedPrefill("r3", "t3", [4], None, None))
-    assert writer._finished == {"r3"} and ev.is_set()
+    writer = bare_sender()
+    ev = writer.results_ready = threading.Event()  # the worker shares its own event (vllm_worker)
+    writer.freed.release(FinishedPrefill("r3", "t3", [4], None, None))
+    assert ev.is_set() and writer.take_finished() == {"r3"}
 
 
 def test_the_receiver_sets_the_event_after_a_step_that_released_also_one_that_failed():
-    from kvpath.connector.receiver import PushReceiver
+    from tests.engine_doubles import bare_receiver
 
-    ev = threading.Event()
-    state = SimpleNamespace(released=set())
+    rx = bare_receiver()
+    ev = rx.results_ready
 
     def body():
-        state.released.add("d1")
+        rx.state.released.add("d1")
         raise RuntimeError("mid-step")
 
-    rx = SimpleNamespace(_lock=threading.Lock(), state=state, results_ready=ev, _step_body=body)
+    rx.step_body = body
     with pytest.raises(RuntimeError):
-        PushReceiver._step(rx)
-    assert ev.is_set() and PushReceiver.has_results(rx)
+        rx.step()
+    assert ev.is_set() and rx.has_results()
     ev.clear()
-    state.released.clear()
-    rx._step_body = lambda: None
-    PushReceiver._step(rx)  # a step that released nothing wakes nobody
-    assert not ev.is_set() and not PushReceiver.has_results(rx)
+    rx.state.released.clear()
+    rx.step_body = lambda: None
+    rx.step()  # a step that released nothing wakes nobody
+    assert not ev.is_set() and not rx.has_results()
 
 
 def test_children_of_an_n_above_one_request_share_one_push_on_d():
@@ -218,7 +214,7 @@ def test_a_sibling_waits_a_few_steps_for_the_cache_then_computes_and_a_reuse_nev
     s.update_state_after_alloc(owner, blocks, 100)
     assert s.get_num_new_matched_tokens(reuse, 0) == (100, True)
     s.update_state_after_alloc(reuse, blocks, 100)  # registers (and fails as a duplicate), owns nothing
-    assert {t: o.request_id for t, o in s._owners.items()} == {"t1": "0_x"}
+    assert {t: o.request_id for t, o in s.owners.items()} == {"t1": "0_x"}
     s.update_connector_output(SimpleNamespace(finished_sending=(), finished_recving={"0_x"}))
     step = SimpleNamespace(total_num_scheduled_tokens=1)
     for _ in range(SIBLING_CACHE_STEPS - 1):

@@ -116,10 +116,10 @@ def _side(regions, num_blocks, block_len, block_size, tp, rank, heads, seed):
 
 
 def _writer(lay, compat, spans):
-    """P's write loop without its thread: its own _descs (what the WRITE's descriptors are)."""
-    p = PushSender.__new__(PushSender)
-    p.layout, p.compat, p.spans = lay, compat, spans
-    return p
+    """P's writer without its thread: its write loop plans the WRITE's descriptors."""
+    from tests.engine_doubles import bare_sender
+
+    return bare_sender(layout=lay, compat=compat)
 
 
 ROW = 32  # bytes of one token's K (or V) row of one head
@@ -155,7 +155,7 @@ def test_d_recomputes_exactly_the_bytes_p_wrote_and_a_flipped_byte_is_caught(p_t
                                                      10 + p_rank)
             p = _writer(p_lay, p_compat, p_spans)
             p_blocks = [int(x) for x in rng.permutation(nb)[:-(-n_tokens // p_bs)]]
-            loc, rem, nbytes = p._descs(hello, p_blocks, reg)
+            loc, rem, nbytes = p.writes.descs(hello, p_blocks, reg)
             before = [b.copy() for b in d_bufs]
             for (s, ln, _), (t, _, _) in zip(loc.tolist(), rem.tolist()):  # the WRITE
                 V.MemView(d_spans).view(t, ln)[:] = V.MemView(p_spans).view(s, ln)

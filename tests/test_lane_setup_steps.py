@@ -2,11 +2,8 @@
 never complete (a firewall dropping its packets) delays nobody else's acks, and
 leaves no remote agent behind when it fails."""
 
-import threading
 import time
-from collections import OrderedDict
 
-import numpy as np
 import pytest
 
 from kvpath.connector import lanes as lanes_mod
@@ -14,10 +11,8 @@ from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.lane_setup import Peer
 from kvpath.connector.lanes import LaneSet
-from kvpath.connector.push_state import WriterState
 from kvpath.connector.sender import PushSender
-from kvpath.connector.telemetry import Stats
-from tests.test_fence_interleavings import FakeRouter
+from tests.engine_doubles import bare_sender
 from tests.test_peer_bounds import LAY, NoEntropy, hello
 
 
@@ -54,22 +49,8 @@ class SlowAgent:
 
 
 def writer(agents) -> PushSender:
-    snd = PushSender.__new__(PushSender)
-    snd.cfg = KVPathConfig(control_plaintext=True, lanes=2)
-    snd.state = WriterState(lease_s=30.0)
-    snd.stats = Stats()
-    snd.instance, snd.engine_id, snd.rank = "pA", "p", 0
-    snd.results_ready = threading.Event()  # EngineThread.__init__'s, which __new__ skips
-    snd.compat = M.Compat()
-    snd.layout = LAY
-    snd._router = FakeRouter()
-    snd._record = lambda rec: None
-    snd._peers, snd._inflight, snd._asking = {}, {}, {}
-    snd._opening, snd._hellos, snd._reopens, snd._parked = None, OrderedDict(), OrderedDict(), {}
-    snd.lane_agents = agents
-    snd._probe = np.zeros(8, dtype=np.uint8)
-    snd.address = "127.0.0.1:5600"
-    snd.oracle, snd.notifier, snd.on_lanes = None, None, None
+    snd = bare_sender(KVPathConfig(control_plaintext=True, lanes=2), LAY, agents)
+    assert snd.channel.address.endswith(":5600")
     return snd
 
 
@@ -79,7 +60,7 @@ def no_entropy(monkeypatch):
 
 
 def welcomes(snd, ident):
-    return [m for i, m in snd._router.out if i == ident and isinstance(m, M.Welcome)]
+    return [m for i, m in snd.channel.router.out if i == ident and isinstance(m, M.Welcome)]
 
 
 def test_a_stuck_probe_does_not_hold_the_writer_and_others_are_answered_meanwhile():
@@ -88,45 +69,45 @@ def test_a_stuck_probe_does_not_hold_the_writer_and_others_are_answered_meanwhil
     # D "ok" already has lanes: its registration must be answered while d-stuck's set-up runs
     ok = LaneSet(hello("d-ok"), agents, 0, 5600, 2, entropy=NoEntropy())
     ok.open_all()
-    snd._peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
+    snd.lanes.peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
     t0 = time.monotonic()
-    snd._on_hello(b"d-stuck", hello("d-stuck"))
+    snd.lanes.on_hello(b"d-stuck", hello("d-stuck"))
     assert time.monotonic() - t0 < 0.5  # returned with its probe in flight
-    assert snd._opening is not None and welcomes(snd, b"d-stuck") == []
-    snd._on_register(b"d-ok", M.Register("t1", "r1", "d-ok", [1]))
-    assert [m.status for i, m in snd._router.out if i == b"d-ok"] == ["accepted"]
-    snd._on_hello(b"d-stuck", hello("d-stuck"))  # D's re-sent Hello: not a second set-up
+    assert snd.lanes.opening is not None and welcomes(snd, b"d-stuck") == []
+    snd.flows.on_register(b"d-ok", M.Register("t1", "r1", "d-ok", [1]))
+    assert [m.status for i, m in snd.channel.router.out if i == b"d-ok"] == ["accepted"]
+    snd.lanes.on_hello(b"d-stuck", hello("d-stuck"))  # D's re-sent Hello: not a second set-up
     for _ in range(5):
-        snd._step_lane_setup()
-    assert agents[0].polls == 5 and len(snd._hellos) == 0
+        snd.lanes.step()
+    assert agents[0].polls == 5 and len(snd.lanes.queued) == 0
 
 
 def test_a_set_up_that_times_out_is_refused_leaves_no_remote_agent_and_the_next_one_runs(monkeypatch):
     monkeypatch.setattr(lanes_mod, "PROBE_TIMEOUT_S", 0.05)
     agents = [SlowAgent("a0", stuck={"d-stuck"}), SlowAgent("a1", stuck={"d-stuck"})]
     snd = writer(agents)
-    snd._on_hello(b"d-stuck", hello("d-stuck"))
-    snd._on_hello(b"d-next", hello("d-next"))  # queued behind it
+    snd.lanes.on_hello(b"d-stuck", hello("d-stuck"))
+    snd.lanes.on_hello(b"d-next", hello("d-next"))  # queued behind it
     assert welcomes(snd, b"d-next") == []
     deadline = time.monotonic() + 5
-    while snd._opening is not None and time.monotonic() < deadline:
-        snd._step_lane_setup()
+    while snd.lanes.opening is not None and time.monotonic() < deadline:
+        snd.lanes.step()
         time.sleep(0.005)
     w = welcomes(snd, b"d-stuck")
     assert len(w) == 1 and not w[0].ok and w[0].field == "lanes"
     assert all("d-stuck" not in a.remote for a in agents)
-    snd._step_lane_setup()  # d-next's set-up: its probes complete at once
+    snd.lanes.step()  # d-next's set-up: its probes complete at once
     w = welcomes(snd, b"d-next")
-    assert len(w) == 1 and w[0].ok and "d-next" in snd._peers
+    assert len(w) == 1 and w[0].ok and "d-next" in snd.lanes.peers
 
 
 def test_shutdown_abandons_a_set_up_in_progress_without_leaving_remote_agents():
     agents = [SlowAgent("a0", stuck={"d-stuck"}), SlowAgent("a1", stuck={"d-stuck"})]
     snd = writer(agents)
-    snd._on_hello(b"d-stuck", hello("d-stuck"))
-    snd._on_hello(b"d-q", hello("d-q"))
-    snd._abandon_lane_setups()
-    assert snd._opening is None and not snd._hellos
+    snd.lanes.on_hello(b"d-stuck", hello("d-stuck"))
+    snd.lanes.on_hello(b"d-q", hello("d-q"))
+    snd.lanes.abandon()
+    assert snd.lanes.opening is None and not snd.lanes.queued
     assert all(a.remote == set() for a in agents)
 
 
@@ -137,15 +118,15 @@ def test_a_broken_lane_is_reopened_on_the_loop_while_the_push_takes_a_live_one()
     agents[0].stuck.clear()
     ls.open_all()
     agents[0].stuck.add("d1")  # lane 0's agent cannot reach D any more
-    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    snd.lanes.peers["d1"] = Peer(hello("d1"), b"d1", ls)
     ls.tear_down(0)
-    snd._queue_lane_reopen(snd._peers["d1"], 0)
-    snd._step_lane_setup()
-    assert snd._opening is not None and snd._opening.reopen == 0 and ls.lanes[0].broken
+    snd.lanes.queue_reopen(snd.lanes.peers["d1"], 0)
+    snd.lanes.step()
+    assert snd.lanes.opening is not None and snd.lanes.opening.reopen == 0 and ls.lanes[0].broken
     agents[0].stuck.clear()  # D reachable again: the probe completes
-    snd._step_lane_setup()
-    assert snd._opening is None and not ls.lanes[0].broken
-    assert [m.ok for i, m in snd._router.out if isinstance(m, M.Welcome)] == [True]  # D told of the new lane
+    snd.lanes.step()
+    assert snd.lanes.opening is None and not ls.lanes[0].broken
+    assert [m.ok for i, m in snd.channel.router.out if isinstance(m, M.Welcome)] == [True]  # D told of the new lane
 
 
 def _hello_listening(port: int, ip: str = "127.0.0.1") -> M.Hello:
@@ -161,7 +142,7 @@ def test_reachability_check_passes_on_accept_or_refusal_and_fails_on_silence(mon
     agents = [SlowAgent("a0")]
 
     def check(h) -> str:
-        steps = LaneSet(h, agents, 0, 5600, 1, entropy=NoEntropy())._reachable_steps()
+        steps = LaneSet(h, agents, 0, 5600, 1, entropy=NoEntropy()).reachable_steps()
         try:
             while True:
                 next(steps)
@@ -197,7 +178,7 @@ def test_reachability_check_passes_on_accept_or_refusal_and_fails_on_silence(mon
 def _all_lanes_broken(snd, agents, name="d1"):
     ls = LaneSet(hello(name), agents, 0, 5600, 2, entropy=NoEntropy())
     ls.open_all()
-    snd._peers[name] = Peer(hello(name), name.encode(), ls)
+    snd.lanes.peers[name] = Peer(hello(name), name.encode(), ls)
     for a in agents:
         a.stuck.add(name)  # D unreachable for now
     ls.tear_down(0)
@@ -206,19 +187,16 @@ def _all_lanes_broken(snd, agents, name="d1"):
 
 
 def _push(snd, tid, name="d1", post_by_s=60.0):
-    import threading
 
     from kvpath.connector.push_state import FinishedPrefill
 
-    if not hasattr(snd, "_finished"):
-        snd._finished, snd._finished_lock, snd._released = set(), threading.Lock(), OrderedDict()
-    snd._on_finished(FinishedPrefill("req-" + tid, tid, [1, 2]))
-    snd._on_register(name.encode(), M.Register(tid, "dr-" + tid, name, [3, 4], post_by_s=post_by_s,
+    snd.flows.on_finished(FinishedPrefill("req-" + tid, tid, [1, 2]))
+    snd.flows.on_register(name.encode(), M.Register(tid, "dr-" + tid, name, [3, 4], post_by_s=post_by_s,
                                                sent_at=time.time()))
 
 
 def _acks(snd, tid):
-    return [m for i, m in snd._router.out if isinstance(m, M.Ack) and m.transfer_id == tid]
+    return [m for i, m in snd.channel.router.out if isinstance(m, M.Ack) and m.transfer_id == tid]
 
 
 def test_a_push_with_no_lane_open_waits_for_the_reopen_on_the_loop_and_then_goes():
@@ -228,24 +206,24 @@ def test_a_push_with_no_lane_open_waits_for_the_reopen_on_the_loop_and_then_goes
     t0 = time.monotonic()
     _push(snd, "t1")
     assert time.monotonic() - t0 < 0.5  # parked, not reopened in place (its probe never completes)
-    assert list(snd._parked) == ["d1"]
-    (key,) = snd._reopens
+    assert list(snd.writes.parked.waiting) == ["d1"]
+    (key,) = snd.lanes.reopens
     assert key[0] == "d1"
-    assert [m.status for i, m in snd._router.out if i == b"d1" and isinstance(m, M.Ack)] == ["accepted"]
+    assert [m.status for i, m in snd.channel.router.out if i == b"d1" and isinstance(m, M.Ack)] == ["accepted"]
     # meanwhile the writer answers another D
     ok = LaneSet(hello("d-ok"), [SlowAgent("b0"), SlowAgent("b1")], 0, 5600, 2, entropy=NoEntropy())
     ok.open_all()
-    snd._peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
-    snd._on_register(b"d-ok", M.Register("t2", "r2", "d-ok", [1]))
-    assert [m.status for i, m in snd._router.out if i == b"d-ok"] == ["accepted"]
+    snd.lanes.peers["d-ok"] = Peer(hello("d-ok"), b"d-ok", ok)
+    snd.flows.on_register(b"d-ok", M.Register("t2", "r2", "d-ok", [1]))
+    assert [m.status for i, m in snd.channel.router.out if i == b"d-ok"] == ["accepted"]
     for _ in range(3):
-        snd._step_lane_setup()
-    assert snd._parked and snd._opening is not None  # still waiting: the probe does not complete
+        snd.lanes.step()
+    assert snd.writes.parked.waiting and snd.lanes.opening is not None  # still waiting: the probe does not complete
     for a in agents:
         a.stuck.clear()
-    snd._step_lane_setup()
-    assert not snd._parked and not ls.lanes[key[1]].broken
-    out = [m for i, m in snd._router.out if i == b"d1"]
+    snd.lanes.step()
+    assert not snd.writes.parked.waiting and not ls.lanes[key[1]].broken
+    out = [m for i, m in snd.channel.router.out if i == b"d1"]
     # D learned the reopened lane (Welcome) before the WRITE was posted on it
     kinds = [type(m).__name__ + (f":{m.status}" if isinstance(m, M.Ack) else "") for m in out]
     assert kinds[1:] == ["Welcome", "Ack:posted"], kinds
@@ -258,13 +236,13 @@ def test_a_push_waiting_for_a_reopen_that_fails_is_failed_and_its_blocks_freed(m
     snd = writer(agents)
     _all_lanes_broken(snd, agents)
     _push(snd, "t1")
-    assert snd._parked
+    assert snd.writes.parked.waiting
     deadline = time.monotonic() + 5
-    while (snd._parked or snd._opening is not None) and time.monotonic() < deadline:
-        snd._step_lane_setup()
+    while (snd.writes.parked.waiting or snd.lanes.opening is not None) and time.monotonic() < deadline:
+        snd.lanes.step()
         time.sleep(0.005)
-    assert not snd._parked
-    acks = [m for i, m in snd._router.out if i == b"d1" and isinstance(m, M.Ack)]
+    assert not snd.writes.parked.waiting
+    acks = [m for i, m in snd.channel.router.out if i == b"d1" and isinstance(m, M.Ack)]
     assert [a.status for a in acks][-1] == "failed" and "reopening lane" in acks[-1].detail
     assert snd.take_finished() == {"req-t1"}  # P's blocks are freed
     assert snd.state.status_of("t1") == "failed"
@@ -275,8 +253,8 @@ def test_shutdown_fails_the_pushes_waiting_for_a_reopen():
     snd = writer(agents)
     _all_lanes_broken(snd, agents)
     _push(snd, "t1")
-    snd._abandon_lane_setups()
-    assert not snd._parked and snd.take_finished() == {"req-t1"}
+    snd.close()  # P shuts down
+    assert not snd.writes.parked.waiting and snd.take_finished() == {"req-t1"}
 
 
 def _two_lanes_tids(n=2):
@@ -299,11 +277,11 @@ def test_pushes_waiting_for_different_lanes_of_one_d_all_go_when_one_lane_reopen
     t_a, t_b = _two_lanes_tids()
     _push(snd, t_a)
     _push(snd, t_b)
-    assert len(snd._parked["d1"]) == 2 and len(snd._reopens) == 2
+    assert len(snd.writes.parked.waiting["d1"]) == 2 and len(snd.lanes.reopens) == 2
     for a in agents:
         a.stuck.clear()
-    snd._step_lane_setup()  # lane 0 reopens: both pushes go on it
-    assert not snd._parked and not ls.lanes[0].broken
+    snd.lanes.step()  # lane 0 reopens: both pushes go on it
+    assert not snd.writes.parked.waiting and not ls.lanes[0].broken
     assert [a.status for a in _acks(snd, t_a)][-1] == "posted" and [a.status for a in _acks(snd, t_b)][-1] == "posted"
     assert {snd.state.status_of(t_a), snd.state.status_of(t_b)} == {"ok"}
 
@@ -314,14 +292,14 @@ def test_a_waiting_push_fails_when_ds_post_by_passes_and_a_cancel_ends_another_u
     _all_lanes_broken(snd, agents)
     _push(snd, "late", post_by_s=0.05)
     _push(snd, "gives-up")
-    assert len(snd._parked["d1"]) == 2
+    assert len(snd.writes.parked.waiting["d1"]) == 2
     time.sleep(0.1)
-    snd._expire()
+    snd.writes.expire()
     assert [a.status for a in _acks(snd, "late")][-1] == "failed" and snd.state.status_of("late") == "failed"
-    assert [m.prefill.transfer_id for m, _ in snd._parked["d1"]] == ["gives-up"]
-    snd._on_cancel(b"d1", "gives-up")
+    assert [m.prefill.transfer_id for m, _ in snd.writes.parked.waiting["d1"]] == ["gives-up"]
+    snd.flows.on_cancel(b"d1", "gives-up")
     last = _acks(snd, "gives-up")[-1]
-    assert (last.status, last.posted) == ("cancelled", False) and not snd._parked
+    assert (last.status, last.posted) == ("cancelled", False) and not snd.writes.parked.waiting
     assert snd.take_finished() == {"req-late", "req-gives-up"}  # both pushes' blocks freed
 
 
@@ -330,11 +308,11 @@ def test_a_failed_write_does_not_tear_down_the_lane_reopened_under_its_index():
     snd = writer(agents)
     ls = LaneSet(hello("d1"), agents, 0, 5600, 2, entropy=NoEntropy())
     ls.open_all()
-    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    snd.lanes.peers["d1"] = Peer(hello("d1"), b"d1", ls)
     for a in agents:
         a.stuck.add("d1")  # WRITEs to d1 stay in flight
     _push(snd, "t1")
-    (f,) = snd._inflight.values()
+    (f,) = snd.writes.in_flight.values()
     assert f.lane_obj is ls.lanes[f.lane]
     # the lane broke (another push failed on it) and was reopened under the same index
     ls.tear_down(f.lane)
@@ -342,15 +320,15 @@ def test_a_failed_write_does_not_tear_down_the_lane_reopened_under_its_index():
         a.stuck.clear()
     list(ls.reopen_steps(f.lane))
     reopened = ls.lanes[f.lane]
-    snd._failed_write(f, "the old connection failed")  # UCX fails t1's WRITE on the old connection
+    snd.writes.failed_write(f, "the old connection failed")  # UCX fails t1's WRITE on the old connection
     assert ls.lanes[f.lane] is reopened and not reopened.broken
     assert snd.state.status_of("t1") == "failed"
     # a WRITE that fails on the lane it was posted on tears that lane down
     for a in agents:
         a.stuck.add("d1")
     _push(snd, "t2")
-    (g,) = snd._inflight.values()
-    snd._failed_write(g, "transfer error")
+    (g,) = snd.writes.in_flight.values()
+    snd.writes.failed_write(g, "transfer error")
     assert ls.lanes[g.lane].broken
 
 
@@ -360,16 +338,16 @@ def test_the_set_up_queues_are_bounded(monkeypatch):
     monkeypatch.setattr(lane_setup, "MAX_QUEUED_SETUPS", 1)
     agents = [SlowAgent("a0", stuck={"d-a", "d-b", "d-c"}), SlowAgent("a1", stuck={"d-a", "d-b", "d-c"})]
     snd = writer(agents)
-    snd._on_hello(b"d-a", hello("d-a"))  # running
-    snd._on_hello(b"d-b", hello("d-b"))  # queued: the one place
-    snd._on_hello(b"d-c", hello("d-c"))
+    snd.lanes.on_hello(b"d-a", hello("d-a"))  # running
+    snd.lanes.on_hello(b"d-b", hello("d-b"))  # queued: the one place
+    snd.lanes.on_hello(b"d-c", hello("d-c"))
     (w,) = welcomes(snd, b"d-c")
     assert not w.ok and w.field == "peers" and snd.stats.totals["peers_over_limit"] == 1
     # a D with no lane open whose reopen cannot be queued: its push fails at once, blocks freed
     ls = _all_lanes_broken(snd, [SlowAgent("b0"), SlowAgent("b1")], name="d1")
-    snd._reopens[("other", 0)] = None  # the reopen queue is full
+    snd.lanes.reopens[("other", 0)] = None  # the reopen queue is full
     _push(snd, "t1")
-    assert not snd._parked and [a.status for a in _acks(snd, "t1")][-1] == "failed"
+    assert not snd.writes.parked.waiting and [a.status for a in _acks(snd, "t1")][-1] == "failed"
     assert snd.take_finished() == {"req-t1"} and ls.lanes[0].broken
 
 
@@ -381,14 +359,14 @@ def test_a_push_whose_start_raises_when_d_registers_second_fails_cleanly():
     snd = writer(agents)
     ls = LaneSet(hello("d1"), agents, 0, 5600, 2, entropy=NoEntropy())
     ls.open_all()
-    snd._peers["d1"] = Peer(hello("d1"), b"d1", ls)
+    snd.lanes.peers["d1"] = Peer(hello("d1"), b"d1", ls)
     freed = []
-    snd._release = lambda fp: freed.append(fp.request_id)
+    snd.freed.release = lambda fp: freed.append(fp.request_id)
 
     def boom(m):
         raise RuntimeError("descriptor planning failed")
 
-    snd._start_write = boom
+    snd.writes.start = boom
     _push(snd, "t7")  # the prefill first, then D's registration: the match happens on the Register
     assert [a.status for a in _acks(snd, "t7")] == ["accepted", "failed"]
     assert freed == ["req-t7"] and snd.state.idle() and snd.stats.totals["engine_thread_errors"] == 1

@@ -96,19 +96,6 @@ def test_the_sys_path_walker_sees_every_form():
 
 # Import cycles that remain, each with where it goes (a test that fails when one is
 # added, and when one of these is gone but still listed).
-KNOWN_CYCLES = {
-    # P's writer: mixin modules that name PushSender (under TYPE_CHECKING) and that it
-    # inherits from; they part when the writer is parts behind interfaces (issue 34)
-    frozenset({"kvpath.connector.sender", "kvpath.connector.control_channel", "kvpath.connector.lane_setup",
-               "kvpath.connector.parked_pushes", "kvpath.connector.write_loop"}),
-    # D's receiver the same way (peer_links is its mixin; kv_verify names it for typing),
-    # and config imports kv_verify's mode parser: they part with the writer's (issue 34)
-    frozenset({"kvpath.connector.receiver", "kvpath.connector.peer_links", "kvpath.connector.kv_verify",
-               "kvpath.connector.config", "kvpath.connector.control_auth", "kvpath.connector.engine_thread",
-               "kvpath.connector.nixl_io"}),
-}
-
-
 def project_modules() -> dict[str, Path]:
     """Every module of the installed namespace (pyproject's package-dir), by its name."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -179,11 +166,11 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return out
 
 
-def test_no_import_cycle_among_the_projects_modules_but_the_known_ones():
+def test_no_import_cycle_among_the_projects_modules():
     mods = project_modules()
     assert {"kvpath.connector.sender", "kvpath.bridge.compare", "kvpath.trace", "kvpath.workloads.load",
             "kvpath.reservation.wire"} <= set(mods)
-    assert cycles(import_graph(mods)) == KNOWN_CYCLES
+    assert cycles(import_graph(mods)) == set()
 
 
 def test_the_cycle_finder_sees_long_and_function_level_cycles(tmp_path):
@@ -233,3 +220,51 @@ def test_every_package_on_disk_is_a_package_of_the_wheel():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {name for name, p in project_modules().items() if p.name == "__init__.py"}
     assert on_disk == set(setuptools["packages"])
+
+
+# -- the connector's parts keep their state to themselves ------------------------------
+CONNECTOR = ROOT / "connector"
+
+
+def private_names(paths: list[Path]) -> set[str]:
+    """Underscore names the modules define: their functions, methods and classes, and
+    the attributes their methods set on ``self``."""
+    out: set[str] = set()
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                out.add(node.attr)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads(source: str, names: set[str]) -> list[str]:
+    """``x._name`` for a ``_name`` in ``names`` on anything but ``self`` or ``cls``: one
+    object reading (or setting) another's private attribute."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            hits.append(f"{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_no_connector_part_reads_another_parts_private_state_and_nothing_outside_reads_any():
+    names = private_names(sorted(CONNECTOR.glob("*.py")))
+    assert {"_commands", "_lock", "_regs"} <= names  # what the walker must see
+    everywhere = [p for p in sorted(ROOT.rglob("*.py"))
+                  if not {".venv", "build", ".git"} & set(p.relative_to(ROOT).parts)]
+    offenders = {str(p.relative_to(ROOT)): hits for p in everywhere
+                 if (hits := private_reads(p.read_text(), names))}
+    assert offenders == {}
+
+
+def test_the_private_read_check_sees_a_part_reading_another_and_spares_self():
+    names = private_names([CONNECTOR / "sender.py"])
+    src = ("class A:\n    def f(self, other):\n        self._x = 1\n        return other._x, self.lanes._y\n")
+    assert private_reads(src, {"_x", "_y"}) == ["4: other._x", "4: self.lanes._y"]
+    assert private_reads("def g(cls):\n    return cls._x\n", {"_x"}) == []
+    assert "_busy_peers" in names

@@ -3,7 +3,6 @@ remote agents, candidate lanes not taken release theirs, and D workers that hold
 nothing and were silent for peer_idle_timeout_s are forgotten (or make room)."""
 
 import time
-from collections import OrderedDict
 
 import pytest
 
@@ -13,9 +12,9 @@ from kvpath.connector.config import KVPathConfig
 from kvpath.connector.lane_setup import Peer
 from kvpath.connector.lanes import LaneSet
 from kvpath.connector.layout import BlockLayout, Region
-from kvpath.connector.push_state import FinishedPrefill, PendingRegistration, WriterState
+from kvpath.connector.push_state import FinishedPrefill, PendingRegistration
 from kvpath.connector.sender import PushSender
-from kvpath.connector.telemetry import Stats
+from tests.engine_doubles import bare_sender
 
 LAY = BlockLayout([Region(base=4096, block_len=64, block_stride=64)], num_blocks=8, block_size=16)
 
@@ -98,19 +97,13 @@ class FakeLanes:
         self.torn.append(i)
 
 
-def writer(timeout_s: float = 600.0) -> PushSender:
-    snd = PushSender.__new__(PushSender)
-    snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=timeout_s)
-    snd.state = WriterState(lease_s=30.0)
-    snd.stats = Stats()
-    snd._peers, snd._inflight, snd._asking = {}, {}, {}
-    snd._opening, snd._hellos, snd._reopens, snd._parked = None, OrderedDict(), OrderedDict(), {}
-    snd.notifier = None
-    return snd
+def writer(timeout_s: float = 600.0, engine_id: str | None = None, **knobs) -> PushSender:
+    return bare_sender(KVPathConfig(control_plaintext=True, peer_idle_timeout_s=timeout_s, **knobs), LAY,
+                       engine_id=engine_id)
 
 
 def add_peer(snd: PushSender, name: str, last_seen: float) -> Peer:
-    p = snd._peers[name] = Peer(hello(name), name.encode(), FakeLanes(), last_seen=last_seen)
+    p = snd.lanes.peers[name] = Peer(hello(name), name.encode(), FakeLanes(), last_seen=last_seen)
     return p
 
 
@@ -121,8 +114,8 @@ def test_idle_silent_peers_are_forgotten_and_their_lanes_released_busy_ones_kept
     add_peer(snd, "recent", now - 5)
     add_peer(snd, "busy", now - 120)
     snd.state.registrations["t"] = PendingRegistration(M.Register("t", "r", "busy", [1]), b"busy", post_by=now + 60)
-    snd._prune_peers(now)
-    assert set(snd._peers) == {"recent", "busy"}
+    snd.lanes.prune(now)
+    assert set(snd.lanes.peers) == {"recent", "busy"}
     assert old.lanes.torn == [0, 1] and snd.stats.totals["peers_forgotten"] == 1
 
 
@@ -132,8 +125,8 @@ def test_a_full_table_makes_room_with_the_least_recently_seen_idle_peer(monkeypa
     now = time.monotonic()
     add_peer(snd, "older", now - 30)
     add_peer(snd, "newer", now - 10)
-    snd._prune_peers(now, need_room=True)
-    assert set(snd._peers) == {"newer"}
+    snd.lanes.prune(now, need_room=True)
+    assert set(snd.lanes.peers) == {"newer"}
 
 
 class RecordingNotifier:
@@ -151,15 +144,14 @@ def test_a_forgotten_d_unregisters_its_own_incarnation_only_a_restarted_d_keeps_
     from kvpath.fabric import FabricSpec
     from kvpath.reservation.decisions import LaneInfo, ReservationService
 
-    snd = writer(timeout_s=60.0)
-    snd.cfg = KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0, fabric_host="l0h0")
-    snd.engine_id, snd.rank, snd.notifier, snd.instance = "p-l0h0", 0, RecordingNotifier(), "pA"
+    snd = writer(timeout_s=60.0, engine_id="p-l0h0", fabric_host="l0h0")
+    snd.lanes.notifier = RecordingNotifier()
     now = time.monotonic()
     old = Peer(M.Hello(engine_id="d-l1h0", agent_name="d-old", agent_metadata=b"x", layout=LAY, compat=M.Compat(),
                        instance="i", heartbeat_s=1.0, fabric_host="l1h0"), b"d-old", FakeLanes(), last_seen=now - 120)
-    snd._peers["d-old"] = old
-    snd._prune_peers(now)  # silent for 120 s: forgotten, after its D restarted as "d-new"
-    (kind, src, dst, _, pair), = snd.notifier.calls
+    snd.lanes.peers["d-old"] = old
+    snd.lanes.prune(now)  # silent for 120 s: forgotten, after its D restarted as "d-new"
+    (kind, src, dst, _, pair), = snd.lanes.notifier.calls
     assert (kind, src, dst) == ("unregister", "l0h0", "l1h0")
     assert pair.key() == "p-l0h0/r0>d-l1h0/r0" and pair.incarnation == "pA>d-old"  # P's process and D's
     # on the service, the new incarnation registered meanwhile keeps its lanes
@@ -194,31 +186,31 @@ def receiver():
     spans = [(buf.ctypes.data, buf.nbytes)]
     r = PushReceiver(KVPathConfig(control_plaintext=True, peer_idle_timeout_s=60.0), layout_from_buffers(spans, 16, 16),
                      spans)
-    r.agent = _Named()
-    r._poller = zmq.Poller()
+    r.links.agent_name = _Named.name
+    r.links.poller = zmq.Poller()
     yield r
     r.close()
 
 
 def test_idle_links_are_dropped_busy_ones_kept_and_a_new_link_keeps_the_routing_id(receiver):
     r = receiver
-    idle, busy = r._link("127.0.0.1:1", None), r._link("127.0.0.1:2", None)
+    idle, busy = r.links.link("127.0.0.1:1", None), r.links.link("127.0.0.1:2", None)
     assert idle.sock.routing_id == busy.sock.routing_id  # one id per process: P knows us again by it
     rid = idle.sock.routing_id
     idle.welcomed = busy.welcomed = True
     idle.used_at = busy.used_at = time.monotonic() - 120
     r.state.add("req", "t1", "127.0.0.1:2")  # a request waits on P 2
-    r._prune_links(time.monotonic())
-    assert set(r._links) == {"127.0.0.1:2"} and r.stats.totals["peers_forgotten"] == 1
-    assert r._link("127.0.0.1:1", None).sock.routing_id == rid
+    r.links.prune(time.monotonic())
+    assert set(r.links.by_addr) == {"127.0.0.1:2"} and r.stats.totals["peers_forgotten"] == 1
+    assert r.links.link("127.0.0.1:1", None).sock.routing_id == rid
 
 
 def test_an_unanswered_hello_link_is_dropped_after_two_heartbeats(receiver):
     r = receiver
-    link = r._link("127.0.0.1:1", None)
+    link = r.links.link("127.0.0.1:1", None)
     link.hello_at = time.monotonic() - 3 * r.cfg.heartbeat_s()
-    r._prune_links(time.monotonic())
-    assert r._links == {}
+    r.links.prune(time.monotonic())
+    assert r.links.by_addr == {}
 
 
 def test_past_the_link_limit_a_new_peer_gets_none_unless_an_idle_link_makes_room(receiver, monkeypatch):
@@ -226,18 +218,17 @@ def test_past_the_link_limit_a_new_peer_gets_none_unless_an_idle_link_makes_room
 
     monkeypatch.setattr(peer_links, "MAX_LINKS", 1)
     r = receiver
-    first = r._link("127.0.0.1:1", None)
+    first = r.links.link("127.0.0.1:1", None)
     first.welcomed = True
     r.state.add("req", "t1", "127.0.0.1:1")
-    assert r._link("127.0.0.1:2", None) is None  # the only link is busy
+    assert r.links.link("127.0.0.1:2", None) is None  # the only link is busy
     r.state.by_tid.clear()
-    assert r._link("127.0.0.1:2", None) is not None and set(r._links) == {"127.0.0.1:2"}
+    assert r.links.link("127.0.0.1:2", None) is not None and set(r.links.by_addr) == {"127.0.0.1:2"}
 
 
 def test_p_registers_each_ds_lanes_again_every_minute_and_skips_engine_ids_the_service_refuses(monkeypatch):
-    snd = writer()
-    snd.cfg = KVPathConfig(control_plaintext=True, fabric_host="l0h0")
-    snd.engine_id, snd.rank, snd.notifier, snd.instance = "p-l0h0", 0, RecordingNotifier(), "pA"
+    snd = writer(engine_id="p-l0h0", fabric_host="l0h0")
+    snd.lanes.notifier = RecordingNotifier()
 
     class Lanes:
         lanes = []
@@ -246,20 +237,20 @@ def test_p_registers_each_ds_lanes_again_every_minute_and_skips_engine_ids_the_s
         return Peer(M.Hello(engine_id=engine, agent_name=name, agent_metadata=b"x", layout=LAY, compat=M.Compat(),
                             instance="i", heartbeat_s=1.0, fabric_host="l1h0"), name.encode(), Lanes())
 
-    snd._peers = {"d1": d("d1", "d-l1h0"), "bad": d("bad", "d/evil"), "twin": d("twin", "d-l1h0")}
+    snd.lanes.peers = {"d1": d("d1", "d-l1h0"), "bad": d("bad", "d/evil"), "twin": d("twin", "d-l1h0")}
     t = [1000.0]
     monkeypatch.setattr(lane_setup.time, "monotonic", lambda: t[0])
-    snd._refresh_registrations(t[0])
-    registered = [c[4].incarnation for c in snd.notifier.calls if c[0] == "register"]
+    snd.lanes.refresh_registrations(t[0])
+    registered = [c[4].incarnation for c in snd.lanes.notifier.calls if c[0] == "register"]
     assert registered == ["pA>d1", "pA>twin"]  # "d/evil" would make the pair's name ambiguous: skipped
     assert snd.stats.totals["lane_registrations_skipped"] == 1
     assert snd.stats.totals["worker_pair_collisions"] == 2  # each of the two D workers is named
     t[0] += 30
-    snd._refresh_registrations(t[0])
-    assert len(snd.notifier.calls) == 2  # not yet
+    snd.lanes.refresh_registrations(t[0])
+    assert len(snd.lanes.notifier.calls) == 2  # not yet
     t[0] += 31
-    snd._refresh_registrations(t[0])
-    assert len([c for c in snd.notifier.calls if c[0] == "register"]) == 4  # both again, a minute later
+    snd.lanes.refresh_registrations(t[0])
+    assert len([c for c in snd.lanes.notifier.calls if c[0] == "register"]) == 4  # both again, a minute later
     assert snd.stats.totals["lane_registrations_skipped"] == 1  # warned once
 
 
@@ -267,20 +258,20 @@ def test_waiting_registrations_are_bounded_per_d_worker_by_count_and_blocks_and_
     """Issue 32, finding 4: a D worker (any holder of the pool's key) cannot make P hold
     registrations without end: past its count, past its own number of blocks, or past
     P's total, a Register is refused by name and counted."""
-    from kvpath.connector import control_channel
+    from kvpath.connector import flow_matching
     from tests.test_lane_setup_steps import writer as steps_writer
 
-    monkeypatch.setattr(control_channel, "MAX_WAITING_PER_PEER", 3)
-    monkeypatch.setattr(control_channel, "MAX_WAITING_REGISTRATIONS", 5)
+    monkeypatch.setattr(flow_matching, "MAX_WAITING_PER_PEER", 3)
+    monkeypatch.setattr(flow_matching, "MAX_WAITING_REGISTRATIONS", 5)
     snd = steps_writer([FakeNixlAgent("a0"), FakeNixlAgent("a1")])
     for name in ("d1", "d2", "d3"):
-        ls = LaneSet(hello(name), snd.lane_agents, 0, 5600, 2, entropy=NoEntropy())
+        ls = LaneSet(hello(name), snd.lanes.agents, 0, 5600, 2, entropy=NoEntropy())
         ls.open_all()
-        snd._peers[name] = Peer(hello(name), name.encode(), ls)
+        snd.lanes.peers[name] = Peer(hello(name), name.encode(), ls)
 
     def register(name, tid, blocks):
-        snd._on_register(name.encode(), M.Register(tid, "r-" + tid, name, list(blocks), sent_at=time.time()))
-        return [m for i, m in snd._router.out if isinstance(m, M.Ack) and m.transfer_id == tid][-1]
+        snd.flows.on_register(name.encode(), M.Register(tid, "r-" + tid, name, list(blocks), sent_at=time.time()))
+        return [m for i, m in snd.channel.router.out if isinstance(m, M.Ack) and m.transfer_id == tid][-1]
 
     assert [register("d1", f"a{i}", [i]).status for i in range(3)] == ["accepted"] * 3
     over = register("d1", "a3", [3])

@@ -1,7 +1,7 @@
 """The writer's state machine: both orders, duplicates, leases, cancels, aborts."""
 
 from kvpath.connector.messages import Register
-from kvpath.connector.push_state import FinishedPrefill, WriterState, flow_key
+from kvpath.connector.push_state import FinishedPrefill, SenderState, flow_key
 from kvpath.connector.recv_state import ReceiverState
 
 
@@ -26,7 +26,7 @@ def fp(tid, rid=None):
 
 
 def test_registration_first_then_prefill_matches_once():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert add_reg(s, "t1") == ("waiting", None)
     status, (m,) = s.add_prefill(fp("t1"))
     assert status == "matched" and m.prefill.transfer_id == "t1" and m.registration.reg.transfer_id == "t1"
@@ -35,14 +35,14 @@ def test_registration_first_then_prefill_matches_once():
 
 
 def test_prefill_first_then_registration_matches_once():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert s.add_prefill(fp("t1")) == ("waiting", [])
     status, m = add_reg(s, "t1")
     assert status == "matched" and m.registration.reply_to == b"id"
 
 
 def test_duplicates_are_reported_never_rematched():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     add_reg(s, "t1")
     assert add_reg(s, "t1")[0] == "duplicate"
     s.add_prefill(fp("t1"))
@@ -57,7 +57,7 @@ def test_duplicates_are_reported_never_rematched():
 
 def test_lease_expiry_frees_unmatched_prefill_and_post_by_expires_registration():
     c = Clock()
-    s = WriterState(lease_s=2, clock=c)
+    s = SenderState(lease_s=2, clock=c)
     s.add_prefill(fp("a"))
     add_reg(s, "b", post_by=2.0)
     c.t = 1.9
@@ -73,7 +73,7 @@ def test_lease_expiry_frees_unmatched_prefill_and_post_by_expires_registration()
 
 
 def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_prefill(fp("a"))
     # nobody registered "a": a Cancel (bound to its sender's registrations) leaves it be
     assert s.cancel("a") == ("unregistered", None, None) and s.holder("a") == "p-a"
@@ -88,7 +88,7 @@ def test_cancel_before_match_frees_prefill_and_after_match_is_in_flight():
 
 
 def test_aborted_prefill_rejects_registration_in_either_order():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     add_reg(s, "a")
     assert [pr.reg.transfer_id for pr in s.abort_prefill("a")] == ["a"]
     assert s.abort_prefill("b") == []
@@ -97,7 +97,7 @@ def test_aborted_prefill_rejects_registration_in_either_order():
 
 def test_cancel_keeps_the_record_of_an_ended_transfer_and_records_unseen_ones():
     c = Clock()
-    s = WriterState(lease_s=5, clock=c)
+    s = SenderState(lease_s=5, clock=c)
     add_reg(s, "a")
     s.add_prefill(fp("a"))
     s.complete("a", "failed", posted=True)
@@ -118,7 +118,7 @@ def test_cancel_keeps_the_record_of_an_ended_transfer_and_records_unseen_ones():
 
 
 def test_duplicate_prefill_is_told_apart_from_its_holder():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_prefill(fp("t", rid="p1"))
     assert s.add_prefill(fp("t", rid="p2"))[0] == "duplicate"
     assert s.holder("t") == "p1"  # the writer frees p2's blocks, never p1's
@@ -282,7 +282,7 @@ def test_d_spins_only_while_a_posted_push_should_be_moving():
 
 def test_a_registration_without_the_transfer_key_is_refused_in_either_order():
     key = "s" * 24
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_prefill(FinishedPrefill("p-a", "a", [1], transfer_key=key))
     assert s.add_registration(Register("a", "d", "agent", [1]), b"mallory", 5.0) == ("key_mismatch", None)
     assert s.holder("a") == "p-a"  # the prefill keeps waiting
@@ -378,7 +378,7 @@ def test_flow_keys_are_the_transfer_id_for_one_flow_and_distinct_for_several():
 
 
 def test_both_d_ranks_first_then_the_prefill_starts_both_flows_and_frees_the_blocks_at_the_last():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert fan_reg(s, 0) == ("waiting", None) and fan_reg(s, 1) == ("waiting", None)
     status, ms = s.add_prefill(fp("t"))
     assert status == "matched" and sorted(m.prefill.key for m in ms) == sorted(FAN)
@@ -394,7 +394,7 @@ def test_both_d_ranks_first_then_the_prefill_starts_both_flows_and_frees_the_blo
 
 
 def test_the_prefill_first_is_split_at_the_first_registration():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert s.add_prefill(fp("t")) == ("waiting", [])
     status, m0 = fan_reg(s, 0)
     assert status == "matched" and m0.prefill.key == FAN[0]
@@ -405,7 +405,7 @@ def test_the_prefill_first_is_split_at_the_first_registration():
 
 def test_a_d_rank_that_never_registers_expires_alone_and_the_blocks_wait_for_the_other_flow():
     c = Clock()
-    s = WriterState(lease_s=2, clock=c)
+    s = SenderState(lease_s=2, clock=c)
     s.add_prefill(fp("t"))
     _, m0 = fan_reg(s, 0)
     c.t = 3
@@ -417,7 +417,7 @@ def test_a_d_rank_that_never_registers_expires_alone_and_the_blocks_wait_for_the
 
 
 def test_a_flow_cancelled_before_the_prefill_counts_as_ended_and_all_cancelled_makes_it_dead():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     fan_reg(s, 0)
     fan_reg(s, 1)
     status, fp0, pr = s.cancel(FAN[0])
@@ -433,7 +433,7 @@ def test_a_flow_cancelled_before_the_prefill_counts_as_ended_and_all_cancelled_m
 
 
 def test_another_shape_of_the_same_transfer_id_is_a_duplicate_and_an_abort_refuses_every_flow():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     fan_reg(s, 0)
     three = tuple(flow_key("t", d, 3) for d in range(3))
     assert s.add_registration(Register("t", "x", "agentx", [1]), b"x", 5.0, three[2], three)[0] == "duplicate"
@@ -442,13 +442,13 @@ def test_another_shape_of_the_same_transfer_id_is_a_duplicate_and_an_abort_refus
     prs = s.abort_prefill("t")
     assert [pr.key for pr in prs] == [FAN[0]]
     assert fan_reg(s, 1)[0] == "aborted"  # the rank whose registration comes later, too
-    s2 = WriterState(lease_s=5)
+    s2 = SenderState(lease_s=5)
     assert s2.abort_prefill("v") == []
     assert fan_reg(s2, 0, tid="v")[0] == "aborted" and fan_reg(s2, 1, tid="v")[0] == "aborted"
 
 
 def test_a_cancel_naming_no_flow_of_a_fanned_transfer_touches_nothing():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     fan_reg(s, 0)
     assert s.cancel("t")[0] == "unregistered" and s.status_of("t") is None  # e.g. a D without a Hello
     status, ms = s.add_prefill(fp("t"))
@@ -458,7 +458,7 @@ def test_a_cancel_naming_no_flow_of_a_fanned_transfer_touches_nothing():
 
 
 def test_a_d_of_another_tp_size_never_takes_a_flow_after_the_split():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_prefill(fp("t"))
     two = tuple(flow_key("t", d, 2, 2) for d in range(2))
     four = tuple(flow_key("t", d, 4, 4) for d in range(4))
@@ -470,7 +470,7 @@ def test_a_d_of_another_tp_size_never_takes_a_flow_after_the_split():
 
 
 def test_one_flow_ended_twice_frees_the_blocks_only_at_the_last_flow():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     fan_reg(s, 0)
     fan_reg(s, 1)
     _, (m0, m1) = s.add_prefill(fp("t"))
@@ -482,7 +482,7 @@ def test_one_flow_ended_twice_frees_the_blocks_only_at_the_last_flow():
 
 
 def test_a_transfer_id_with_a_nul_is_never_a_prefill():
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert s.add_prefill(fp(flow_key("t", 1, 2)))[0] == "duplicate"  # the caller frees it at once
     assert s.idle()
 
@@ -492,7 +492,7 @@ def test_a_keyless_prefill_never_takes_a_keyed_registration_in_either_order():
     id gets nothing of the victim's: its prefill is refused (blocks freed), the victim's
     registration waits on and matches the victim's own prefill."""
     key = "k" * 24
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     # the victim's registration first, then the stranger's keyless prefill (a prefix-cache hit)
     assert s.add_registration(Register("v", "d-v", "agent", [1], transfer_key=key), b"victim-d", 5.0) == ("waiting", None)
     assert s.add_prefill(FinishedPrefill("p-evil", "v", [7])) == ("refused", [])
@@ -509,14 +509,14 @@ def test_a_keyless_prefill_never_takes_a_keyed_registration_in_either_order():
 
 def test_a_keyless_prefill_never_takes_keyed_fanned_out_registrations():
     key = "k" * 24
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     keys = tuple(flow_key("t", d, 2, 2) for d in (0, 1))
     assert s.add_registration(Register("t", "d0", "agent", [1], transfer_key=key), b"d0", 5.0, keys[0], keys)[0] == "waiting"
     assert s.add_prefill(FinishedPrefill("p-evil", "t", [7])) == ("refused", [])
     status, ms = s.add_prefill(FinishedPrefill("p-t", "t", [8], transfer_key=key))
     assert status == "matched" and [m.prefill.request_id for m in ms] == ["p-t"]
     # prefill whole and keyless first, then a keyed flow registers: the prefill goes
-    s2 = WriterState(lease_s=5)
+    s2 = SenderState(lease_s=5)
     assert s2.add_prefill(FinishedPrefill("p-evil", "t", [7])) == ("waiting", [])
     assert s2.add_registration(Register("t", "d0", "agent", [1], transfer_key=key), b"d0", 5.0, keys[0], keys)[0] == "waiting"
     assert [f.request_id for f in s2.take_refused()] == ["p-evil"]
@@ -529,16 +529,16 @@ def test_another_ds_cancel_of_a_flow_nobody_registered_does_not_take_the_owners_
     """Issue 32, finding 5: with D's TP above P's, a Cancel keyed per D rank from another
     trusted D touches nothing of the owner: neither a prefill that waits whole under the
     transfer id nor the owner's later registration (which used to be a duplicate)."""
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     s.add_prefill(fp("t"))  # waits whole: flows are keyed per D rank only once D registers
     assert s.cancel(FAN[0], b"mallory") == ("unregistered", None, None) and s.holder("t") == "p-t"
     assert fan_reg(s, 0, ident=b"owner")[0] == "matched"
     # nothing here at all: the record binds to the canceller, so the owner still registers
-    s2 = WriterState(lease_s=5)
+    s2 = SenderState(lease_s=5)
     assert s2.cancel(FAN[0], b"mallory")[0] == "cancelled"
     assert fan_reg(s2, 0, ident=b"owner")[0] == "waiting"
     # the canceller's own late Register is still refused (what the record is for)
-    s3 = WriterState(lease_s=5)
+    s3 = SenderState(lease_s=5)
     assert s3.cancel("x", b"d1")[0] == "cancelled"
     assert s3.add_registration(reg("x"), b"d1", 5.0)[0] == "duplicate"
     assert s3.add_registration(reg("x"), b"d2", 5.0)[0] == "waiting"
@@ -548,17 +548,17 @@ def test_a_cancel_of_an_unseen_transfer_kills_neither_the_prefill_nor_a_fanned_o
     """After review: a stranger's Cancel of a transfer id P has not seen (equal TP: the
     bare id; D's TP above P's: the bare id from a D without a handshake) must not make the
     owner's prefill "dead" nor the owner's fanned registration a duplicate."""
-    s = WriterState(lease_s=5)
+    s = SenderState(lease_s=5)
     assert s.cancel("t", b"mallory")[0] == "cancelled"
     assert s.add_prefill(fp("t")) == ("waiting", [])  # waits for its registration or lease
     assert add_reg(s, "t", ident=b"owner")[0] == "matched"
-    s2 = WriterState(lease_s=5)
+    s2 = SenderState(lease_s=5)
     assert s2.cancel("t", b"mallory")[0] == "cancelled"
     assert fan_reg(s2, 0, ident=b"owner")[0] == "waiting"
     status, ms = s2.add_prefill(fp("t"))
     assert status == "matched" and [m.registration.reply_to for m in ms] == [b"owner"]
     # the canceller's own record still ends things for itself
-    s3 = WriterState(lease_s=5)
+    s3 = SenderState(lease_s=5)
     s3.cancel("u", b"d1")
     assert s3.add_registration(reg("u"), b"d1", 5.0)[0] == "duplicate"
 

@@ -3,15 +3,13 @@ close never waits for its backlog."""
 
 import socket
 import threading
-import time
 
 import pytest
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
-from kvpath.connector.push_state import FinishedPrefill, PendingRegistration, WriterState
-from kvpath.connector.sender import PushSender
-from kvpath.connector.telemetry import Stats
+from kvpath.connector.push_state import FinishedPrefill, PendingRegistration
+from tests.engine_doubles import bare_sender
 from kvpath.reservation.notifier import ReservationNotifier
 
 
@@ -24,14 +22,8 @@ class Clock:
 
 def test_a_failing_release_does_not_strand_the_other_expired_prefills_or_registrations():
     c = Clock()
-    snd = PushSender.__new__(PushSender)
-    snd.cfg = KVPathConfig(control_plaintext=True)
-    snd._parked = {}
-    snd.state = WriterState(lease_s=1.0, clock=c)
-    snd.stats = Stats()
-    snd._record = lambda rec: None
-    acks = []
-    snd._ack = lambda ident, tid, status, detail="": acks.append((tid, status))
+    snd = bare_sender()
+    snd.state.lease_s, snd.state.clock = 1.0, c
     freed = []
 
     def release(fp):
@@ -39,12 +31,13 @@ def test_a_failing_release_does_not_strand_the_other_expired_prefills_or_registr
             raise OSError("disk full")
         freed.append(fp.transfer_id)
 
-    snd._release = release
+    snd.freed.release = release
     for i in range(3):
         snd.state.add_prefill(FinishedPrefill(f"r{i}", f"t{i}", [i]))
     snd.state.registrations["u"] = PendingRegistration(M.Register("u", "d", "a", [1]), b"d", post_by=c.t + 0.5)
     c.t += 5
-    snd._expire()
+    snd.writes.expire()
+    acks = [(m.transfer_id, m.status) for _, m in snd.channel.router.out]
     assert freed == ["t1", "t2"] and acks == [("u", "expired")]
     assert snd.stats.totals["engine_thread_errors"] == 1
 
@@ -106,14 +99,25 @@ def _thread_that_blocks(stuck: threading.Event):
     from kvpath.connector.engine_thread import EngineThread
     from kvpath.connector.layout import layout_from_buffers
 
-    buf = np.zeros(4096, dtype=np.uint8)
-    spans = [(buf.ctypes.data, buf.nbytes)]
-    t = EngineThread(KVPathConfig(control_plaintext=True), layout_from_buffers(spans, 4, 16), spans, "e", 0, None, None,
-                     "x")
+    class Stuck(EngineThread):
+        """An engine thread whose loop blocks (as in a NIXL call) until ``stuck`` is set."""
+
+        def __init__(self, agent):
+            buf = np.zeros(4096, dtype=np.uint8)
+            spans = [(buf.ctypes.data, buf.nbytes)]
+            super().__init__(KVPathConfig(control_plaintext=True), layout_from_buffers(spans, 4, 16), spans, "e", 0,
+                             None, None, "x")
+            self._nixl_regs.append((agent, "reg"))
+            self._start_thread(lambda: stuck.wait(30), "stuck-thread")
+
+        def sockets_closed(self) -> bool:
+            return self._wake_rx.closed
+
+        def join(self, timeout: float) -> None:
+            self._thread.join(timeout)
+
     agent = _Agent()
-    t._nixl_regs.append((agent, "reg"))
-    t._start_thread(lambda: stuck.wait(30), "stuck-thread")
-    return t, agent
+    return Stuck(agent), agent
 
 
 def test_close_never_closes_sockets_or_agents_under_a_thread_that_did_not_stop(monkeypatch):
@@ -124,9 +128,9 @@ def test_close_never_closes_sockets_or_agents_under_a_thread_that_did_not_stop(m
     t, agent = _thread_that_blocks(stuck)
     try:
         assert t.close() is False
-        assert not t._wake_rx.closed and agent.deregistered == []
+        assert not t.sockets_closed() and agent.deregistered == []
     finally:
         stuck.set()
-        t._thread.join(5)
+        t.join(5)
     assert t.close() is True  # once it stopped: sockets closed, memory deregistered
-    assert t._wake_rx.closed and agent.deregistered == ["reg"]
+    assert t.sockets_closed() and agent.deregistered == ["reg"]

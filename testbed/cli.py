@@ -1,5 +1,6 @@
 """The testbed's commands: ``kvpath testbed ...`` (build, inspect and remove emulated
-fabrics; whole P/D runs on them) and ``kvpath connector demo`` (real vLLM servers)."""
+fabrics; whole P/D runs on them). ``kvpath connector demo`` is beside its feature, in
+:mod:`kvpath.testbed.connector_demo`."""
 
 from __future__ import annotations
 
@@ -178,32 +179,3 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("dport", type=int, help="destination port")
     pa.add_argument("--proto", default="tcp", help="tcp or udp (default %(default)s)")
     pa.set_defaults(func=_cmd_path)
-
-
-def _cmd_connector_demo(args: argparse.Namespace) -> int:
-    from kvpath.testbed.connector_demo import run_demo
-
-    return run_demo(workdir=args.workdir, n_requests=args.requests, max_tokens=args.max_tokens, lanes=args.lanes,
-                    base_port=args.base_port, steps=args.steps)
-
-
-def add_connector_parsers(conn: argparse._SubParsersAction) -> None:
-    """``kvpath connector demo`` (in the connector's command group): the connector on real
-    vLLM servers, which the testbed starts."""
-    d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
-    from kvpath.tiny_model.training import TRAINED_STEPS
-
-    d.add_argument("--workdir", default="runs/connector-demo",
-                   help="logs, keys and trace go here (the model is cached under $KVPATH_CACHE/models, "
-                   "default ~/.cache/kvpath/models)")
-    d.add_argument("--steps", type=int, default=TRAINED_STEPS,
-                   help="the tiny model's training steps on the text kvpath ships, for readable output (once per "
-                   "machine, about 20 s on one core); 0: random weights (default %(default)s)")
-    d.add_argument("--requests", type=int, default=8, help="requests to send P-then-D (default %(default)s)")
-    d.add_argument("--max-tokens", type=int, default=16, help="most output tokens per request (default %(default)s)")
-    d.add_argument("--lanes", type=int, default=4,
-                   help="connector lanes (NIXL connections) from P to D (default %(default)s)")
-    d.add_argument("--base-port", type=int, default=8100,
-                   help="P serves on this port, D on +100, their connectors' side channels on +500 and +600 "
-                   "(default %(default)s)")
-    d.set_defaults(func=_cmd_connector_demo)

@@ -1,16 +1,18 @@
 """``kvpath connector demo``: a tiny model (by default briefly trained on the text kvpath
 ships, so its output is readable), real P and D vLLM servers with KVPathConnector
-(started by :mod:`kvpath.testbed.vllm_server`) and the P-then-D client of
+(started by :func:`kvpath.testbed.pd_pair.pd_pair`) and the P-then-D client of
 :mod:`kvpath.testbed.pd_client`. It prints, per request, the P/D completion, the
 decode-only one (a plain request on P) and whether they are equal, then the connector's
 pushes; it fails when a request fails, is not pushed, or differs from decode-only."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import secrets
 import shutil
+import signal
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvpath.testbed.pd_client import PDResult, pd_and_decode_only
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.pd_pair import EngineStartError, PDSide, pd_pair
 from kvpath.tiny_model import TinyModelSpec, build_tiny_model
 from kvpath.tiny_model.training import TRAINED_STEPS, corpus_prompts
 from kvpath.trace import ConnectorLog, LaneRecord, read_connector_log
@@ -44,30 +46,25 @@ def run_demo(workdir: str, n_requests: int = 8, max_tokens: int = 16, lanes: int
         # the control channel's keys, made for this demo (a prefill and a decode pair)
         keys = wd / "keys"
         shutil.rmtree(keys, ignore_errors=True)
-        common = dict(lanes=lanes, ucx_net_devices="lo", keys_dir=keys)
         # the engines' API key (vLLM's --api-key, given as VLLM_API_KEY: never in argv),
         # made for this demo and held in memory only: the demo's client sends it
         api_key = secrets.token_urlsafe(24)
-        p = VLLMServer(model, base_port, cpu=0, log_path=str(wd / "p.log"), api_key=api_key,
-                       kv_transfer_config=connector_config("kv_producer", base_port + 500, trace_path=str(trace), **common))
-        d = VLLMServer(model, base_port + 100, cpu=1, log_path=str(wd / "d.log"), api_key=api_key,
-                       kv_transfer_config=connector_config("kv_consumer", base_port + 600, **common))
         try:
-            p.start()
-            d.start()
-            p.wait_ready()
-            d.wait_ready()
-            prog.update(t, description=f"sending {n_requests} requests decode-only, then P-then-D")
-            try:
-                refs, results = asyncio.run(_send(p.url, d.url, f"127.0.0.1:{base_port + 500}", n_requests,
-                                                  max_tokens, p.headers))
-            except httpx.HTTPError as e:  # an engine answered with an error or not at all: one line, not a traceback
-                console.print(f"[red]kvpath connector demo: error: {type(e).__name__}: {e}[/red] (logs in {wd})")
-                return 1
-        finally:
-            prog.update(t, description="stopping servers")
-            p.stop()
-            d.stop()
+            with pd_pair(model, wd, PDSide(base_port, base_port + 500, trace=True),
+                         PDSide(base_port + 100, base_port + 600), knobs=dict(lanes=lanes, ucx_net_devices="lo"),
+                         keys_dir=keys, api_key=api_key, stop_signal=signal.SIGTERM) as pair:
+                try:
+                    prog.update(t, description=f"sending {n_requests} requests decode-only, then P-then-D")
+                    refs, results = asyncio.run(_send(pair.p_url, pair.d_url, pair.kv_addr, n_requests, max_tokens,
+                                                      pair.p.headers))
+                finally:
+                    prog.update(t, description="stopping servers")
+        # an engine that did not come up, or answered with an error or not at all: one line
+        # (and its log's end), not a traceback
+        except (EngineStartError, httpx.HTTPError) as e:
+            console.print(f"[red]kvpath connector demo: error: {type(e).__name__}: {escape(str(e))}[/red] "
+                          f"(logs in {wd})", highlight=False)
+            return 1
     console.print(f"model: {model} ({f'trained {steps} steps' if steps else 'random weights'}), greedy, "
                   f"max_tokens {max_tokens}")
     for i, (r, ref) in enumerate(zip(results, refs)):
@@ -112,3 +109,28 @@ async def _send(p_url: str, d_url: str, peer: str, n: int, max_tokens: int,
                 headers: dict[str, str] | None = None) -> tuple[list[str], list[PDResult]]:
     async with httpx.AsyncClient(timeout=120, headers=headers) as client:  # headers: the engines' API key
         return await pd_and_decode_only(client, p_url, d_url, peer, corpus_prompts(n), max_tokens)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(workdir=args.workdir, n_requests=args.requests, max_tokens=args.max_tokens, lanes=args.lanes,
+                    base_port=args.base_port, steps=args.steps)
+
+
+def add_parsers(conn: argparse._SubParsersAction) -> None:
+    """``kvpath connector demo`` (in the connector's command group): the connector on real
+    vLLM servers, which the testbed starts."""
+    d = conn.add_parser("demo", help="tiny model + P and D vllm servers with KVPathConnector + a P-then-D client")
+    d.add_argument("--workdir", default="runs/connector-demo",
+                   help="logs, keys and trace go here (the model is cached under $KVPATH_CACHE/models, "
+                   "default ~/.cache/kvpath/models)")
+    d.add_argument("--steps", type=int, default=TRAINED_STEPS,
+                   help="the tiny model's training steps on the text kvpath ships, for readable output (once per "
+                   "machine, about 20 s on one core); 0: random weights (default %(default)s)")
+    d.add_argument("--requests", type=int, default=8, help="requests to send P-then-D (default %(default)s)")
+    d.add_argument("--max-tokens", type=int, default=16, help="most output tokens per request (default %(default)s)")
+    d.add_argument("--lanes", type=int, default=4,
+                   help="connector lanes (NIXL connections) from P to D (default %(default)s)")
+    d.add_argument("--base-port", type=int, default=8100,
+                   help="P serves on this port, D on +100, their connectors' side channels on +500 and +600 "
+                   "(default %(default)s)")
+    d.set_defaults(func=_cmd_demo)

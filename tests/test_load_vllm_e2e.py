@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvpath.testbed.pd_client import engine_client
+from kvpath.testbed.pd_pair import PDSide, pd_pair
 from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -43,21 +43,19 @@ async def complete(c: httpx.AsyncClient, url: str, prompt: list[int]) -> httpx.R
         "model": "tiny", "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0})
 
 
-def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_or_leaks(tmp_path_factory):
+@pytest.fixture
+def engines(tmp_path_factory):
     model = str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
     logs = tmp_path_factory.mktemp("logs")
-    knobs = dict(lanes=2, ucx_net_devices="lo", registration_timeout_s=LIVENESS_S,
-                 keys_dir=tmp_path_factory.mktemp("keys"))
-    p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
-                   kv_transfer_config=connector_config("kv_producer", P_SIDE, **knobs))
-    d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"),
-                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, **knobs))
+    knobs = dict(lanes=2, ucx_net_devices="lo", registration_timeout_s=LIVENESS_S)
+    with pd_pair(model, logs, PDSide(P_PORT, P_SIDE), PDSide(D_PORT, D_SIDE), knobs=knobs) as pair:
+        yield pair.p, pair.d, logs
+
+
+def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_or_leaks(engines):
+    p, d, logs = engines
     px = None
     try:
-        p.start()
-        d.start()
-        p.wait_ready()
-        d.wait_ready()
         px_log = open(logs / "proxy.log", "w")
         px = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(PROXY_PORT),
                                "--prefill", f"{p.url},kv_addr=127.0.0.1:{P_SIDE}", "--decode", d.url],
@@ -110,5 +108,3 @@ def test_64_concurrent_long_prompts_through_the_proxy_nothing_fails_or_expires_o
         if px is not None:
             px.terminate()
             px.wait(10)
-        p.kill()
-        d.kill()

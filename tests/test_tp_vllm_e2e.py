@@ -21,8 +21,9 @@ import pytest
 from kvpath.connector.kv_dump import dump_path
 from kvpath.connector.params import decode_leg_params
 from kvpath.testbed.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
+from kvpath.testbed.pd_pair import PDSide, pd_pair, serving
 from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config
+from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_connector_log, read_transfers
 
@@ -40,7 +41,6 @@ PROXY_PORT = 8370  # a proxy in front of the TP=2 P and the TP=1 D
 # liveness clock that outlasts a slow set-up.
 D1_LIVENESS = 30.0
 WARMUP_S = 180.0
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # both engines' ranks share the two cores
 # P at TP=2 prefills at most this many tokens a step (chunked prefill, vLLM's default,
 # with chunks the prompts here exceed), the P at TP=1 in one step (chunked prefill off)
 P_CHUNK = 64
@@ -59,30 +59,20 @@ def model(tmp_path_factory):
 
 
 def _common(logs):
-    return dict(ucx_net_devices="lo", keys_dir=logs / "keys", lease_timeout_s=30.0,
+    """The knobs of every engine here (the keys: ``logs/keys``, pd_pair's default)."""
+    return dict(ucx_net_devices="lo", lease_timeout_s=30.0,
                 registration_timeout_s=REG_TIMEOUT, max_wait_s=MAX_WAIT, kv_dump_dir=str(logs / "dump"))
 
 
 @pytest.fixture(scope="module")
 def tp2(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2")
-    common = _common(logs)
-    p = VLLMServer(model, P_PORT, log_path=str(logs / "p.log"), env=TP2,
-                   extra_args=["--tensor-parallel-size", "2", "--max-num-batched-tokens", str(P_CHUNK)],
-                   kv_transfer_config=connector_config("kv_producer", P_SIDE, engine_id="p-tp2",
-                                                       trace_path=str(logs / "p_trace.jsonl"), **common))
-    d = VLLMServer(model, D_PORT, log_path=str(logs / "d.log"), env=TP2, extra_args=["--tensor-parallel-size", "2"],
-                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, engine_id="d-tp2",
-                                                       trace_path=str(logs / "d_trace.jsonl"), **common))
-    p.start()
-    d.start()
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield p, d, logs
-    finally:
-        p.kill()
-        d.kill()
+    both = cpus_for(2)  # both engines' ranks share the two cores (rank r of each on core r)
+    p = PDSide(P_PORT, P_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "p-tp2"},
+               extra_args=["--max-num-batched-tokens", str(P_CHUNK)])
+    d = PDSide(D_PORT, D_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "d-tp2"})
+    with pd_pair(model, logs, p, d, knobs=_common(logs)) as pair:
+        yield pair.p, pair.d, logs
 
 
 def flow_records(logs, d_log: str, tids: set[str], n: int, timeout_s: float = 30.0,
@@ -161,17 +151,13 @@ def d_tp1(model, tp2):
     first case that needs it."""
     _, _, logs = tp2
     d = VLLMServer(model, D1_PORT, cpu=0, log_path=str(logs / "d1.log"),
-                   kv_transfer_config=connector_config("kv_consumer", D1_SIDE, engine_id="d-tp1",
-                                                       trace_path=str(logs / "d1_trace.jsonl"),
+                   kv_transfer_config=connector_config("kv_consumer", D1_SIDE, keys_dir=logs / "keys",
+                                                       engine_id="d-tp1", trace_path=str(logs / "d1_trace.jsonl"),
                                                        **{**_common(logs), "registration_timeout_s": D1_LIVENESS,
                                                           "idle_step_wait_ms": 20.0}))
-    d.start()
-    try:
-        d.wait_ready()
+    with serving({"D at TP=1": d}):
         warm_up(tp2[0].url, d.url, P_SIDE, "D TP=1")
         yield d
-    finally:
-        d.kill()
 
 
 def warm_up(p_url: str, d_url: str, p_side: int, label: str) -> None:
@@ -358,16 +344,12 @@ def p_tp1(model, tp2):
     vLLM's default, on), for the D at TP=2: each P request is pushed once per D rank."""
     _, _, logs = tp2
     p = VLLMServer(model, P1_PORT, cpu=0, log_path=str(logs / "p1.log"), extra_args=["--no-enable-chunked-prefill"],
-                   kv_transfer_config=connector_config("kv_producer", P1_SIDE, engine_id="p-tp1",
-                                                       trace_path=str(logs / "p1_trace.jsonl"),
+                   kv_transfer_config=connector_config("kv_producer", P1_SIDE, keys_dir=logs / "keys",
+                                                       engine_id="p-tp1", trace_path=str(logs / "p1_trace.jsonl"),
                                                        **{**_common(logs), "idle_step_wait_ms": 20.0}))
-    p.start()
-    try:
-        p.wait_ready()
+    with serving({"P at TP=1": p}):
         warm_up(p.url, tp2[1].url, P1_SIDE, "P TP=1")
         yield p
-    finally:
-        p.kill()
 
 
 class TestPTp1IntoDTp2:

@@ -10,6 +10,7 @@ import pytest
 
 from kvpath.connector.kv_verify import FAULT_ENV
 from kvpath.testbed.pd_client import direct_request, engine_client, make_prompts, pd_and_decode_only
+from kvpath.testbed.pd_pair import PDSide, pd_pair
 from kvpath.testbed.vllm_server import VLLMServer, connector_config
 from kvpath.tiny_model import build_tiny_model
 from kvpath.trace import read_transfers
@@ -32,20 +33,10 @@ def servers(model, tmp_path_factory):
     # kv_verify=all: every push is checked (its output must still equal decode-only); D's
     # test hook flips a byte of the pushes whose transfer id starts with FAULT_PREFIX
     common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0,
-                  keys_dir=tmp_path_factory.mktemp("keys"), kv_verify="all")
-    p = VLLMServer(model, P_PORT, cpu=0, log_path=str(logs / "p.log"),
-                   kv_transfer_config=connector_config("kv_producer", P_SIDE, trace_path=str(logs / "p_trace.jsonl"), **common))
-    d = VLLMServer(model, D_PORT, cpu=1, log_path=str(logs / "d.log"), env={FAULT_ENV: FAULT_PREFIX},
-                   kv_transfer_config=connector_config("kv_consumer", D_SIDE, **common))
-    p.start()
-    d.start()
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield p, d, logs
-    finally:
-        p.kill()
-        d.kill()
+                  kv_verify="all")
+    with pd_pair(model, logs, PDSide(P_PORT, P_SIDE, trace=True),
+                 PDSide(D_PORT, D_SIDE, env={FAULT_ENV: FAULT_PREFIX}), knobs=common) as pair:
+        yield pair.p, pair.d, logs
 
 
 def metric(url: str, name: str) -> float:

@@ -74,7 +74,7 @@ class Config:
     seed: int = 0
     # KV bytes divided by S (the testbed's --scale-s): below B (500) the run is slow
     # motion, every time B/S times longer, so a heavy load costs the 2 cores less per
-    # second (docs/bridge.md, "Validation suite")
+    # second (docs/bridge-suite.md, "Validation suite")
     scale_s: float = SCALE_B
 
     def what(self, mode: str) -> str:
@@ -90,7 +90,7 @@ class Config:
 # The front end (the client, the proxy and P's HTTP server: front_end_s in the run's
 # summary) fell 36-62 ms behind at B/S = 1 and 40-60 QPS, 17-25 ms at B/S = 2.5 and
 # 20-30 QPS, and 10-17 ms at B/S = 10, against 4-10 ms at 4-8 QPS: the machine, not the
-# system, set TTFT there (docs/bridge.md, "Validation suite").
+# system, set TTFT there (docs/bridge-suite.md, "Validation suite").
 SUITE: tuple[Config, ...] = (
     # rack3: 3 leaves, 3 spines (odd), 3 hosts a leaf; P on leaf 0, D on leaves 1-2
     Config("rack3-zipf-light", "rack3", "3P6D", "zipf", 4, "ecmp"),

@@ -104,7 +104,7 @@ class VllmEngines:
                                   reservation_token_file=str(site.token_file))
             if len(set(cfg.tp_sizes)) > 1:
                 # an engine at TP=1 stepping back to back while it waits for a push starved
-                # the P rank sharing its core (docs/connector.md, "TP > 1 on a busy CPU")
+                # the P rank sharing its core (docs/connector-tp.md, "TP > 1 on a busy CPU")
                 kv["kv_connector_extra_config"]["idle_step_wait_ms"] = 20.0
         elif cfg.connector in ("nixl", "nixl-push"):
             push = cfg.connector == "nixl-push"

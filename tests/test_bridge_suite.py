@@ -1,7 +1,7 @@
 """benchmarks/bridge_suite.py: its Azure-format trace reads back through the importer,
 its goal counts are right, and one configuration runs end to end on a real fabric with
 every trace evaluated on constants fitted on the others. No error bound is asserted:
-those depend on this machine's load (the suite's table in docs/bridge.md has them)."""
+those depend on this machine's load (the suite's tables are in docs/results.md, section 7)."""
 
 from __future__ import annotations
 

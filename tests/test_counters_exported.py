@@ -1,6 +1,7 @@
 """Every counter the connector increments is one vLLM's /metrics exports (COUNTERS)."""
 
 import ast
+import re
 from pathlib import Path
 
 from kvpath.connector.telemetry import COUNTERS
@@ -27,7 +28,22 @@ def test_every_incremented_counter_is_exported():
     assert not missing, f"incremented but not in telemetry.COUNTERS (never reach /metrics): {missing}"
 
 
+# The page whose "Telemetry and metrics" section lists the counters vLLM's /metrics exports
+COUNTERS_DOC = CONNECTOR.parent / "docs" / "connector.md"
+
+
+def _documented_counters() -> list[str]:
+    doc = COUNTERS_DOC.read_text()
+    section = doc.split("## Telemetry and metrics", 1)[1].split("\n## ", 1)[0]
+    listed = re.search(r"`vllm:kvpath_\{(.*?)\}_total`", section, flags=re.S)
+    assert listed, f"{COUNTERS_DOC.name}: no vllm:kvpath_{{...}}_total list under 'Telemetry and metrics'"
+    return [name.strip() for name in listed.group(1).split(",")]
+
+
 def test_the_docs_list_every_counter():
-    doc = (CONNECTOR.parent / "docs" / "connector.md").read_text()
-    undocumented = [c for c in COUNTERS if c not in doc]
-    assert not undocumented, undocumented
+    listed = _documented_counters()
+    undocumented = [c for c in COUNTERS if c not in listed]
+    assert not undocumented, f"in telemetry.COUNTERS, not in {COUNTERS_DOC.name}'s list: {undocumented}"
+    stale = [c for c in listed if c not in COUNTERS]
+    assert not stale, f"in {COUNTERS_DOC.name}'s list, not in telemetry.COUNTERS: {stale}"
+    assert len(listed) == len(set(listed)), "a counter listed twice"

@@ -161,7 +161,7 @@ def test_a_shallow_port_under_incast_drops_and_the_counters_see_drops_and_retran
         by_tier = drops_by_tier({f"{n}:{i}": v for (n, i), v in drops.items()})
         assert by_tier["leaf_down"] >= drops[("leaf1", "h1")] and sum(by_tier.values()) == sum(drops.values())
         # ports this shallow drop at the senders' own ports too (972 in one run): what
-        # bounds ns-3's lossless_host (docs/bridge.md)
+        # bounds ns-3's lossless_host (docs/bridge-ns3.md)
         assert by_tier["host_up"] > 0, by_tier
         assert sum(rt[h] for h in ("l0h0", "l0h1", "l1h0")) > 0 and rt["l1h1"] == 0, rt
     with pytest.raises(ValueError, match="RetransSegs"):

@@ -52,7 +52,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from kvpath.testbed.cpu_sampler import CPU_PARTS
 # The script's parts, modules beside it (on sys.path when it runs). Some names are here for
 # those who import the script: pd_minimum.py (the bench's command line, environment and
-# result) and tests/test_serve_compare.py.
+# result) and tests/testbed/test_serve_compare.py.
 from serve_compare_bench import (BenchClient, bench_argv, bench_env, bench_runner,  # noqa: F401
                                  build_word_tokenizer, parse_bench_result)
 from serve_compare_plan import (BENCH_CLIENTS, BENCH_START_S, DEFAULT_MODES, DRAIN_S, ENGINES,  # noqa: F401

@@ -43,7 +43,7 @@ unequal block sizes                                                 two per head
 Segments number ``n / min(bs)`` for n tokens when one block size divides the other
 and n. E.g. 128 tokens, 2 layers, H=4, consecutive blocks, bs 32 on both sides: TP
 2->2 gives 2 descriptors, 4->2 gives 8, 2->4 gives 8 per D rank; bs 32->64: TP 4->4
-gives 14, 4->2 gives 16, 2->2 gives 30 (32 with scattered blocks). tests/test_tp_map.py
+gives 14, 4->2 gives 16, 2->2 gives 30 (32 with scattered blocks). tests/connector/test_tp_map.py
 checks these.
 """
 

@@ -25,7 +25,7 @@ if ! command -v nft >/dev/null 2>&1; then
   fi
 fi
 
-# The browser test of the bridge's HTML report (tests/test_report_browser.py) runs headless
+# The browser test of the bridge's HTML report (tests/bridge/test_report_browser.py) runs headless
 # Chromium through chromedriver (system packages, without their recommends: docs/install.md).
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then

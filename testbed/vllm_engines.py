@@ -209,7 +209,7 @@ class VllmEngines:
         prompts = {r.request_id: prompt_ids(i, r.prompt_tokens, seed) for i, r in enumerate(workload.requests)}
         out = decode_only_check(self.site.url(self.site.p_hosts[0]), client, prompts, self.api_headers)
         # at unequal TP sizes D decodes at another TP size than P alone does: its greedy
-        # tokens may legitimately differ (tests/test_tp_vllm_e2e.py checks the KV bytes)
+        # tokens may legitimately differ (tests/connector/test_tp_vllm_e2e.py checks the KV bytes)
         out["required"] = len(set(self.site.cfg.tp_sizes)) == 1
         return out
 

@@ -14,30 +14,9 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def cluster_keys(tmp_path_factory) -> dict[str, str]:
-    """The control channel's key knobs for tests that give P and D one config: one key
-    pair that trusts itself (each run makes its own; no test needs plaintext)."""
-    from kvpath.connector.control_auth import shared_keys
-
-    return shared_keys(tmp_path_factory.mktemp("control-keys"))
-
-
-@pytest.fixture(scope="session")
 def keys_dir(tmp_path_factory) -> Path:
     """A folder for a prefill and a decode key pair (``connector_config(keys_dir=...)``)."""
     return tmp_path_factory.mktemp("pd-keys")
-
-
-@pytest.fixture
-def ns3_wheel() -> Path:
-    """The ns3 wheel's install directory; skips where it is absent (scripts/setup.sh
-    installs it, so only a hand-made environment lacks it)."""
-    from kvpath.bridge.ns3_backend import Ns3Error, ns3_root
-
-    try:
-        return ns3_root()
-    except Ns3Error as e:  # pragma: no cover
-        pytest.skip(f"ns3 wheel not installed: {e}")
 
 
 def _old_names_imported() -> list[str]:
@@ -67,9 +46,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True)
 def _close_bare_engine_threads():
-    """Engine threads a test built without starting (tests/engine_doubles.py) hold a ZMQ
+    """Engine threads a test built without starting (tests/connector/engine_doubles.py) hold a ZMQ
     context each: closed after the test."""
     yield
-    doubles = sys.modules.get("tests.engine_doubles")
+    doubles = sys.modules.get("tests.connector.engine_doubles")
     if doubles is not None:
         doubles.close_made()

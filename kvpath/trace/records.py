@@ -1,6 +1,7 @@
-"""The trace: one versioned schema for what a run did, written by the testbed and the
-connector and read by the simulator bridge and the testbed. ``docs/trace.md`` documents
-every field.
+"""The trace's schema: its records (a run's header, requests and flows; the connector's
+transfers, receipts and lanes), their validation and the schema's versions.
+``docs/trace.md`` documents every field; :mod:`kvpath.trace.writer` writes the records
+and :mod:`kvpath.trace.reader` reads them back.
 
 A run's trace is a JSON Lines file: a ``header`` first, then ``request`` and ``flow``
 records in any order. Times are seconds since the run's start (the header's
@@ -9,34 +10,26 @@ per push today, one per TP rank pair later.
 
 A connector's log is a headerless JSON Lines file of the same schema: ``transfer``
 (one per push, seen from P), ``received`` (D has a push's last byte) and ``lanes``
-(P opened its lanes to a D worker) records, times in unix seconds. Every process and
-thread of a connector appends to it through :class:`TraceWriter`;
-:func:`read_transfers` and :func:`read_connector_log` read it back, and also read logs
-written before schema version 2 (rows tagged ``"kind"``).
+(P opened its lanes to a D worker) records, times in unix seconds.
 
-Every record is validated on write and on read; a bad record raises
+Every record is validated on write and on read (:func:`validate`); a bad record raises
 :class:`TraceError` naming the record and the field.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
 import math
-import os
-import threading
-from pathlib import Path
-from typing import IO, Any, Iterable, Union
+from typing import Any, Iterable, Union
 
 import msgspec
 
 from kvpath.five_tuple import PROTOS, FiveTuple
-from kvpath.trace.rotation import log_files, rotate_if_full
 
 __all__ = [
-    "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "REQUEST_ORDER", "TraceError", "FiveTuple", "Header", "RequestRecord", "FlowRecord",
-    "TransferRecord", "ReceivedRecord", "LaneRecord", "LanesRecord", "Record", "Trace", "ConnectorLog", "validate",
-    "TraceWriter", "read_trace", "upgrade", "read_connector_log", "read_transfers", "kv_ready_at", "received_by_flow",
+    "SCHEMA_VERSION", "READS_VERSIONS", "EPS", "REQUEST_ORDER", "TraceError", "FiveTuple", "Header", "RequestRecord",
+    "FlowRecord", "TransferRecord", "ReceivedRecord", "LaneRecord", "LanesRecord", "Record", "ConnectorRecord",
+    "Trace", "ConnectorLog", "validate", "upgrade", "kv_ready_at", "received_by_flow",
 ]
 
 # 2: flows carry their lane and predicted path (a request may own several flows); the
@@ -203,8 +196,6 @@ class LanesRecord(msgspec.Struct, tag="lanes", kw_only=True):
 
 Record = Union[Header, RequestRecord, FlowRecord, TransferRecord, ReceivedRecord, LanesRecord]
 ConnectorRecord = Union[TransferRecord, ReceivedRecord, LanesRecord]
-_decoder = msgspec.json.Decoder(Record)
-_encoder = msgspec.json.Encoder()
 
 
 def _check_tuple(ft: FiveTuple, where: str) -> None:
@@ -317,192 +308,9 @@ def upgrade(trace: Trace) -> Trace:
     return trace
 
 
-class TraceWriter:
-    """Writes trace records, each validated, one JSON line each; safe from several threads.
-
-    With a header: a run's trace, the file truncated and the header written first.
-    Without one: a connector's log, appended to (several processes may share the file);
-    ``{pid}`` in the path becomes this process's id, and ``max_bytes`` rotates it
-    (:mod:`kvpath.trace.rotation`, ``keep`` old files). A ``None`` path writes nothing."""
-
-    def __init__(self, path: str | Path | None, header: Header | None = None, max_bytes: int | None = None,
-                 keep: int = 3):
-        self._lock = threading.Lock()
-        self._fh: IO[bytes] | None = None
-        self.count = 0
-        self.path: Path | None = None
-        self._max_bytes = max_bytes if header is None else None  # a run's trace is one file
-        self._keep = keep
-        if path is None or str(path) == "":
-            return
-        if header is not None:
-            validate(header)
-        self.path = Path(str(path).replace("{pid}", str(os.getpid())))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if header is None:
-            # unbuffered: each record is one write() of one whole line, so concurrent
-            # appenders (P's TP workers, a reader polling) never see half a line
-            self._fh = open(self.path, "ab", buffering=0)
-        else:
-            self._fh = open(self.path, "wb")
-            self._fh.write(_encoder.encode(header) + b"\n")
-
-    def write(self, rec: Record) -> None:
-        if self._fh is None:
-            return
-        if isinstance(rec, Header):
-            raise TraceError("header: written once, by TraceWriter(path, header)")
-        validate(rec)
-        line = _encoder.encode(rec) + b"\n"
-        with self._lock:
-            if self._fh is not None:
-                view = memoryview(line)
-                while view:  # an unbuffered write may be short (a nearly full disk): finish the line
-                    n = self._fh.write(view)
-                    if not n:
-                        raise OSError(f"{self.path}: no progress writing a trace record")
-                    view = view[n:]
-                self.count += 1
-                if self._max_bytes is not None and self.path is not None:
-                    try:
-                        self._fh = rotate_if_full(self.path, self._fh, self._max_bytes, self._keep)
-                    except OSError as e:  # the record is written; rotation stops, once, loudly
-                        self._max_bytes = None
-                        logging.getLogger(__name__).error("%s: cannot rotate (%s); appending from now on",
-                                                          self.path, e)
-
-    def write_all(self, recs: Iterable[Record]) -> None:
-        for r in recs:
-            self.write(r)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
-
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _read_lines(p: Path) -> list[bytes]:
-    try:
-        return p.read_bytes().splitlines()
-    except OSError as e:
-        raise TraceError(f"cannot read trace {p}: {e}") from None
-
-
-def _decode(p: Path, i: int, line: bytes) -> Record:
-    try:
-        rec = _decoder.decode(line)
-    except msgspec.ValidationError as e:
-        raise TraceError(f"{p}: line {i}: {e}") from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise TraceError(f"{p}: line {i}: not JSON: {e}") from None
-    try:
-        validate(rec)
-    except TraceError as e:
-        raise TraceError(f"{p}: line {i}: {e}") from None
-    return rec
-
-
-def read_trace(path: str | Path) -> Trace:
-    """A run's trace, in the current schema's model (a version-1 trace is upgraded)."""
-    p = Path(path)
-    header: Header | None = None
-    reqs: list[RequestRecord] = []
-    flows: list[FlowRecord] = []
-    for i, line in enumerate(_read_lines(p), 1):
-        if not line.strip():
-            continue
-        rec = _decode(p, i, line)
-        if isinstance(rec, Header):
-            if header is not None or i != 1:
-                raise TraceError(f"{p}: line {i}: the header must be the first line, and only once")
-            header = rec
-        elif header is None:
-            raise TraceError(f"{p}: line {i}: the first line must be the header")
-        elif isinstance(rec, RequestRecord):
-            reqs.append(rec)
-        elif isinstance(rec, FlowRecord):
-            flows.append(rec)
-        else:
-            raise TraceError(f"{p}: line {i}: a {type(rec).__name__} belongs in a connector's log, not a run's trace")
-    if header is None:
-        raise TraceError(f"{p}: empty trace (no header)")
-    return upgrade(Trace(header, reqs, flows))
-
-
-# ---- the connector's log ---------------------------------------------------------------
 class ConnectorLog(msgspec.Struct):
+    """A connector's log, read back (:func:`kvpath.trace.reader.read_connector_log`)."""
+
     transfers: list[TransferRecord]
     received: list[ReceivedRecord]
     lanes: list[LanesRecord]
-
-
-_V1_KINDS = {"kv_transfer": TransferRecord, "kv_received": ReceivedRecord, "lanes": LanesRecord}
-
-
-def _from_v1(row: dict[str, Any]) -> ConnectorRecord:
-    """A row of a log written before schema version 2 (``{"kind": ...}``, no ``type``)."""
-    kind = row.pop("kind")
-    if kind == "kv_transfer":
-        row.pop("duration_s", None)  # derived: a property now
-    elif kind == "lanes":
-        # each lane was [lane id, src ip, src port, dst ip, dst port, proto, path]
-        row["lanes"] = [{"lane": ln[0], "path": ln[6] or None,
-                         "five_tuple": {"src_ip": ln[1], "dst_ip": ln[3], "src_port": ln[2], "dst_port": ln[4],
-                                        "proto": ln[5]} if ln[2] else None} for ln in row.get("lanes", [])]
-    return msgspec.convert(row, _V1_KINDS[kind])
-
-
-def read_connector_log(path: str | Path) -> ConnectorLog:
-    """A connector's log: its transfer, received and lanes records in file order, from a
-    log of either schema version, its rotated files (``path.N`` ... ``path.1``) included.
-    Records of a run's trace in it are skipped. A last line
-    without its newline is one being written now, and is skipped too."""
-    out = ConnectorLog([], [], [])
-    p = Path(path)
-    for f in [f for f in log_files(p) if f != p]:  # rotated files (trace_max_bytes) first, oldest first
-        _read_connector_file(f, out)
-    _read_connector_file(p, out)
-    return out
-
-
-def _read_connector_file(p: Path, out: ConnectorLog) -> None:
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise TraceError(f"cannot read connector log {p}: {e}") from None
-    lines = data.splitlines()
-    if lines and not data.endswith(b"\n"):
-        lines.pop()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if b'"kind"' in line and b'"type"' not in line:
-            try:
-                row = msgspec.json.decode(line)
-                if not isinstance(row, dict):
-                    raise TraceError("a record must be a JSON object")
-                rec: Record = _from_v1(row)
-                validate(rec)
-            except (msgspec.ValidationError, msgspec.DecodeError, KeyError, IndexError, TypeError, TraceError,
-                    UnicodeDecodeError, RecursionError, AttributeError) as e:
-                raise TraceError(f"{p}: line {i}: {e}") from None
-        else:
-            rec = _decode(p, i, line)
-        if isinstance(rec, TransferRecord):
-            out.transfers.append(rec)
-        elif isinstance(rec, ReceivedRecord):
-            out.received.append(rec)
-        elif isinstance(rec, LanesRecord):
-            out.lanes.append(rec)
-
-
-def read_transfers(path: str | Path) -> list[TransferRecord]:
-    """P's transfer records in a connector's log (see :func:`read_connector_log`)."""
-    return read_connector_log(path).transfers

@@ -16,7 +16,7 @@ DEFAULT_MODES = ("nixl-pull", "nixl-push", "kvpath-ecmp", "kvpath-cc")
 
 # What each engine kind runs on, and its default grid. vLLM engines: the tiny model's
 # context is 2048 tokens (prompt + output), one core each, 200 Mbit/s links. Emulated:
-# LLaMA-3-8B prompts, the testbed's 8P8D comparison setting (docs/testbed.md).
+# LLaMA-3-8B prompts, the testbed's 8P8D comparison setting (docs/results.md, section 10).
 SETUPS: dict[str, dict[str, Any]] = {
     "vllm": {"fabric": "small", "pools": "1P1D", "scale_b": 500.0, "scale_s": 1.0, "policy": "round_robin",
              "input_lens": (256, 1024), "output_lens": (32,), "rates": (1.0, 2.0), "prompts": 12},

@@ -26,7 +26,7 @@ VARIANTS = (Variant("ecmp", "ecmp", "round_robin"), Variant("cc", "cc", "round_r
 class Profile:
     """The workload and the fabric. ``ns3``: replay in the packet-level backend too (it
     takes longer than the flow model). Times are testbed time: links at the spec's rate / B,
-    KV bytes / S (docs/testbed.md)."""
+    KV bytes / S (docs/testbed-emulated.md)."""
 
     name: str
     fabric: str

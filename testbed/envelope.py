@@ -15,8 +15,8 @@ every variant and repeat runs the same workload on the same fabric):
   absolute bound, or far above the peers' median ratio;
 - CPU idle median far below the peers' median.
 
-The bounds and the measurements that chose them are in docs/testbed.md ("The fidelity
-envelope").
+The bounds and the measurements that chose them are in docs/testbed-fidelity.md ("The
+fidelity envelope").
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-# The bounds, each from runs on this 2-core machine (docs/testbed.md, "The fidelity
-# envelope", has the table). Per-push overhead, testbed seconds: quiet runs 2.1-2.6 ms
+# The bounds, each from runs on this 2-core machine (docs/testbed-fidelity.md, "The
+# fidelity envelope", has the table). Per-push overhead, testbed seconds: quiet runs 2.1-2.6 ms
 # (21 demo runs, quick and full) and 2.8-3.1 ms (the filed full runs); the disturbed run
 # of the issue 12.5 ms. No quiet run came near 8 ms; 2x the peers' median leaves ten
 # times the widest quiet spread (a run at 1.09x its peers' median). The absolute bound

@@ -19,3 +19,12 @@ def model(tmp_path_factory) -> str:
     from kvpath.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def nixl_keys(cluster_keys) -> None:
+    """The control channel's keys for the configs the real-NIXL tests build
+    (``tests.connector.nixl_sides.cfg``): their modules use it for every test."""
+    from tests.connector.nixl_sides import KEYS
+
+    KEYS.update(cluster_keys)

@@ -95,10 +95,11 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
         if not ds:
             return error_response(503, "no decode instance is configured")
         d = next((i for i in ds if i.healthy), ds[0])
-        assert proxy.session is not None
+        session = proxy.engines.session
+        assert session is not None
         try:
-            async with proxy.session.get(d.url + "/v1/models", headers=proxy.engine_headers,
-                                         timeout=proxy.answer_timeout) as r:
+            async with session.get(d.url + "/v1/models", headers=proxy.engine_headers,
+                                   timeout=proxy.engines.answer_timeout) as r:
                 if r.status in (401, 403):  # the proxy's engine key, not the client's
                     return error_response(502, engine_error(d, r.status, await r.text(), r.headers).message)
                 return Response(await r.read(), status_code=r.status, media_type="application/json")

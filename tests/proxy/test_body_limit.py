@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from kvpath.reservation.app import MAX_BODY_BYTES
-from tests.proxy.test_proxy import BODY, Setup
+from tests.proxy.proxy_stubs import BODY, Setup
 
 LIMIT = 4096
 

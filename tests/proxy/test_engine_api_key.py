@@ -1,6 +1,6 @@
 """The engines' API key (vLLM's --api-key): where the proxy reads it (a file or the
 environment, never argv), and how every real P and D start passes it (the child's
-environment, never its command line). No engine runs here; tests/proxy/test_proxy.py checks
+environment, never its command line). No engine runs here; tests/proxy/test_proxy_access.py checks
 the legs' headers against stub engines, tests/proxy/test_proxy_vllm_e2e.py against vLLM."""
 
 from __future__ import annotations

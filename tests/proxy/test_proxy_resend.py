@@ -9,7 +9,7 @@ import errno
 import aiohttp
 import pytest
 
-from kvpath.proxy import core
+from kvpath.proxy import engine_client, resend
 from kvpath.proxy.config import ProxyConfig
 from kvpath.proxy.core import Proxy
 from kvpath.proxy.instances import Instance
@@ -31,7 +31,7 @@ class FlakySession:
 
 def proxy_with(session) -> Proxy:
     px = Proxy(ProxyConfig(), [Instance("http://p", "prefill", kv_addr="127.0.0.1:1")], [Instance("http://d", "decode")])
-    px.session = session
+    px.engines.session = session
     return px
 
 
@@ -41,27 +41,27 @@ def closed() -> aiohttp.ClientOSError:
 
 def test_a_leg_is_sent_again_while_its_pooled_connections_turn_out_closed():
     s = FlakySession([closed(), closed()])  # two of a burst's pooled connections were closed
-    assert asyncio.run(proxy_with(s)._post("http://d/v1/completions", {}, {})) == "answer"
+    assert asyncio.run(proxy_with(s).engines.post("http://d/v1/completions", {}, {})) == "answer"
     assert s.calls == 3
 
 
 def test_it_gives_up_after_three_tries_and_never_resends_other_errors():
-    s = FlakySession([closed()] * core.POST_ATTEMPTS)
+    s = FlakySession([closed()] * resend.POST_ATTEMPTS)
     with pytest.raises(aiohttp.ClientOSError):
-        asyncio.run(proxy_with(s)._post("http://d/v1/completions", {}, {}))
-    assert s.calls == core.POST_ATTEMPTS
+        asyncio.run(proxy_with(s).engines.post("http://d/v1/completions", {}, {}))
+    assert s.calls == resend.POST_ATTEMPTS
     s = FlakySession([aiohttp.ClientOSError(errno.ECONNREFUSED, "Connection refused")])  # not a close
     with pytest.raises(aiohttp.ClientOSError):
-        asyncio.run(proxy_with(s)._post("http://d/v1/completions", {}, {}))
+        asyncio.run(proxy_with(s).engines.post("http://d/v1/completions", {}, {}))
     assert s.calls == 1
     # a reset of a pooled connection (the request's bytes unread) is sent again, but not
     # in pull mode's D leg, which reads P's blocks by id
     reset = aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer")
     s = FlakySession([reset])
-    assert asyncio.run(proxy_with(s)._post("http://d/v1/completions", {}, {})) == "answer"
+    assert asyncio.run(proxy_with(s).engines.post("http://d/v1/completions", {}, {})) == "answer"
     s = FlakySession([reset])
     with pytest.raises(aiohttp.ClientOSError):
-        asyncio.run(proxy_with(s)._post("http://d/v1/completions", {}, {}, resend=False))
+        asyncio.run(proxy_with(s).engines.post("http://d/v1/completions", {}, {}, resend=False))
     assert s.calls == 1
 
 
@@ -70,11 +70,11 @@ def test_idle_pooled_connections_are_dropped_before_the_engines_keep_alive_ends(
         px = proxy_with(None)
         await px.start()
         try:
-            return px.session.connector._keepalive_timeout
+            return px.engines.session.connector._keepalive_timeout
         finally:
             await px.stop()
 
-    assert asyncio.run(go()) == core.IDLE_KEEPALIVE_S < 5.0  # uvicorn's default keep-alive timeout
+    assert asyncio.run(go()) == engine_client.IDLE_KEEPALIVE_S < 5.0  # uvicorn's default keep-alive timeout
 
 
 
@@ -103,17 +103,17 @@ def test_a_connection_cut_inside_an_answers_head_is_not_sent_again():
     # aiohttp keeps the part of the answer it read as the error's message: the engine read the leg
     s = FlakySession([aiohttp.ServerDisconnectedError(message=object())])
     with pytest.raises(aiohttp.ServerDisconnectedError):
-        asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {}))
+        asyncio.run(proxy_with(s).engines.post("http://p/v1/completions", {}, {}))
     assert s.calls == 1
 
 
 def test_a_pooled_connection_closed_before_any_answer_is_sent_again_a_fresh_one_never():
     s = DisconnectingSession([True, True])
-    assert asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {})) == "answer"
+    assert asyncio.run(proxy_with(s).engines.post("http://p/v1/completions", {}, {})) == "answer"
     assert s.calls == 3
     s = DisconnectingSession([True, False])  # the second went out on a new connection: the engine may be gone
     with pytest.raises(aiohttp.ServerDisconnectedError):
-        asyncio.run(proxy_with(s)._post("http://p/v1/completions", {}, {}))
+        asyncio.run(proxy_with(s).engines.post("http://p/v1/completions", {}, {}))
     assert s.calls == 2
 
 
@@ -163,7 +163,7 @@ async def _post_twice(server: KeepAliveCloser) -> list:
     try:
         for _ in range(2):
             try:
-                async with await px._post(url, {"prompt": "x"}, {}) as r:
+                async with await px.engines.post(url, {"prompt": "x"}, {}) as r:
                     await r.read()  # read whole, the connection goes back to the pool
                     out.append(r.status)
             except aiohttp.ClientError:
@@ -176,7 +176,7 @@ async def _post_twice(server: KeepAliveCloser) -> list:
 
 
 def test_through_aiohttp_a_leg_on_a_pooled_connection_the_engine_closed_is_answered(monkeypatch):
-    monkeypatch.setattr(core, "RESEND_WINDOW_S", 10.0)  # a busy CI machine may see the close late
+    monkeypatch.setattr(resend, "RESEND_WINDOW_S", 10.0)  # a busy CI machine may see the close late
     server = KeepAliveCloser()
     assert asyncio.run(_post_twice(server)) == [200, 200]
     # the second leg went out on the first (pooled) connection, was cut, and was sent
@@ -192,7 +192,7 @@ def test_through_aiohttp_a_leg_cut_on_a_new_connection_is_not_sent_again():
 
 def test_a_pooled_connection_closed_well_after_the_request_went_out_is_not_sent_again(monkeypatch):
     # the engine read the leg and closed 0.3 s later: it may have run it, so no resend
-    monkeypatch.setattr(core, "RESEND_WINDOW_S", 0.1)
+    monkeypatch.setattr(resend, "RESEND_WINDOW_S", 0.1)
     server = KeepAliveCloser(read_then_close_after=0.3)
     assert asyncio.run(_post_twice(server)) == [200, "failed"]
     assert (server.requests, server.connections) == (2, 1)

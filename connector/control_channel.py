@@ -39,8 +39,9 @@ class ControlChannel:
         self._curve: CurveServer | None = None  # the CURVE context (keys given)
         self.public_key: bytes | None = None  # P's CURVE public key (z85), D's server key for us
 
-    def open(self) -> list[zmq.Socket]:
-        """Bind the socket; returns the sockets to close, in order (the monitor first)."""
+    def open(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """Bind the socket; returns (its monitor, the socket): the thread closes both, the
+        monitor first."""
         self.cfg.validate_security()
         if self.cfg.control_key:
             keys = ControlKeys.load(self.cfg.control_key, self.cfg.control_trusted_keys or "")
@@ -67,7 +68,7 @@ class ControlChannel:
             raise ConfigError(
                 f"kv_connector_extra_config.side_channel_port: cannot listen on {self.address}: {e}"
             ) from e
-        return [self.monitor, self.router]
+        return self.monitor, self.router
 
     def close(self) -> None:
         """Release the CURVE context (after the sockets are closed: ctx.term waits for them)."""

@@ -164,6 +164,11 @@ class EngineThread:
             except queue.Empty:
                 return
 
+    @property
+    def closed(self) -> bool:
+        """close() released the thread's sockets (its ZMQ context is gone)."""
+        return self._ctx.closed
+
     def close(self) -> bool:
         """Stop the thread, then close its sockets and release its NIXL agents. False
         when the thread did not stop in time (stuck in a NIXL call): its sockets and

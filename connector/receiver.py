@@ -68,19 +68,23 @@ class PushReceiver(EngineThread):
                                busy=self._busy_peers)
 
     def start(self) -> "PushReceiver":
-        configure_ucx(self.cfg)
-        # UCX opens its listening socket when the agent is created: the new listening
-        # ports are where P's lanes connect, so P can tell its lane's connection exactly.
-        with LISTEN_LOCK:
-            before = listening_sockets()
-            self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
-            self.listen_addrs = sorted(listening_sockets() - before)
-            self.listen_ports = sorted({port for _, port in self.listen_addrs})
-        self._register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
-        self._register(self.agent, [(self.probe.ctypes.data, PROBE_BYTES)], "DRAM")
-        self.metadata = self.agent.get_agent_metadata()
-        self.links.agent_name = self.agent.name
-        self._start_thread(self._run, "kvpath-push-receiver")
+        try:
+            configure_ucx(self.cfg)
+            # UCX opens its listening socket when the agent is created: the new listening
+            # ports are where P's lanes connect, so P can tell its lane's connection exactly.
+            with LISTEN_LOCK:
+                before = listening_sockets()
+                self.agent = make_agent(f"{self.engine_id}-r{self.rank}-recv-{uuid.uuid4().hex[:6]}")
+                self.listen_addrs = sorted(listening_sockets() - before)
+                self.listen_ports = sorted({port for _, port in self.listen_addrs})
+            self._register(self.agent, self.spans, self.layout.mem_type, self.layout.device_id)
+            self._register(self.agent, [(self.probe.ctypes.data, PROBE_BYTES)], "DRAM")
+            self.metadata = self.agent.get_agent_metadata()
+            self.links.agent_name = self.agent.name
+            self._start_thread(self._run, "kvpath-push-receiver")
+        except BaseException:
+            self.close()  # nobody closes a receiver that failed to start (see PushSender.start)
+            raise
         return self
 
     def _drop_agents(self) -> None:

@@ -96,15 +96,22 @@ class PushSender(EngineThread):
         return self.channel.public_key
 
     def start(self) -> "PushSender":
-        configure_ucx(self.cfg)
-        for s in self.channel.open():
-            self._sockets.insert(0, s) if s is self.channel.monitor else self._sockets.append(s)
-        self.lanes.make_oracle()
-        self.lanes.make_agents()
-        if self.cfg.reservation_url:
-            self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats,
-                                                token=reservation_token(self.cfg))
-        self._start_thread(self._run, "kvpath-push-sender")
+        try:
+            configure_ucx(self.cfg)
+            monitor, router = self.channel.open()
+            self._sockets.insert(0, monitor)  # closed before the router
+            self._sockets.append(router)
+            self.lanes.make_oracle()
+            self.lanes.make_agents()
+            if self.cfg.reservation_url:
+                self.notifier = ReservationNotifier(self.cfg.reservation_url, self.stats,
+                                                    token=reservation_token(self.cfg))
+            self._start_thread(self._run, "kvpath-push-sender")
+        except BaseException:
+            # nobody closes a writer that failed to start: it frees what it holds now (a
+            # ZMQ context left to the garbage collector can block the process in its term)
+            self.close()
+            raise
         logger.info("kvpath writer %s listening on %s with %d lanes", self.engine_id, self.address, self.cfg.lanes)
         return self
 

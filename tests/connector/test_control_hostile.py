@@ -360,8 +360,14 @@ def test_a_port_in_use_is_a_config_error_and_leaves_no_thread_behind(keys):
     p, _ = start_p(pc)
     try:
         n = threading.active_count()
+        bufs = make_buffers(SPEC, "random", seed=3)
+        spans = [(b.ctypes.data, b.nbytes) for b in bufs]
+        second = PushSender(pc, layout_from_buffers(spans, SPEC.num_blocks, SPEC.block_size), spans)
         with pytest.raises(ConfigError, match="side_channel_port: cannot listen"):
-            start_p(pc)
+            second.start()
         assert wait_for(lambda: threading.active_count() == n, 5), "the failed writer's ZAP thread is still running"
+        # and its sockets are closed: a ZMQ context left to the garbage collector with a
+        # socket open blocks the process in its term (seen: the suite hung in a later test)
+        assert second.closed
     finally:
         p.close()

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -35,6 +36,12 @@ logger = logging.getLogger(__name__)
 # an idle engine's connector threads far under 1% of a core.
 DORMANT_POLL_MS = 250
 LINGER_S = 1.0
+
+
+def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context) -> None:
+    for s in sockets:
+        s.close(0)
+    ctx.destroy(linger=0)
 
 
 class EngineThread:
@@ -83,6 +90,12 @@ class EngineThread:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(addr)
         self._sockets: list[zmq.Socket] = [self._wake_rx, self._wake_tx]
+        # A thread never closed (a start that raised, a test that failed half-way) is freed
+        # by the cycle collector (its parts hold callbacks into it). Its sockets must close
+        # before its context goes, or the context's term blocks the process: the finalizer
+        # holds them, so they are not part of that garbage. Not at exit: the thread may run.
+        self._finalizer = weakref.finalize(self, _release_zmq, self._sockets, self._ctx)
+        self._finalizer.atexit = False
         self._nixl_regs: list[tuple[Any, Any]] = []  # (agent, registration): deregistered on close
         # set when a result for the engine is ready (a push ended, a receive released);
         # the worker may share one event between its writer and receiver

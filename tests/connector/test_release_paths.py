@@ -134,3 +134,34 @@ def test_close_never_closes_sockets_or_agents_under_a_thread_that_did_not_stop(m
         t.join(5)
     assert t.close() is True  # once it stopped: sockets closed, memory deregistered
     assert t.sockets_closed() and agent.deregistered == ["reg"]
+
+
+def test_engine_threads_never_closed_are_collected_without_hanging_and_free_their_sockets():
+    """An engine thread that nobody closes (a start that raised, a test that failed half
+    way) is freed by the cycle collector. Its ZMQ sockets must be closed before its
+    context, or the context's term blocks the process for good (seen: the suite hung in
+    an unrelated test). Run in a child process, so that a hang fails this test only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, os\n"
+        "from kvpath.connector import messages as M\n"
+        "from kvpath.connector.config import KVPathConfig\n"
+        "from kvpath.connector.receiver import PushReceiver\n"
+        "from kvpath.connector.sender import PushSender\n"
+        "lay = M.BlockLayout([M.Region(4096, 64, 64)], 16, 16)\n"
+        "gc.collect(); base = len(os.listdir('/proc/self/fd'))\n"
+        "for _ in range(20):\n"
+        "    s = PushSender(KVPathConfig(control_plaintext=True), lay, spans=[])\n"
+        "    r = PushReceiver(KVPathConfig(control_plaintext=True), lay, spans=[])\n"
+        "    del s, r\n"
+        "gc.collect()\n"
+        "print(len(os.listdir('/proc/self/fd')) - base)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("collecting unclosed engine threads hung (a ZMQ context's term with sockets open)")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) <= 0  # every socket and context released

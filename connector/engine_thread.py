@@ -195,9 +195,9 @@ class EngineThread:
                                self._thread.name, self.STOP_TIMEOUT_S)
                 self.trace.close()
                 return False
-        for s in self._sockets:
-            s.close(0)
-        self._ctx.destroy(linger=0)  # any socket left (a link made as an error struck) too
+        # the finalizer's own release, run now (once): every socket, then the context
+        # (any socket left, a link made as an error struck, too)
+        self._finalizer()
         # transfers and remote agents first, then the memory they point at
         try:
             self._drop_agents()

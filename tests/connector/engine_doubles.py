@@ -4,7 +4,6 @@ the receiver, one call at a time, and reads what went out."""
 
 from __future__ import annotations
 
-import threading
 
 import zmq
 
@@ -71,7 +70,6 @@ def bare_receiver(cfg: KVPathConfig | None = None, layout: M.BlockLayout = LAY) 
     """A PushReceiver (D's receiver) not started: no thread, no NIXL agent; the test
     gives it links (``rcv.links.by_addr``) over :class:`FakeDealer` sockets."""
     rcv = PushReceiver(cfg or KVPathConfig(control_plaintext=True), layout, spans=[])
-    rcv.results_ready = threading.Event()
     _made.append(rcv)
     return rcv
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import httpx
-
+from kvpath.testbed.readiness import answers
 from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for, rank_cores
 
 logger = logging.getLogger(__name__)
@@ -188,11 +187,8 @@ def wait_all_ready(servers: Mapping[str, VLLMServer], timeout_s: float = 300.0, 
             if server.proc is None or server.proc.poll() is not None:
                 code = None if server.proc is None else server.proc.returncode
                 raise EngineStartError(name, server, f"its process exited with {code}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                    del pending[name]
-            except httpx.HTTPError:
-                pass
+            if answers(f"{server.url}/health", require_200=True, request_timeout_s=2.0):  # as wait_ready asks
+                del pending[name]
         if not pending:
             return
         if time.monotonic() > deadline:

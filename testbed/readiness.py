@@ -28,14 +28,19 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {proc.returncode}{tail}")
-        try:
-            r = httpx.get(url, timeout=request_timeout_s)
-            if not require_200 or r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers(url, require_200, request_timeout_s):
+            return
         time.sleep(interval_s)
     raise TimeoutError(f"{url}: no answer after {timeout_s:.0f}s{tail}")
+
+
+def answers(url: str, require_200: bool = False, request_timeout_s: float = 1.0) -> bool:
+    """One look: ``url`` answers (with 200 if ``require_200``)."""
+    try:
+        r = httpx.get(url, timeout=request_timeout_s)
+    except httpx.HTTPError:
+        return False
+    return not require_200 or r.status_code == 200
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen:

@@ -20,6 +20,7 @@ from kvpath.reservation.wire import RESERVE_AT
 
 # the proxy reserves a push's lane when it admits the request, or P's connector when the push starts
 RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
+PUSH_GRANULARITIES = ("request", "layer")
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,12 @@ class KVPathConfig:
     # files (trace_path.1 ...): a long-running engine's disk use is bounded.
     trace_max_bytes: int = 256 << 20
     trace_keep: int = 3
+    # When P's KV leaves: "request" pushes a request's KV once its prefill has finished;
+    # "layer" pushes each group of push_layer_group layers as soon as the forward that
+    # completes the prompt has computed them (the push overlaps the prefill), and
+    # commits the flow once the request has finished (docs/connector.md, "Layer-wise push").
+    push_granularity: str = "request"
+    push_layer_group: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -191,6 +198,12 @@ class KVPathConfig:
             raise ConfigError("kv_connector_extra_config.kernel_oracle needs fabric_spec (the testbed's fabric)")
         if self.fabric_spec and not self.fabric_host:
             raise ConfigError("kv_connector_extra_config.fabric_spec needs fabric_host (this engine's host in the spec)")
+        if self.push_granularity not in PUSH_GRANULARITIES:
+            raise ConfigError(f"kv_connector_extra_config.push_granularity must be {' or '.join(PUSH_GRANULARITIES)}, "
+                              f"got {self.push_granularity!r}")
+        if not 1 <= self.push_layer_group <= 1024:
+            raise ConfigError(f"kv_connector_extra_config.push_layer_group must be in [1, 1024], "
+                              f"got {self.push_layer_group}")
         if self.reserve_at not in RESERVE_AT:
             raise ConfigError(f"kv_connector_extra_config.reserve_at must be {' or '.join(RESERVE_AT)}, "
                               f"got {self.reserve_at!r}")

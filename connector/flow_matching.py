@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 from kvpath.connector import messages as M
@@ -25,6 +26,8 @@ from kvpath.trace import TransferRecord
 
 logger = logging.getLogger(__name__)
 
+MAX_BEGUN = 65536  # layer-wise prefills computing at once (the engine's running requests bound it)
+
 
 class FlowMatching:
     """What P does with a finished prefill, a Register, a Cancel and an abort."""
@@ -35,8 +38,31 @@ class FlowMatching:
         self.channel, self.lanes, self.writes, self.freed = channel, lanes, writes, freed
         self._record = record
         self.next_heartbeat = 0.0  # monotonic time of the next Pending heartbeat
+        # transfer id -> a layer-wise prefill still computing (until its request finishes
+        # or is aborted: the engine reports one or the other for each)
+        self.begun: OrderedDict[str, FinishedPrefill] = OrderedDict()
 
-    def on_finished(self, fp: FinishedPrefill) -> None:
+    def on_begin(self, fp: FinishedPrefill) -> None:
+        """A layer-wise prefill began its last forward: it waits for (or matches) D's
+        registration as a finished one does; its flows push layers as they come."""
+        if fp.transfer_id in self.begun:  # the scheduler begins one live request per id: never
+            logger.warning("transfer %s begun twice: the second is pushed when its request finishes", fp.transfer_id)
+            return
+        self.begun[fp.transfer_id] = fp
+        while len(self.begun) > MAX_BEGUN:  # never, from an honest engine; a flow past post_by fails
+            self.begun.popitem(last=False)
+        self.on_finished(fp, begun=True)
+
+    def on_finished(self, fp: FinishedPrefill, begun: bool = False) -> None:
+        b = None if begun else self.begun.get(fp.transfer_id)
+        if b is not None and b.request_id == fp.request_id:
+            # a layer-wise prefill's request finished: its KV is final, its flows may commit
+            del self.begun[fp.transfer_id]
+            p = b.progress
+            p.final, p.done, p.finished_at, p.times = True, p.layers, fp.finished_at, fp.times
+            self.freed.request_ended(b)
+            self.writes.advance()
+            return
         status, matches = self.state.add_prefill(fp)
         if status == "duplicate":
             holder = self.state.holder(fp.transfer_id)
@@ -61,6 +87,13 @@ class FlowMatching:
             self.start_matched(m)  # each flow on its own: one that raises must not strand its siblings
 
     def on_abort(self, transfer_id: str) -> None:
+        b = self.begun.pop(transfer_id, None)
+        if b is not None:  # a layer-wise prefill: no more WRITEs; its posted ones end first
+            b.progress.aborted = True
+            for fp in self.state.take_begun(transfer_id):
+                self.freed.release(fp)
+            self.freed.request_ended(b)
+            self.writes.advance()
         for pr in self.state.abort_prefill(transfer_id):
             self.channel.ack(pr.reply_to, transfer_id, "rejected", "prefill request was aborted")
 

@@ -39,7 +39,23 @@ class FreedBlocks:
             self._end_lease(fp)
         if not last:
             return
-        request_id = fp.request_id
+        p = fp.progress
+        if p is not None and not (p.final or p.aborted):
+            # a layer-wise push ended while its request still computes: vLLM must not free
+            # a running request's blocks; they are reported when the request ends
+            p.blocks_released = True
+        else:
+            self._report(fp.request_id)
+        if fp.lease_id and not fp.lane_asked:  # after the blocks: it must not keep them
+            self._end_lease(fp)
+
+    def request_ended(self, fp: FinishedPrefill) -> None:
+        """A layer-wise prefill's request finished or was aborted: blocks its flows have
+        all released already are reported now."""
+        if fp.progress is not None and fp.progress.blocks_released:
+            self._report(fp.request_id)
+
+    def _report(self, request_id: str) -> None:
         if request_id not in self._reported:
             self._reported[request_id] = None
             if len(self._reported) > REMEMBER_RELEASED:
@@ -47,8 +63,6 @@ class FreedBlocks:
             with self._lock:
                 self._finished.add(request_id)
             self._on_ready()
-        if fp.lease_id and not fp.lane_asked:  # after the blocks: it must not keep them
-            self._end_lease(fp)
 
     def _end_lease(self, fp: FinishedPrefill) -> None:
         if self.notifier is None:

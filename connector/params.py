@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvpath.connector.config import parse_host_port
+from kvpath.connector.config import PUSH_GRANULARITIES, parse_host_port
 from kvpath.connector.messages import MAX_TP_SIZE
 
 
@@ -41,6 +41,7 @@ class PrefillParams:
     lane: int | None
     lease_id: str | None = None
     transfer_key: str = ""  # when set, P pushes only to a registration carrying it
+    push_granularity: str = ""  # this request's, over the connector's push_granularity knob ("": the knob's)
 
 
 def _kvpath(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -111,7 +112,11 @@ def parse_prefill(params: Mapping[str, Any] | None, request_id: str) -> PrefillP
     lease = kp.get("lease_id")
     if lease is not None and (not isinstance(lease, str) or len(lease) > 64 or not (lease == "" or _valid_id(lease))):
         raise BadTransferParams("kv_transfer_params.kvpath.lease_id must be a string")
-    return PrefillParams(tid, lane, lease, _transfer_key(kp))
+    gran = kp.get("push_granularity", "")
+    if gran not in ("", *PUSH_GRANULARITIES):
+        raise BadTransferParams(f"kv_transfer_params.kvpath.push_granularity must be one of "
+                                f"{', '.join(PUSH_GRANULARITIES)}, got {gran!r}")
+    return PrefillParams(tid, lane, lease, _transfer_key(kp), gran)
 
 
 def new_transfer_key() -> str:
@@ -132,8 +137,10 @@ def decode_leg_params(transfer_id: str, peer: str, peer_key: str | None = None,
 
 
 def prefill_leg_params(transfer_id: str, lane: int | None = None, lease_id: str | None = None,
-                       transfer_key: str = "") -> dict[str, Any]:
+                       transfer_key: str = "", push_granularity: str = "") -> dict[str, Any]:
     kp: dict[str, Any] = {"transfer_id": transfer_id}
+    if push_granularity:
+        kp["push_granularity"] = push_granularity
     if transfer_key:
         kp["transfer_key"] = transfer_key
     if lane is not None:

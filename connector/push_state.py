@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvpath.connector.layer_progress import LayerProgress
 from kvpath.connector.step_commands import VllmTimes
 from kvpath.connector.messages import Register
 
@@ -67,6 +68,9 @@ class FinishedPrefill:
     key: str = ""  # this flow's key ("": the transfer id, one flow)
     share: Share | None = None  # several flows: the blocks are freed when the last ends
     times: VllmTimes | None = None  # vLLM's own times of the P request (for the record)
+    # push_granularity=layer: the prefill is still computing (its flows share this); None:
+    # the request has finished, its KV goes in one WRITE
+    progress: LayerProgress | None = None
 
     def __post_init__(self) -> None:
         self.key = self.key or self.transfer_id
@@ -347,6 +351,19 @@ class SenderState:
         if pr is not None:
             self._unfan(pr.reg.transfer_id, "cancelled")
         return "cancelled", fp, pr
+
+    def take_begun(self, transfer_id: str) -> list[FinishedPrefill]:
+        """A layer-wise prefill whose request was aborted: its flows still waiting for a
+        registration end now (the caller frees their blocks); matched flows end on the
+        write loop once their WRITEs have."""
+        keys = self._shares[transfer_id][1].keys if transfer_id in self._shares else ()
+        out = []
+        for k in (transfer_id, *keys):
+            fp = self.prefills.pop(k, None)
+            if fp is not None:
+                out.append(fp)
+                self._finish(k, "aborted", posted=False)
+        return out
 
     def abort_prefill(self, transfer_id: str) -> list[PendingRegistration]:
         """P's request ended without KV to push (aborted); reject every D flow that waits."""

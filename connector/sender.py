@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Callable
 
 import zmq
@@ -31,6 +32,7 @@ from kvpath.connector.flow_matching import FlowMatching
 from kvpath.connector.freed_blocks import FreedBlocks
 from kvpath.connector.lane_setup import LaneSetup
 from kvpath.connector.lanes import Lane
+from kvpath.connector.layer_progress import ForwardLayers, LayerProgress, drain
 from kvpath.connector.nixl_io import configure_ucx
 from kvpath.connector.push_state import FinishedPrefill, SenderState
 from kvpath.connector.step_commands import VllmTimes
@@ -74,6 +76,9 @@ class PushSender(EngineThread):
         self.flows = FlowMatching(self.compat, self.state, self.stats, self.channel, self.lanes, self.writes,
                                   self.freed, self.record)
         self.active_until = 0.0  # monotonic: poll at the idle pace until then, then go dormant
+        # push_granularity=layer: (forward, layers done) from the engine thread, lock-free
+        self._layer_events: deque[tuple[int, int]] = deque(maxlen=65536)
+        self.forwards = ForwardLayers()
 
     @property
     def notifier(self) -> ReservationNotifier | None:
@@ -143,6 +148,23 @@ class PushSender(EngineThread):
     def abort(self, transfer_id: str) -> None:
         self.put("abort", transfer_id)
 
+    def begin(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None, lease_id: str | None,
+              transfer_key: str, forward: int, layers: int) -> None:
+        """Forward ``forward`` completes this request's prompt (push_granularity=layer): its
+        layers are pushed as they are computed, and committed by ``submit_finished``."""
+        self.put("begin", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
+                                          transfer_key=transfer_key, progress=LayerProgress(layers, forward)))
+
+    def layers_done(self, forward: int, layers: int) -> None:
+        """From ``save_kv_layer``, inside the forward: a deque append, nothing else (no
+        lock, no wake-up, no NIXL call: the writer polls every millisecond meanwhile)."""
+        self._layer_events.append((forward, layers))
+
+    def forward_done(self, forward: int, layers: int) -> None:
+        """From ``wait_for_save``: the forward has computed every layer."""
+        self._layer_events.append((forward, layers))
+        self._wake()
+
     def has_results(self) -> bool:
         return self.freed.pending()
 
@@ -174,7 +196,8 @@ class PushSender(EngineThread):
         # not in a busy loop: it must not cost P a core for as long as UCX takes to fail it;
         # a lane set-up's probe is polled every millisecond, between the other work
         spinning = writes.spinning()
-        timeout_ms = (0 if spinning else 1 if (writes.in_flight or setting_up) else 5 if writes.asking
+        timeout_ms = (0 if spinning else 1 if (writes.in_flight or setting_up or self.forwards.live())
+                      else 5 if writes.asking
                       else int(self.cfg.idle_poll_s * 1000) if now < self.active_until else DORMANT_POLL_MS)
         events = self.poll_events(timeout_ms)
         if writes.asking:
@@ -186,6 +209,9 @@ class PushSender(EngineThread):
         if self.channel.monitor in events:
             self.channel.drain_monitor()
         self.drain_commands()
+        events = drain(self._layer_events)
+        if events and self.forwards.apply(events, time.time()):
+            writes.advance()
         if spinning:
             # Without NIXL's progress thread, UCX moves bytes only while we poll:
             # progress the in-flight WRITEs for a short burst, then look at the
@@ -228,3 +254,6 @@ class PushSender(EngineThread):
                 self.writes.on_reserved(*arg)
             elif kind == "abort":
                 self.flows.on_abort(arg)
+            elif kind == "begin":
+                self.forwards.begin(arg.progress)
+                self.flows.on_begin(arg)

@@ -51,5 +51,8 @@ class StepCommands:
     registrations: list[RecvReq] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # D request ids
     finished: list[SendReq] = field(default_factory=list)
+    # push_granularity=layer: P requests whose prompt this step's forward completes (their
+    # KV is pushed layer by layer during it; ``finished`` later commits it)
+    computing: list[SendReq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # P transfer ids
     idle: bool = False  # the step runs no model: it exists only for the connector's work

@@ -58,6 +58,13 @@ COUNTERS = (
     "kv_verify_ok",
     "kv_verify_mismatch",
     "kv_verify_skipped",
+    # push_granularity=layer: pushes committed layer-wise, their WRITEs, layers and bytes,
+    # and the bytes that landed before P's prefill ended (layers per WRITE, overlap share)
+    "pushes_layered",
+    "layer_writes",
+    "layers_pushed",
+    "layer_bytes",
+    "layer_overlap_bytes",
 )
 
 

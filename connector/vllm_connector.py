@@ -117,6 +117,11 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.compat_fields["attention_backend"] = attention_backend(self._vllm_config)
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVPathMetadata):
+            self._worker.begin_forward(connector_metadata)  # before the forward; start_load_kv may come after it
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPathMetadata)
@@ -126,10 +131,13 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
         return  # pushes land between steps; nothing to wait for inside a forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        return  # the writer pushes whole requests once their prefill finished
+        # push_granularity=layer: tells the writer this layer's KV is written (no I/O here)
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker.transfer_results()

@@ -85,11 +85,19 @@ class KVPathScheduler:
         self._p_times: dict[str, VllmTimes] = {}
         # vLLM stamps its events with time.monotonic(): this maps them to unix time
         self._mono_to_unix = time.time() - time.monotonic()
+        # push_granularity=layer (P): live P requests, their blocks so far, and those whose
+        # push has begun (request id -> transfer id) until request_finished
+        self.layer_push = self.role in ("kv_producer", "kv_both")  # the knob, or a request's own choice
+        self._p_live: dict[str, "Request"] = {}
+        self._p_blocks: dict[str, list[int]] = {}
+        self._p_begun: dict[str, str] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and request.request_id not in self._p_times:
             self._p_unscheduled[request.request_id] = request  # its events are read once scheduled
+        if self.layer_push and params and params.get("do_remote_decode"):
+            self._p_live[request.request_id] = request
         try:
             dp = parse_decode(request.kv_transfer_params)
         except BadTransferParams as e:
@@ -166,7 +174,45 @@ class KVPathScheduler:
                 req = self._p_unscheduled.pop(new.req_id, None)
                 if req is not None:
                     self._p_times[new.req_id] = self._times_of(req)
+        if self._p_live:
+            self._begin_layer_pushes(scheduler_output, meta)
         return meta
+
+    def _begin_layer_pushes(self, out: "SchedulerOutput", meta: KVPathMetadata) -> None:
+        """push_granularity=layer: the P requests whose prompt this step's forward
+        completes begin their push with it. Only a request that ends after that forward
+        (max_tokens 1, as the proxy's P leg): it cannot be preempted between its blocks
+        being read and its end, and it is never begun twice."""
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._p_live:
+                self._p_blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if rid in self._p_live and ids is not None:
+                if rid in cached.resumed_req_ids:  # after a preemption: all of its blocks anew
+                    self._p_blocks[rid] = list(ids[0])
+                else:
+                    self._p_blocks.setdefault(rid, []).extend(ids[0])
+        busy = set(self._p_begun.values())
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self._p_live.get(rid)
+            if req is None or rid in self._p_begun or req.max_tokens != 1:
+                continue
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # an earlier chunk
+            try:
+                pp = parse_prefill(req.kv_transfer_params, rid)
+            except BadTransferParams:
+                continue  # request_finished says why
+            if pp is None or (pp.push_granularity or self.cfg.push_granularity) != "layer":
+                continue
+            if pp.transfer_id in busy:
+                continue  # another live request's push has the id: this one goes whole
+            meta.computing.append(SendReq(rid, pp.transfer_id, list(self._p_blocks.get(rid, ())), pp.lane,
+                                          pp.lease_id, pp.transfer_key))
+            self._p_begun[rid] = pp.transfer_id
+            busy.add(pp.transfer_id)
 
     def _times_of(self, request: "Request") -> VllmTimes:
         """vLLM's own records of a request just scheduled (its events are taken after
@@ -186,6 +232,9 @@ class KVPathScheduler:
 
         rid = request.request_id
         self._p_unscheduled.pop(rid, None)
+        self._p_live.pop(rid, None)
+        self._p_blocks.pop(rid, None)
+        begun = self._p_begun.pop(rid, None) is not None
         times = self._p_times.pop(rid, None)
         tid = self._owned.pop(rid, None)
         if tid is not None:  # siblings still waiting compute their prefill locally
@@ -215,6 +264,9 @@ class KVPathScheduler:
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:
             self._meta.aborted.append(pp.transfer_id)
+            if begun:  # its layer WRITEs may read the blocks: the writer frees them once they end
+                self._p_pending.add(rid)
+                return True, None
             return False, None
         self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id,
                                            pp.transfer_key, times))

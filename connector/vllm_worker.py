@@ -46,8 +46,17 @@ class KVPathWorker:
         self.tp_size = int(self.compat_fields.get("tp_size", 1) or 1)
         self.idle_wait_s = cfg.idle_step_wait_s(self.tp_size)
         self.results_ready = threading.Event()  # shared by the writer and the receiver
+        # push_granularity=layer: the KV layers in registration order (regions follow it),
+        # the forward counter, and this forward's layers saved (vLLM's call order need not
+        # be the registration order: the writer is told the prefix all saved)
+        self.layer_index: dict[str, int] = {}
+        self.forward = 0
+        self._saved: list[bool] = []
+        self._saved_prefix = 0
+        self._pushing = False  # this forward completes a prompt whose push is layer-wise
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         layout, spans = layout_from_tensors(list(kv_caches.values()), self.num_blocks, self.block_size)
         logger.info(
             "kvpath: %d KV tensors -> %d regions, %d B per block, %d blocks (%s)",
@@ -94,6 +103,41 @@ class KVPathWorker:
                 self.sender.abort(tid)
         if meta.idle and self.idle_wait_s > 0:
             self.wait_for_results(self.idle_wait_s)
+
+    def begin_forward(self, meta: KVPathMetadata) -> None:
+        """Before the step's forward (vLLM runs ``start_load_kv`` after it when no load is
+        synchronous): the prompts it completes begin their layer-wise push now."""
+        self.forward += 1
+        self._pushing = False
+        if self.sender is None or not meta.computing:
+            return
+        for s in meta.computing:
+            self.sender.begin(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id, s.transfer_key,
+                              self.forward, len(self.layer_index))
+        self._pushing = True
+        self._saved, self._saved_prefix = [False] * len(self.layer_index), 0
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """After an attention layer of the forward: its KV is written. Engine thread, so
+        only bookkeeping and a deque append."""
+        if not self._pushing:
+            return
+        i = self.layer_index.get(layer_name)
+        if i is None or self._saved[i]:
+            return
+        self._saved[i] = True
+        n = self._saved_prefix
+        while n < len(self._saved) and self._saved[n]:
+            n += 1
+        if n > self._saved_prefix:
+            self._saved_prefix = n
+            self.sender.layers_done(self.forward, n)
+
+    def wait_for_save(self) -> None:
+        """The forward ended: every layer's KV is written."""
+        if self._pushing:
+            self._pushing = False
+            self.sender.forward_done(self.forward, len(self.layer_index))
 
     def wait_for_results(self, timeout_s: float) -> bool:
         """Block until the writer or receiver has a result to report, at most ``timeout_s``.

@@ -20,13 +20,12 @@ from kvpath.connector.config import RESERVE_AT_PUSH, KVPathConfig
 from kvpath.connector.control_channel import ControlChannel
 from kvpath.connector.freed_blocks import FreedBlocks
 from kvpath.connector.kv_dump import KVDump
-from kvpath.connector.kv_verify import Verifier, tokens_written
+from kvpath.connector.kv_verify import Verifier
 from kvpath.connector.lane_setup import MAX_QUEUED_SETUPS, LaneSetup, Peer
-from kvpath.connector.layout import build_descs
 from kvpath.connector.parked_pushes import ParkedPushes
+from kvpath.connector.push_descs import PushDescs
 from kvpath.connector.push_state import Match, SenderState
 from kvpath.connector.telemetry import Stats
-from kvpath.connector.tp_map import plan, rank_kv
 from kvpath.reservation.decisions import default_lane
 from kvpath.reservation.notifier import ReservationNotifier
 from kvpath.reservation.wire import FlowScope
@@ -39,14 +38,22 @@ ASK_TIMEOUT_S = 0.05  # reserve_at=push: how long a push waits for its lane
 
 @dataclass
 class InFlight:
+    """A flow's posted WRITEs: one for a whole push; for a layer-wise push, those of its
+    layer groups not yet done (none while it waits for layers)."""
+
     match: Match
     lane: int
     agent: Any
-    handle: Any
+    handles: list[tuple[Any, int]]  # (NIXL handle, its bytes)
     record: TransferRecord
     slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
     slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
     lane_obj: Any = None  # the Lane it was posted on (a reopened lane is another object)
+    layered: bool = False  # a layer-wise push: WRITEs per layer group, then the commit
+    sent: int = 0  # layer-wise: the layers posted
+    total_bytes: int = 0  # layer-wise: the whole push's bytes (D is told them when the first WRITE posts)
+    failing: str = ""  # layer-wise: why the flow fails once its posted WRITEs have ended
+    errored: bool = False  # one of its WRITEs failed: the lane is torn down at the end
 
 
 class WriteLoop:
@@ -61,6 +68,7 @@ class WriteLoop:
         self.channel, self.lanes, self.freed = channel, lanes, freed
         self._record, self._put = record, put  # put: hands a reservation's answer back to the writer thread
         self.kv_verify, self.kv_dump = kv_verify, kv_dump
+        self.plans = PushDescs(layout, compat, lanes.same_sizes)
         self.notifier: ReservationNotifier | None = None  # set by the sender's start()
         self.parked = ParkedPushes()
         self.in_flight: dict[str, InFlight] = {}  # flow key -> its posted WRITE
@@ -68,7 +76,7 @@ class WriteLoop:
 
     def spinning(self) -> bool:
         """A WRITE in flight is progressed in a busy loop (none is past transfer_timeout_s)."""
-        return any(not f.slow for f in self.in_flight.values())
+        return any(f.handles and not f.slow for f in self.in_flight.values())
 
     def busy(self) -> bool:
         return bool(self.in_flight) or bool(self.asking)
@@ -95,7 +103,7 @@ class WriteLoop:
             return False
         fp.lane_asked = True
         try:  # this flow's bytes: with unequal TP sizes a part of either side's blocks
-            nbytes = self.descs(peer.hello, fp.block_ids, m.registration.reg)[2]
+            nbytes = self.plans.whole(peer.hello, fp.block_ids, m.registration.reg)[2]
         except Exception:  # a plan that fails fails the push at start; ask for the blocks
             nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
         self.asking[fp.key] = (m, time.monotonic())
@@ -140,10 +148,16 @@ class WriteLoop:
             registered_at=pr.received_at, prefill_done_at=fp.finished_at,
             **(fp.times.record_fields() if fp.times is not None else {}),
         )
+        if fp.progress is not None:
+            rec.granularity = "layer"
+            self._final_times(fp.progress, rec)
+            if fp.progress.aborted:
+                self.fail(m, "P's request was aborted", rec)
+                return
         if time.monotonic() >= pr.post_by:
             self.fail(m, "D's post_by deadline passed before the prefill finished", rec)
             return
-        short = self.too_few_blocks(peer.hello, fp.block_ids, reg)
+        short = self.plans.too_few_blocks(peer.hello, fp.block_ids, reg)
         if short:
             self.fail(m, short, rec)
             return
@@ -161,7 +175,10 @@ class WriteLoop:
             agent = peer.lanes.agent(lane)
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
-            loc, rem, nbytes = self.descs(peer.hello, fp.block_ids, reg)
+            if fp.progress is not None and not fp.progress.final:  # layer-wise: its layers as they come
+                self._begin_layered(m, peer, lane, agent, rec)
+                return
+            loc, rem, nbytes = self.plans.whole(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
             # kv_verify: a digest of the source bytes, from blocks held until the WRITE ends
             notif = (M.make_notif(fp.transfer_id) if self.kv_verify is None else self.kv_verify.p_notif(
@@ -175,6 +192,7 @@ class WriteLoop:
                 l_d = agent.get_xfer_descs(loc, self.layout.mem_type)
                 r_d = agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
                 h = agent.initialize_xfer("WRITE", l_d, r_d, reg.agent_name, notif)
+                rec.writes = 1
         except Exception as e:  # nothing was posted
             self.fail(m, f"preparing the WRITE failed: {e}", rec)
             return
@@ -189,7 +207,7 @@ class WriteLoop:
         except Exception as e:
             state = "ERR"
             logger.warning("posting the WRITE of %s raised: %s", fp.transfer_id, e)
-        f = InFlight(m, lane, agent, h, rec, time.monotonic() + self.cfg.transfer_timeout_s,
+        f = InFlight(m, lane, agent, [(h, nbytes)], rec, time.monotonic() + self.cfg.transfer_timeout_s,
                      lane_obj=peer.lanes.lanes[lane])
         if state == "ERR":
             self.failed_write(f, "NIXL refused the WRITE")
@@ -198,74 +216,180 @@ class WriteLoop:
         if state == "DONE":
             self.progress()
 
-    def descs(self, hello: M.Hello, p_blocks: list[int], reg: M.Register
-               ) -> tuple[np.ndarray, np.ndarray, int]:
-        """The WRITE's descriptors: blocks as they are at equal sizes; else the heads this
-        rank holds that D's rank needs, each at its offset in D's blocks (tp_map.plan)."""
-        src = p_blocks[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
-        if self.lanes.same_sizes(hello):
-            return build_descs(self.layout, hello.layout, src, reg.block_ids)
-        d_bs = hello.layout.block_size
-        # The tokens both sides' blocks hold: past the prompt's last token they are the
-        # last blocks' unused rows (decode's, on D), never another request's block.
-        n = tokens_written(self.layout.block_size, len(p_blocks), d_bs, reg.skip_blocks + len(reg.block_ids))
-        # D's skipped blocks (its prefix hits) are not written: placeholders, never read
-        return plan(rank_kv(self.layout, self.compat), rank_kv(hello.layout, hello.compat), None, p_blocks,
-                    [0] * reg.skip_blocks + list(reg.block_ids), n, reg.skip_blocks * d_bs)
-
-    def too_few_blocks(self, hello: M.Hello, p_blocks: list[int], reg: M.Register) -> str:
-        """Why P's blocks cannot fill D's (another prompt length), or "": at equal block
-        sizes P has a block for each of D's; else P's tokens reach into D's last block."""
-        d_blocks = reg.skip_blocks + len(reg.block_ids)
-        p_bs, d_bs = self.layout.block_size, hello.layout.block_size
-        if p_bs == d_bs:
-            ok = len(p_blocks) >= d_blocks
-        else:
-            ok = len(p_blocks) * p_bs > (d_blocks - 1) * d_bs
-        return "" if ok else (f"P has {len(p_blocks)} blocks of {p_bs} tokens, D expects {d_blocks} blocks of "
-                              f"{d_bs} tokens")
-
     def progress(self) -> None:
         now = time.monotonic()
         for key, f in list(self.in_flight.items()):
-            try:
-                state = f.agent.check_xfer_state(f.handle)
-            except Exception as e:  # the peer vanished under the transfer
-                state, why = "ERR", str(e)
-            else:
-                why = "transfer error"
-            if state == "PROC":
-                if not f.slow and now > f.slow_at:
-                    f.slow = True
-                    self.stats.inc("pushes_slow")
-                    logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
-                                   f.match.prefill.transfer_id, self.cfg.transfer_timeout_s)
+            for h, nbytes in list(f.handles):
+                try:
+                    state = f.agent.check_xfer_state(h)
+                except Exception as e:  # the peer vanished under the transfer
+                    state, why = "ERR", str(e)
+                else:
+                    why = "transfer error"
+                if state == "PROC":
+                    if not f.slow and now > f.slow_at:
+                        f.slow = True
+                        self.stats.inc("pushes_slow")
+                        logger.warning("push %s still running after %.1fs; waiting for UCX to finish or fail it",
+                                       f.match.prefill.transfer_id, self.cfg.transfer_timeout_s)
+                    continue
+                f.handles.remove((h, nbytes))
+                self._release(f, h)
+                if state != "DONE":
+                    # a failed WRITE no longer reads P's blocks; the flow's others may: it
+                    # ends when they have ended
+                    f.failing, f.errored = f.failing or why, True
+                elif f.layered and f.match.prefill.progress.forward_end_at is None:
+                    f.record.overlap_bytes += nbytes  # landed before P's prefill ended
+            if f.handles:
                 continue
-            del self.in_flight[key]
-            if state == "DONE":
-                self._release_handle(f)
+            if f.layered:
+                self._layered_next(f)
+            elif f.errored:
+                self.failed_write(f, f.failing)
+            else:
+                del self.in_flight[key]
                 f.record.completed_at = time.time()
                 self.succeed(f.match, f.record)
-            else:
-                self.failed_write(f, why)
 
-    def _release_handle(self, f: InFlight) -> None:
+    def _release(self, f: InFlight, h: Any) -> None:
         try:
-            f.agent.release_xfer_handle(f.handle)
+            f.agent.release_xfer_handle(h)
         except Exception:
             logger.debug("releasing handle of %s failed", f.match.prefill.transfer_id, exc_info=True)
 
     def failed_write(self, f: InFlight, why: str) -> None:
-        """UCX reported the WRITE failed: it no longer reads the source blocks, and its
-        connection is broken. The lane is reopened on its next use."""
+        """UCX reported a WRITE failed: it no longer reads the source blocks, and its
+        connection is broken. The lane is reopened on its next use. Called once none of
+        the flow's WRITEs is in flight."""
         self.in_flight.pop(f.match.prefill.key, None)
-        self._release_handle(f)
+        for h, _ in f.handles:  # none in flight: NIXL refused the one just posted
+            self._release(f, h)
+        f.handles.clear()
         peer = self.lanes.peer(f.match.registration.reg.agent_name)
         # the lane it was posted on, not one reopened under the same index since
         if peer is not None and (f.lane_obj is None or peer.lanes.lanes[f.lane] is f.lane_obj):
             peer.lanes.tear_down(f.lane)
             self.stats.inc("lanes_torn_down")
         self.fail(f.match, why, f.record, posted=True)
+
+    # -- layer-wise pushes (push_granularity: layer) ---------------------------------
+    def _begin_layered(self, m: Match, peer: Peer, lane: int, agent: Any, rec: TransferRecord) -> None:
+        """A flow whose prefill is still computing: WRITEs follow its layers (those done
+        already in one catch-up WRITE), the commit its request's end."""
+        fp, reg = m.prefill, m.registration.reg
+        rec.blocks = len(reg.block_ids)
+        total = self.plans.whole(peer.hello, fp.block_ids, reg)[2]
+        f = InFlight(m, lane, agent, [], rec, float("inf"), lane_obj=peer.lanes.lanes[lane], layered=True,
+                     total_bytes=total)
+        self.in_flight[fp.key] = f
+        self._post_layers(f)
+        if not f.handles and f.sent == 0:
+            self._layered_next(f)  # the request may have ended already (aborted)
+
+    def advance(self) -> None:
+        """Layers were computed or a request ended: post what is ready, commit what is done."""
+        for f in [f for f in self.in_flight.values() if f.layered]:
+            if f.handles:
+                self._post_layers(f)
+            else:
+                self._layered_next(f)
+
+    def _post_layers(self, f: InFlight) -> None:
+        """Post one WRITE for the layer groups computed and not yet posted."""
+        m, p = f.match, f.match.prefill.progress
+        if f.failing or p.aborted or self.in_flight.get(m.prefill.key) is not f:
+            return
+        group = self.cfg.push_layer_group
+        ready = p.done if p.done >= p.layers else p.done // group * group
+        if ready <= f.sent:
+            return
+        pr, fp = m.registration, m.prefill
+        if time.monotonic() >= pr.post_by:
+            f.failing = "D's post_by deadline passed before the prefill finished"
+            return
+        peer = self.lanes.peer(pr.reg.agent_name)
+        try:
+            if peer is None:
+                raise RuntimeError("D's handshake is gone")
+            loc, rem, nbytes = self.plans.layers(peer.hello, fp.block_ids, pr.reg, f.sent, ready, p.layers)
+            if len(loc):
+                l_d = f.agent.get_xfer_descs(loc, self.layout.mem_type)
+                r_d = f.agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
+                h = f.agent.initialize_xfer("WRITE", l_d, r_d, pr.reg.agent_name, b"")  # the commit notifies
+                if f.record.writes == 0:  # D: progress fast now; the WRITEs' bytes in all
+                    f.record.submit_at = time.time()
+                    self.channel.ack(pr.reply_to, fp.transfer_id, "posted", nbytes=f.total_bytes)
+                f.record.writes += 1
+                self.stats.inc("layer_writes")
+                f.handles.append((h, nbytes))
+                f.slow_at = time.monotonic() + self.cfg.transfer_timeout_s
+                if f.agent.transfer(h) == "ERR":
+                    f.failing, f.errored = "NIXL refused the WRITE", True
+                    return
+        except Exception as e:
+            f.failing = f"posting layers {f.sent}-{ready} failed: {e}"
+            logger.warning("push %s: %s", fp.transfer_id, f.failing)
+            return
+        f.record.bytes += nbytes
+        f.record.descriptors += len(loc)
+        f.record.layers = f.sent = ready
+
+    def _layered_next(self, f: InFlight) -> None:
+        """A layer-wise flow with no WRITE in flight: fail it, commit it, or post more."""
+        m, p = f.match, f.match.prefill.progress
+        posted = f.record.writes > 0
+        if not f.failing and not p.final and time.monotonic() >= m.registration.post_by:
+            f.failing = "D's post_by deadline passed before the prefill finished"
+        if f.failing or p.aborted:
+            self.in_flight.pop(m.prefill.key, None)
+            why = f.failing or "P's request was aborted"
+            if f.errored:
+                self.failed_write(f, why)
+            else:
+                self.fail(m, why, f.record, posted=posted)
+            return
+        if p.final and f.sent >= p.layers:
+            self._commit(f)
+            return
+        self._post_layers(f)
+
+    def _commit(self, f: InFlight) -> None:
+        """Every layer's WRITE has ended (each flushed: its bytes are in D's memory) and the
+        request has finished: the completion notification tells D the flow is whole."""
+        m = f.match
+        fp, pr = m.prefill, m.registration
+        self.in_flight.pop(fp.key, None)
+        self._final_times(fp.progress, f.record)
+        try:
+            if self.kv_verify is None:
+                notif = M.make_notif(fp.transfer_id)
+            else:
+                peer = self.lanes.peers[pr.reg.agent_name]
+                loc = self.plans.whole(peer.hello, fp.block_ids, pr.reg)[0]
+                notif = self.kv_verify.p_notif(fp.transfer_id, self.layout, self.compat, peer.hello, fp.block_ids,
+                                               pr.reg, loc)
+            if f.record.writes == 0:  # this rank writes no head of D's: the notification alone
+                self.channel.ack(pr.reply_to, fp.transfer_id, "posted")
+            f.agent.send_notif(pr.reg.agent_name, notif)
+        except Exception as e:
+            self.fail(m, f"committing the push failed: {e}", f.record, posted=f.record.writes > 0)
+            return
+        rec = f.record
+        rec.completed_at = time.time()
+        for name, n in (("pushes_layered", 1), ("layers_pushed", rec.layers), ("layer_bytes", rec.bytes),
+                        ("layer_overlap_bytes", rec.overlap_bytes)):
+            self.stats.inc(name, n)
+        self.succeed(m, rec)
+
+    @staticmethod
+    def _final_times(p: Any, rec: TransferRecord) -> None:
+        """A layer-wise record's prefill times are the request's end, as a whole push's are."""
+        if p.finished_at is not None:
+            rec.prefill_done_at = p.finished_at
+        if p.times is not None:
+            for k, v in p.times.record_fields().items():
+                setattr(rec, k, v)
 
     def succeed(self, m: Match, rec: TransferRecord) -> None:
         share = m.prefill.share
@@ -291,6 +415,7 @@ class WriteLoop:
         self.channel.ack(m.registration.reply_to, tid, "failed", why, posted)
 
     def expire(self) -> None:
+        self.advance()  # a layer-wise flow past D's post_by fails
         for m, rec in self.parked.expire(time.monotonic()):
             try:
                 self.fail(m, "D's post_by deadline passed while its lane reopened", rec)
@@ -377,7 +502,8 @@ class WriteLoop:
         """Shutdown: WRITEs in flight are released (nobody will complete them), waiting
         pushes fail."""
         for f in list(self.in_flight.values()):
-            self._release_handle(f)
+            for h, _ in f.handles:
+                self._release(f, h)
         self.in_flight.clear()
         for name in self.parked.names():
             self._unpark(name, "P is shutting down")

@@ -37,6 +37,9 @@ def engine_client(timeout_s: float = 120.0) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
 
 
+D_HEAD_START_S = 1.5  # mode d_first: the D leg's lead over the P leg
+
+
 async def pd_request(
     client: httpx.AsyncClient,
     p_url: str,
@@ -48,14 +51,17 @@ async def pd_request(
     lane: int | None = None,
     model: str = "tiny",
     p_tp_size: int = 0,
+    granularity: str = "",
 ) -> PDResult:
     """One request through P then D. ``p_tp_size``: P's TP size, for the D leg of the
-    concurrent mode (the sequential one passes on what P answered, which names it)."""
+    concurrent mode (the sequential one passes on what P answered, which names it);
+    ``granularity``: the request's push granularity ("": P's knob)."""
     tid = uuid.uuid4().hex
     body = {"model": model, "prompt": prompt, "temperature": 0}
     t0 = time.perf_counter()
     key = new_transfer_key()  # only a registration carrying it gets this transfer's KV
-    p_body = {**body, "max_tokens": 1, "kv_transfer_params": prefill_leg_params(tid, lane, transfer_key=key)}
+    p_body = {**body, "max_tokens": 1, "kv_transfer_params": prefill_leg_params(tid, lane, transfer_key=key,
+                                                                                 push_granularity=granularity)}
     if mode == "sequential":
         rp = await client.post(f"{p_url}/v1/completions", json=p_body)
         p_leg = time.perf_counter() - t0
@@ -63,18 +69,19 @@ async def pd_request(
             return PDResult(prompt, "", tid, 0.0, p_leg, rp.status_code, rp.text)
         d_params = rp.json()["kv_transfer_params"]
         rd = await client.post(f"{d_url}/v1/completions", json={**body, "max_tokens": max_tokens, "kv_transfer_params": d_params})
-    elif mode == "concurrent":
+    elif mode in ("concurrent", "d_first"):
         d_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": decode_leg_params(tid, p_peer, transfer_key=key,
                                                                                            tp_size=p_tp_size)}
-        rd, rp = await asyncio.gather(
-            client.post(f"{d_url}/v1/completions", json=d_body), client.post(f"{p_url}/v1/completions", json=p_body),
-            return_exceptions=True,
-        )
+        d_leg = asyncio.ensure_future(client.post(f"{d_url}/v1/completions", json=d_body))
+        if mode == "d_first":  # D's registration waits at P before P's forward: a layer-wise push overlaps it
+            await asyncio.sleep(D_HEAD_START_S)
+        rd, rp = await asyncio.gather(d_leg, client.post(f"{p_url}/v1/completions", json=p_body),
+                                      return_exceptions=True)
         p_leg = time.perf_counter() - t0
         if isinstance(rd, BaseException):
             return PDResult(prompt, "", tid, 0.0, p_leg, 0, repr(rd))
     else:
-        raise ValueError(f"mode must be sequential or concurrent, got {mode!r}")
+        raise ValueError(f"mode must be sequential, concurrent or d_first, got {mode!r}")
     elapsed = time.perf_counter() - t0
     if rd.status_code != 200:
         return PDResult(prompt, "", tid, elapsed, p_leg, rd.status_code, rd.text)
@@ -102,6 +109,7 @@ async def pd_and_decode_only(
     ref_url: str | None = None,
     model: str = "tiny",
     p_tp_size: int = 0,
+    granularity: str = "",
 ) -> tuple[list[str], list[PDResult]]:
     """Each prompt's decode-only output (a plain greedy request, by default on P) and its
     P-then-D result, for checking that P/D changes nothing: the references all at once,
@@ -110,7 +118,8 @@ async def pd_and_decode_only(
     ref_url = ref_url or p_url
     refs = await asyncio.gather(*(direct_request(client, ref_url, pr, max_tokens, model) for pr in prompts))
     got = await asyncio.gather(
-        *(pd_request(client, p_url, d_url, p_peer, pr, max_tokens, mode=mode, model=model, p_tp_size=p_tp_size)
+        *(pd_request(client, p_url, d_url, p_peer, pr, max_tokens, mode=mode, model=model, p_tp_size=p_tp_size,
+                     granularity=granularity)
           for pr in prompts)
     )
     return list(refs), list(got)

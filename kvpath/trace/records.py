@@ -138,6 +138,13 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     p_arrival_at: float | None = None
     p_queued_at: float | None = None
     p_scheduled_at: float | None = None
+    # How the push left P (connector push_granularity): "request" in one WRITE after the
+    # prefill, or "layer": ``writes`` WRITEs of layer groups (``layers`` layers in all)
+    # while P computed, ``overlap_bytes`` of them landed before P's prefill ended
+    granularity: str = "request"
+    writes: int = 0
+    layers: int = 0
+    overlap_bytes: int = 0
 
     @property
     def duration_s(self) -> float | None:

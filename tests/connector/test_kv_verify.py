@@ -155,7 +155,7 @@ def test_d_recomputes_exactly_the_bytes_p_wrote_and_a_flipped_byte_is_caught(p_t
                                                      10 + p_rank)
             p = _writer(p_lay, p_compat, p_spans)
             p_blocks = [int(x) for x in rng.permutation(nb)[:-(-n_tokens // p_bs)]]
-            loc, rem, nbytes = p.writes.descs(hello, p_blocks, reg)
+            loc, rem, nbytes = p.writes.plans.whole(hello, p_blocks, reg)
             before = [b.copy() for b in d_bufs]
             for (s, ln, _), (t, _, _) in zip(loc.tolist(), rem.tolist()):  # the WRITE
                 V.MemView(d_spans).view(t, ln)[:] = V.MemView(p_spans).view(s, ln)

@@ -55,7 +55,8 @@ MAX_WAIT = 45.0
 def _common(logs):
     """The knobs of every engine here (the keys: ``logs/keys``, pd_pair's default)."""
     return dict(ucx_net_devices="lo", lease_timeout_s=30.0,
-                registration_timeout_s=REG_TIMEOUT, max_wait_s=MAX_WAIT, kv_dump_dir=str(logs / "dump"))
+                registration_timeout_s=REG_TIMEOUT, max_wait_s=MAX_WAIT, kv_dump_dir=str(logs / "dump"),
+                push_layer_group=1)
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +104,30 @@ def test_a_held_push_does_not_stall_the_engine(tp2):
         assert httpx.post(p.url + path, timeout=15, json=body).status_code == 200
 
 
-@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def _legs(mode: str) -> tuple[str, str]:
+    """(pd_request's mode, the push granularity): "layer" sends D's leg first and asks
+    for a layer-wise push, so D's registration waits at P before P's last chunk."""
+    return ("d_first", "layer") if mode == "layer" else (mode, "")
+
+
+def assert_layered(recs) -> None:
+    """Layer-wise flows: the records say so, and some went in layer WRITEs (a flow whose
+    registration came after the prefill went whole, as it must)."""
+    assert all(r.granularity == "layer" for r in recs)
+    assert any(r.layers > 0 and r.writes >= 1 for r in recs), [(r.layers, r.writes) for r in recs]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
 def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     p, d, logs = tp2
-    prompts = make_prompts(4, seed=11 if mode == "sequential" else 12)
+    prompts = make_prompts(4, seed={"sequential": 11, "concurrent": 12, "layer": 13}[mode])
+    legs, granularity = _legs(mode)
 
     async def run():
         async with engine_client() as c:
             # the references on D first: D must not have seen the prompts before their pushes
-            return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, 12, mode=mode,
-                                            ref_url=d.url)
+            return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, 12, mode=legs,
+                                            ref_url=d.url, granularity=granularity)
 
     refs, got = asyncio.run(run())
     assert [g.status for g in got] == [200] * 4, [g.error[:300] for g in got]
@@ -129,6 +144,8 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     assert all(len(set(b)) == 1 for b in by_tid.values())  # each rank moves its own half, same size
     # D's ranks each record their flow's arrival: every request lands on both
     assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, r) for t in tids for r in (0, 1))
+    if granularity:
+        assert_layered(recs)
 
 
 def test_kv_usage_returns_to_zero_on_both_engines(tp2):
@@ -223,12 +240,13 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     split on one side, so that side does not continue); a receipt per D rank per flow
     into it; and the landed KV equal to P's (``assert_heads_landed``)."""
     prompts = make_prompts(3, seed=seed)
+    legs, granularity = _legs(mode)
 
     async def run():
         async with engine_client() as c:
             # references on P: D must not see the prompts before their pushes
-            return await pd_and_decode_only(c, p_url, d_url, f"127.0.0.1:{p_side}", prompts, 8, mode=mode,
-                                            p_tp_size=p_tp)
+            return await pd_and_decode_only(c, p_url, d_url, f"127.0.0.1:{p_side}", prompts, 8, mode=legs,
+                                            p_tp_size=p_tp, granularity=granularity)
 
     _, got = asyncio.run(run())
     assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
@@ -245,17 +263,19 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     assert all(r.descriptors == 2 * r.blocks for r in recs), [(r.blocks, r.descriptors) for r in recs]
     assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, d) for t in tids for _, d in pairs)
     assert_heads_landed(logs / "dump", p_url, got, p_ranks=p_tp, d_ranks=d_tp)
+    if granularity:
+        assert_layered(recs)
 
 
 class TestPTp2IntoDTp1:
-    @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
     def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(self, tp2, d_tp1, mode):
         """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
         pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
         equal P's, head by head and token by token (both caches dumped by kv_dump_dir)."""
         p, _, logs = tp2
         unequal_tp_case(p.url, d_tp1.url, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
-                        21 if mode == "sequential" else 22)
+                        {"sequential": 21, "concurrent": 22, "layer": 23}[mode])
 
     def test_the_proxy_learns_ps_tp_size_and_serves_p_tp2_into_d_tp1_without_tp_in_its_pool(self, tp2, d_tp1):
         """No tp= in the proxy's --prefill: its first request goes P first and P's answer
@@ -347,7 +367,7 @@ def p_tp1(model, tp2):
 
 
 class TestPTp1IntoDTp2:
-    @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
     def test_p_tp1_into_d_tp2_lands_each_d_ranks_heads_byte_for_byte(self, tp2, p_tp1, mode):
         """P's one rank holds both KV heads; each of D's two ranks holds one. P pushes a
         request once per D rank (two flows of one prefill, each the head that rank
@@ -355,7 +375,7 @@ class TestPTp1IntoDTp2:
         blocks equal P's, head by head and token by token."""
         _, d, logs = tp2
         unequal_tp_case(p_tp1.url, d.url, P1_SIDE, 1, 2, logs, "d_trace.jsonl", "p1_trace.jsonl", mode,
-                        31 if mode == "sequential" else 32)
+                        {"sequential": 31, "concurrent": 32, "layer": 33}[mode])
 
     def test_kv_usage_returns_to_zero_after_p_tp1_into_d_tp2(self, tp2, p_tp1):
         _, d, _ = tp2

@@ -27,7 +27,7 @@ def servers(model, tmp_path_factory):
     # kv_verify=all: every push is checked (its output must still equal decode-only); D's
     # test hook flips a byte of the pushes whose transfer id starts with FAULT_PREFIX
     common = dict(lanes=3, ucx_net_devices="lo", registration_timeout_s=REG_TIMEOUT, lease_timeout_s=5.0,
-                  kv_verify="all")
+                  kv_verify="all", push_layer_group=1)
     with pd_pair(model, logs, PDSide(P_PORT, P_SIDE, trace=True),
                  PDSide(D_PORT, D_SIDE, env={FAULT_ENV: FAULT_PREFIX}), knobs=common) as pair:
         yield pair.p, pair.d, logs
@@ -40,19 +40,22 @@ def metric(url: str, name: str) -> float:
 
 
 async def _run(p, d, prompts, mode, max_tokens=12):
+    """``mode`` "layer": D's leg first, the push layer-wise (D's registration waits at P)."""
+    legs, granularity = ("d_first", "layer") if mode == "layer" else (mode, "")
     async with engine_client(120) as c:
-        return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, max_tokens, mode=mode)
+        return await pd_and_decode_only(c, p.url, d.url, f"127.0.0.1:{P_SIDE}", prompts, max_tokens, mode=legs,
+                                        granularity=granularity)
 
 
 def pushes(logs):
     return read_transfers(logs / "p_trace.jsonl")
 
 
-@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+@pytest.mark.parametrize("mode", ["concurrent", "sequential", "layer"])
 def test_20_concurrent_requests_match_decode_only(servers, mode):
     p, d, logs = servers
     before = metric(p.url, "vllm:kvpath_pushes_ok_total")
-    prompts = make_prompts(20, seed=1 if mode == "concurrent" else 2)
+    prompts = make_prompts(20, seed={"concurrent": 1, "sequential": 2, "layer": 3}[mode])
     ref, got = asyncio.run(_run(p, d, prompts, mode))
     errors = [g.error for g in got if g.error]
     assert not errors, errors[:3]
@@ -62,6 +65,12 @@ def test_20_concurrent_requests_match_decode_only(servers, mode):
     for g in got:
         rec = by_tid[g.transfer_id]
         assert rec.status == "ok" and rec.blocks >= 1 and rec.bytes > 0
+    if mode == "layer":  # layer-wise: flows whose first layer was posted while P's forward ran
+        recs = [by_tid[g.transfer_id] for g in got]
+        assert all(r.granularity == "layer" for r in recs)
+        # two WRITEs (the tiny model's 2 layers, a group of 1): the first went before the
+        # forward's end, which save_kv_layer told the writer; one WRITE only would say not
+        assert any(r.layers == 2 and r.writes == 2 for r in recs), [(r.layers, r.writes) for r in recs]
     # the same prompts again: D now has their prefix cached, so only the tail is pushed
     ref2, got2 = asyncio.run(_run(p, d, prompts[:5], mode))
     assert [g.text for g in got2] == ref2 == ref[:5]

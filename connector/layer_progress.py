@@ -1,0 +1,90 @@
+"""How far a layer-wise push's KV is computed: the engine thread reports layers, the
+writer thread reads them (no I/O, no threads here).
+
+vLLM calls ``save_kv_layer`` after each attention layer of a forward. For a request
+whose prompt completes in that forward (``push_granularity: layer``), layer ``i``'s KV
+is final once that call returns. The engine thread only appends ``(forward, layers)``
+to a deque (no lock, no wake-up, no NIXL call); the writer, which polls every
+millisecond while such a forward runs, applies them here to every push begun in that
+forward. A prefill's flows (one per D rank it fans out to) share one
+:class:`LayerProgress`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+# the latest forwards whose pushes are remembered; older ones have ended (their
+# request finished or was aborted, which marks them final or aborted)
+MAX_FORWARDS = 64
+
+
+@dataclass
+class LayerProgress:
+    """One begun prefill's layers, shared by its flows."""
+
+    layers: int  # the model's KV layers (L)
+    forward: int  # the worker's forward counter for the forward that completes the prompt
+    done: int = 0  # layers computed
+    final: bool = False  # the request finished: its KV will not change (the commit may go)
+    aborted: bool = False  # the request was aborted: no more WRITEs, the flow fails
+    forward_end_at: float | None = None  # unix time the writer saw the forward end
+    finished_at: float | None = None  # unix time the request finished (the record's prefill_done_at)
+    times: object = None  # vLLM's times of the P request (VllmTimes), from the final report
+    blocks_released: bool = False  # every flow ended before the request did: free at its end
+
+    def forward_ended(self) -> bool:
+        return self.done >= self.layers
+
+
+@dataclass
+class ForwardLayers:
+    """The writer's view of the engine's forwards: which begun pushes each one feeds."""
+
+    begun: dict[int, list[LayerProgress]] = field(default_factory=dict)  # forward -> its pushes
+    reported: dict[int, int] = field(default_factory=dict)  # forward -> layers reported so far
+
+    def begin(self, p: LayerProgress) -> None:
+        """A push begins with its forward's layers reported so far (a report can overtake
+        the begin: it comes through a deque, the begin through the command queue)."""
+        self.begun.setdefault(p.forward, []).append(p)
+        p.done = max(p.done, self.reported.get(p.forward, 0))
+        self._bound()
+
+    def apply(self, events: Iterable[tuple[int, int]], now: float) -> bool:
+        """Apply ``(forward, layers done)`` reports; True when any push moved."""
+        moved = False
+        for fwd, n in events:
+            self.reported[fwd] = max(self.reported.get(fwd, 0), n)
+            for p in self.begun.get(fwd, ()):
+                if n > p.done and not p.aborted:
+                    p.done = min(n, p.layers)
+                    moved = True
+                    if p.forward_ended() and p.forward_end_at is None:
+                        p.forward_end_at = now
+        for fwd in [f for f, ps in self.begun.items() if all(p.forward_ended() or p.aborted for p in ps)]:
+            del self.begun[fwd]
+        self._bound()
+        return moved
+
+    def live(self) -> bool:
+        """A forward with a begun push is running: the writer polls every millisecond."""
+        return bool(self.begun)
+
+    def _bound(self) -> None:
+        while len(self.reported) > MAX_FORWARDS:
+            del self.reported[min(self.reported)]
+        while len(self.begun) > MAX_FORWARDS:
+            del self.begun[min(self.begun)]
+
+
+def drain(events: deque) -> list[tuple[int, int]]:
+    """Everything the engine thread appended so far (popleft is atomic: no lock)."""
+    out = []
+    while True:
+        try:
+            out.append(events.popleft())
+        except IndexError:
+            return out

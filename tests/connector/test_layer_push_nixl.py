@@ -1,0 +1,162 @@
+"""Layer-wise push (push_granularity=layer) with real NIXL between two processes, no vLLM:
+P's three regions stand for three layers. Layers land while the "forward" runs; D completes
+only at the commit (after the request finished), never on a partial push; a registration
+that comes mid-forward gets one catch-up WRITE of exactly the layers done; an abort
+mid-push fails D's request after the posted WRITEs end and frees P's blocks; the engine
+thread's calls make no NIXL call."""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from kvpath.connector import nixl_io
+from kvpath.testbed.peer_process import PeerProcess
+from tests.connector.nixl_sides import SPEC, PSide, cfg
+
+pytestmark = pytest.mark.usefixtures("nixl_keys")
+
+LAYERS = SPEC.regions  # one region per "layer"
+
+
+@pytest.fixture
+def pair():
+    c = cfg(lanes=1, push_granularity="layer", push_layer_group=1)
+    p = PSide(c)
+    with PeerProcess(c, SPEC) as d:
+        yield p, d
+    p.sender.close()
+
+
+def _landed(d, dst, p, src) -> list[bool]:
+    """Per layer: D's blocks hold P's bytes."""
+    got, want = d.call("read", dst)[1], p.expect(src)
+    return [g == w for g, w in zip(got, want)]
+
+
+def _wait_landed(d, dst, p, src, n, timeout=5.0) -> list[bool]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = _landed(d, dst, p, src)
+        if sum(got) >= n:
+            return got
+        time.sleep(0.02)
+    return _landed(d, dst, p, src)
+
+
+def _not_done(d, rid, wait=0.4) -> bool:
+    _, done, _ = d.call("wait", [rid], wait)
+    return rid not in done
+
+
+def test_layers_land_during_the_forward_and_only_the_commit_completes_d(pair):
+    p, d = pair
+    src, dst, tid = [5, 6, 9], [20, 21, 40], uuid.uuid4().hex
+    d.call("register", "d1", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    p.sender.begin("p1", tid, src, None, None, "", forward=1, layers=LAYERS)
+    p.sender.layers_done(1, 1)
+    assert _wait_landed(d, dst, p, src, 1) == [True, False, False]  # layer 0 only, before the forward ends
+    assert _not_done(d, "d1"), "a partial push completed D's request"
+    p.sender.forward_done(1, LAYERS)
+    assert _wait_landed(d, dst, p, src, 3) == [True, True, True]
+    assert _not_done(d, "d1"), "D completed before P's request finished (no commit yet)"
+    p.sender.submit_finished("p1", tid, src)
+    _, done, failed = d.call("wait", ["d1"], 10)
+    assert done == ["d1"] and not failed
+    assert "p1" in p.wait_released(["p1"])
+    s = p.sender.stats.snapshot()
+    assert s["pushes_ok"] == 1 and s["layer_writes"] == 2  # layer 0, then layers 1-2
+
+
+def test_a_registration_mid_forward_gets_one_catch_up_write_of_exactly_the_layers_done(pair):
+    p, d = pair
+    src, dst, tid = [1, 2], [50, 51], uuid.uuid4().hex
+    p.sender.begin("p2", tid, src, None, None, "", forward=7, layers=LAYERS)
+    p.sender.layers_done(7, 2)
+    time.sleep(0.1)
+    d.call("register", "d2", tid, p.sender.address, dst, 0)
+    assert _wait_landed(d, dst, p, src, 2) == [True, True, False]  # the catch-up: layers 0 and 1, not 2
+    time.sleep(0.2)
+    assert _landed(d, dst, p, src) == [True, True, False]
+    assert p.sender.stats.snapshot()["layer_writes"] == 1
+    p.sender.forward_done(7, LAYERS)
+    p.sender.submit_finished("p2", tid, src)
+    _, done, failed = d.call("wait", ["d2"], 10)
+    assert done == ["d2"] and not failed and _landed(d, dst, p, src) == [True] * 3
+    assert p.sender.stats.snapshot()["layer_writes"] == 2
+
+
+def test_a_registration_after_the_request_finished_gets_the_whole_push(pair):
+    p, d = pair
+    src, dst, tid = [30, 31, 32], [60, 61, 62], uuid.uuid4().hex
+    p.sender.begin("p3", tid, src, None, None, "", forward=2, layers=LAYERS)
+    p.sender.forward_done(2, LAYERS)
+    p.sender.submit_finished("p3", tid, src)
+    time.sleep(0.1)
+    d.call("register", "d3", tid, p.sender.address, dst, 0)
+    _, done, failed = d.call("wait", ["d3"], 10)
+    assert done == ["d3"] and not failed and _landed(d, dst, p, src) == [True] * 3
+    assert "p3" in p.wait_released(["p3"])
+    assert p.sender.stats.snapshot().get("layer_writes", 0) == 0  # one WRITE, as request granularity
+
+
+def test_an_abort_mid_push_fails_d_after_the_posted_writes_and_frees_p_blocks_only_then(pair):
+    p, d = pair
+    src, dst, tid = [10, 11], [70, 71], uuid.uuid4().hex
+    d.call("register", "d4", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    p.sender.begin("p4", tid, src, None, None, "", forward=3, layers=LAYERS)
+    p.sender.layers_done(3, 1)
+    _wait_landed(d, dst, p, src, 1)
+    assert "p4" not in p.sender.take_finished()  # its request still runs: its blocks are held
+    p.sender.abort(tid)
+    _, done, failed = d.call("wait", ["d4"], 10)
+    assert done == ["d4"] and failed == ["d4"]
+    assert "p4" in p.wait_released(["p4"])
+    s = p.sender.stats.snapshot()
+    assert s["pushes_failed"] == 1 and s.get("pushes_ok", 0) == 0
+
+
+def test_a_push_that_ends_early_holds_the_blocks_of_a_running_request_until_it_ends(pair):
+    p, d = pair
+    src, dst, tid = [12], [72], uuid.uuid4().hex
+    d.call("register", "d5", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    d.call("cancel", "d5")  # D gives up before P's forward: nothing posted
+    time.sleep(0.2)
+    p.sender.begin("p5", tid, src, None, None, "", forward=4, layers=LAYERS)
+    p.sender.forward_done(4, LAYERS)
+    time.sleep(0.3)
+    assert "p5" not in p.sender.take_finished()  # vLLM must not free a running request's blocks
+    p.sender.submit_finished("p5", tid, src)
+    assert "p5" in p.wait_released(["p5"], timeout=3)
+
+
+def test_the_engine_thread_makes_no_nixl_call(pair, monkeypatch):
+    p, d = pair
+    calls: list[str] = []
+    agent_cls = nixl_io.load_nixl().nixl_agent
+    for name in ("initialize_xfer", "transfer", "check_xfer_state", "get_xfer_descs", "send_notif",
+                 "release_xfer_handle"):
+        orig = getattr(agent_cls, name)
+
+        def spy(self, *a, _orig=orig, **kw):
+            calls.append(threading.current_thread().name)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(agent_cls, name, spy)
+    src, dst, tid = [40, 41], [80, 81], uuid.uuid4().hex
+    d.call("register", "d6", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    engine = threading.current_thread().name
+    p.sender.begin("p6", tid, src, None, None, "", forward=5, layers=LAYERS)
+    for n in range(1, LAYERS + 1):
+        p.sender.layers_done(5, n)
+        time.sleep(0.05)
+    p.sender.forward_done(5, LAYERS)
+    p.sender.submit_finished("p6", tid, src)
+    _, done, failed = d.call("wait", ["d6"], 10)
+    assert done == ["d6"] and not failed
+    assert calls and engine not in calls and set(calls) == {"kvpath-push-sender"}

@@ -16,11 +16,12 @@ from kvpath.connector import messages as M
 from kvpath.connector.kv_verify import parse_mode as parse_kv_verify, require_hash as require_kv_hash
 from kvpath.credentials import CredentialError, read_secret_file
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.layer_push import GRANULARITIES
 from kvpath.reservation.wire import RESERVE_AT
 
 # the proxy reserves a push's lane when it admits the request, or P's connector when the push starts
 RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
-PUSH_GRANULARITIES = ("request", "layer")
+PUSH_GRANULARITIES = GRANULARITIES  # when P's KV leaves (kvpath.layer_push)
 
 
 class ConfigError(ValueError):

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 GRANULARITIES = ("request", "layer")
 
 
+def variant_label(mode: str, granularity: str = "request") -> str:
+    """A run's name among its variants: "cc", or "cc+layer" for a layer-wise run of mode cc."""
+    return mode if granularity == "request" else f"{mode}+{granularity}"
+
+
 class LayerPushError(ValueError):
     """A bad input, named by its field."""
 
@@ -48,6 +53,20 @@ def group_bytes(nbytes: int, layers: int, group: int) -> list[int]:
     return [sum(per_layer[i:i + group]) for i in range(0, layers, group)]
 
 
+def piece_starts(prefill_start_s: float, prefill_end_s: float, layers: int, nbytes: int, granularity: str = "request",
+                 group: int = 1) -> list[tuple[float, int]]:
+    """When each piece of a push may leave P and its bytes: one piece at the prefill's end
+    (``request``), or one per layer group when its last layer is computed (``layer``).
+    What the network makes of them (queueing behind each other on one lane) is the
+    caller's: :func:`plan_push` for one lane alone, a network backend for a fabric."""
+    if granularity not in GRANULARITIES:
+        raise LayerPushError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    if granularity == "request":
+        return [(prefill_end_s, nbytes)]
+    done = layer_done_times(prefill_start_s, prefill_end_s, layers)
+    return [(done[min((k + 1) * group, layers) - 1], b) for k, b in enumerate(group_bytes(nbytes, layers, group))]
+
+
 @dataclass(frozen=True)
 class PushPlan:
     """A push's pieces on one lane: (start, end, bytes) each, in order."""
@@ -74,13 +93,13 @@ def plan_push(prefill_start_s: float, prefill_end_s: float, layers: int, nbytes:
         raise LayerPushError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     if not rate_bytes_s > 0:
         raise LayerPushError(f"rate_bytes_s must be > 0, got {rate_bytes_s!r}")
-    done = layer_done_times(prefill_start_s, prefill_end_s, layers, tail_s)
+    layer_done_times(prefill_start_s, prefill_end_s, layers, tail_s)  # checks the times
     if granularity == "request":
         return PushPlan(((prefill_end_s, prefill_end_s + nbytes / rate_bytes_s, nbytes),))
     pieces = []
     free_at = prefill_start_s  # when the lane has sent the group before
-    for k, b in enumerate(group_bytes(nbytes, layers, group)):
-        ready = done[min((k + 1) * group, layers) - 1]  # the group's last layer computed
+    compute_end = prefill_end_s - tail_s
+    for ready, b in piece_starts(prefill_start_s, compute_end, layers, nbytes, granularity, group):
         start = max(ready, free_at)
         free_at = start + b / rate_bytes_s
         pieces.append((start, free_at, b))

@@ -78,6 +78,10 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
                         "prefill ends (push) (default %(default)s)")
     s.add_argument("--dc-delay-s", type=float, default=0.0,
                    help="dc mode: seconds before an agent sees other P hosts' reservations (default %(default)s)")
+    s.add_argument("--push-granularity", default="request",
+                   help="when P's KV leaves: request (one flow after the prefill), layer (one flow per layer "
+                        "group as the prefill computes it), or both comma-separated (rows <mode>+layer)")
+    s.add_argument("--layer-group", type=int, default=4, help="layer-wise: layers per flow (default %(default)s)")
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     add_ns3_args(s)

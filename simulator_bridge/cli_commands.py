@@ -143,6 +143,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from kvpath.deployment import parse_pools
     from kvpath.fabric import FabricSpec, FabricSpecError
     from kvpath.iteration_time import IterationTimeModel
+    from kvpath.layer_push import variant_label
     from kvpath.models import ModelSpecError
     from kvpath.trace import TraceWriter
     from kvpath.workloads import WorkloadError, load_workload
@@ -165,17 +166,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except WorkloadError as e:
         raise fail("simulate", f"--workload: {e}") from None
     rows = []
+    grans = [g for g in args.push_granularity.split(",") if g]
     for backend in [b for b in args.backend.split(",") if b]:
-        for mode in [x for x in args.mode.split(",") if x]:
+        for mode, gran in [(x, g) for x in args.mode.split(",") if x for g in grans]:
             cfg = ServingConfig(pools=pools, mode=mode, backend=backend, lanes=args.lanes, reserve_at=args.reserve_at,
-                                dc_delay_s=args.dc_delay_s, scale_s=args.scale_s, ns3=ns3_params(args, "simulate"))
+                                dc_delay_s=args.dc_delay_s, scale_s=args.scale_s, ns3=ns3_params(args, "simulate"),
+                                push_granularity=gran, layer_group=args.layer_group)
             try:
                 trace, info = simulate(spec, list(w.requests), cfg, itm)
             except (ValueError, Ns3Error) as e:
                 raise fail("simulate", str(e)) from None
             rows.append(summarize(trace, info["wall_s"]))
             if args.out:
-                out = Path(args.out) / f"{backend}-{mode}.jsonl"
+                out = Path(args.out) / f"{backend}-{variant_label(mode, gran)}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with TraceWriter(out, trace.header) as tw:
                     tw.write_all([*trace.requests, *trace.flows])

@@ -4,7 +4,8 @@
    (whole prompts up to a token budget per iteration), timed by the iteration-time
    model the emulated engines use (``kvpath/iteration_time.py``).
 2. **Network.** Every request's KV is one flow from its P host to its D host, leaving
-   at prefill end. Its lane (so its spine) is decided by the reservation service's own
+   at prefill end; layer-wise (``push_granularity`` layer), one flow per layer group,
+   leaving as the prefill computes the group (``kvpath.layer_push``), on one lane. Its lane (so its spine) is decided by the reservation service's own
    code (``kvpath/reservation/decisions.py``) on the simulated clock: at admission (the request's
    arrival) or at push start, released when the flow's last byte arrives. ``ecmp``
    takes the lane the transfer id hashes to. The network backend computes the FCTs.
@@ -33,6 +34,7 @@ from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
 from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
 from kvpath.iteration_time import IterationTimeModel
+from kvpath.layer_push import GRANULARITIES, piece_starts, variant_label
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
 from kvpath.reservation.decisions import LaneInfo, ReservationService, default_lane
@@ -68,6 +70,10 @@ class ServingConfig:
     max_num_seqs: int = 256  # decode sequences per iteration
     net: NetParams = field(default_factory=NetParams)
     ns3: Ns3Params = field(default_factory=Ns3Params)
+    # when a request's KV leaves P (kvpath.layer_push): one flow at the prefill's end, or
+    # one flow per group of layer_group layers as the prefill computes them (same lane)
+    push_granularity: str = "request"
+    layer_group: int = 4
 
     def validate(self, spec: FabricSpec) -> None:
         check_pools_fit(spec, *self.pools)
@@ -78,6 +84,10 @@ class ServingConfig:
             raise ValueError(f"reserve_at must be {' or '.join(RESERVE_AT)}, got {self.reserve_at!r}")
         if self.lanes < 1 or self.scale_s <= 0 or self.time_scale <= 0 or self.iteration_wall_s < 0:
             raise ValueError("lanes must be >= 1, scale_s and time_scale > 0, iteration_wall_s >= 0")
+        if self.push_granularity not in GRANULARITIES:
+            raise ValueError(f"push_granularity must be one of {', '.join(GRANULARITIES)}, got {self.push_granularity!r}")
+        if self.layer_group < 1:
+            raise ValueError(f"layer_group must be >= 1, got {self.layer_group}")
 
 
 def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: IterationTimeModel,
@@ -162,6 +172,15 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     tids = [f"{r.request_id}" for r in reqs]
     flows = [FlowSpec(p_hosts[p_of[i]], d_hosts[d_of[i]], max(1, round(kvb * reqs[i].prompt_tokens / cfg.scale_s)),
                       float(pre_end[i])) for i in range(n)]
+    # the network's flows: each request's push whole, or its layer groups (piece k of
+    # request i is pieces[j] with owner[j] == i, in start order)
+    pieces, owner = [], []
+    for i, f in enumerate(flows):
+        for start, b in piece_starts(float(pre_start[i]), float(pre_end[i]), itm.model.layers, f.bytes,
+                                     cfg.push_granularity, cfg.layer_group):
+            if b > 0:
+                pieces.append(dataclasses.replace(f, bytes=b, start_s=start))
+                owner.append(i)
     lanes = _Lanes(spec, cfg.lanes)
     clock = [0.0]
     # the lanes are registered once and never expire: simulated time may run past any TTL
@@ -173,37 +192,51 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
             svc.register_lanes(p, d, lanes.infos(p, d))
     leases: dict[int, str] = {}
     lane_of: dict[int, int] = {}
+    left = np.bincount(owner, minlength=n)  # a request's pieces not yet ended
 
-    def decide(i: int, now: float) -> int | None:
-        clock[0] = now
-        r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
-        leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
+    def decide(j: int, now: float) -> int | None:
+        i = owner[j]
+        if i not in lane_of:  # a request's first piece reserves its lane; the others follow it
+            clock[0] = now
+            r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
+            leases[i], lane_of[i] = r.lease_id, r.lane if r.lane is not None else default_lane(tids[i], cfg.lanes)
         return lanes.oracle.table[(spec.canonical(flows[i].src), spec.canonical(flows[i].dst),
                                    LANE_PORT0 + lane_of[i], KV_SIDE_CHANNEL_PORT)]
 
-    def on_end(i: int, now: float) -> None:
-        clock[0] = now
-        svc.release(leases.pop(i))
+    def on_end(j: int, now: float) -> None:
+        i = owner[j]
+        left[i] -= 1
+        if left[i] == 0:  # released at the push's end (its last piece)
+            clock[0] = now
+            svc.release(leases.pop(i))
 
-    decide_at = np.array([r.arrival_s for r in reqs]) if cfg.reserve_at == ADMISSION else pre_end
+    decide_at = (np.array([reqs[i].arrival_s for i in owner]) if cfg.reserve_at == ADMISSION
+                 else np.array([p.start_s for p in pieces]))
     # the backend decides when the lanes are decided: on its own clock (closed loop), or
     # first, on another's or each flow alone, then its run on them (backends/base.py)
-    net = make(cfg.backend, spec, cfg.net, cfg.ns3).serve(flows, LaneHooks(decide, decide_at, on_end))
-    fct, info = net.fct_s, dict(net.info)
-    ready = pre_end + fct  # never before the KV has arrived
+    net = make(cfg.backend, spec, cfg.net, cfg.ns3).serve(pieces, LaneHooks(decide, decide_at, on_end))
+    info = dict(net.info)
+    push_start, push_end = np.full(n, np.inf), pre_end.copy()  # D has the KV at its last piece, never before P ends
+    for j, i in enumerate(owner):
+        push_start[i] = min(push_start[i], pieces[j].start_s)
+        push_end[i] = max(push_end[i], pieces[j].start_s + float(net.fct_s[j]))
+    fct = push_end - push_start
+    ready = push_end
     dstart, first, done = decode_drain(reqs, d_of, n_d, ready, itm, cfg)
-    trace = _trace(spec, reqs, cfg, p_hosts, d_hosts, p_of, d_of, pre_start, pre_end, flows, fct, lane_of, dstart,
-                   first, done, itm)
+    trace = _trace(spec, reqs, cfg, p_hosts, d_hosts, p_of, d_of, pre_start, pre_end, flows, push_start, fct, lane_of,
+                   dstart, first, done, itm)
     return trace, {"wall_s": time.perf_counter() - t_wall, **info}
 
 
 def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: list[str], d_hosts: list[str],
            p_of: list[int], d_of: list[int], pre_start: np.ndarray, pre_end: np.ndarray, flows: list[FlowSpec],
-           fct: np.ndarray, lane_of: dict[int, int], dstart: np.ndarray, first: np.ndarray, done: np.ndarray,
-           itm: IterationTimeModel) -> Trace:
+           push_start: np.ndarray, fct: np.ndarray, lane_of: dict[int, int], dstart: np.ndarray, first: np.ndarray,
+           done: np.ndarray, itm: IterationTimeModel) -> Trace:
+    """One flow record per push (a layer-wise push's pieces as one, first start to last end)."""
     header = Header(t0_unix=0.0, mode=cfg.mode, fabric=spec.to_dict(), scale_s=cfg.scale_s,
                     meta={META_SOURCE: SOURCE, META_BACKEND: cfg.backend, META_POOLS: format_pools(*cfg.pools),
                           META_RESERVE_AT: cfg.reserve_at, "dc_delay_s": cfg.dc_delay_s,
+                          "push_granularity": cfg.push_granularity, "layer_group": cfg.layer_group,
                           META_ITERATION_TIME: itm.to_dict(), META_NET: dataclasses.asdict(cfg.net)})
     requests, flow_recs = [], []
     alone = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, 0.0, lane_of.get(i, 0) % spec.spines)
@@ -213,17 +246,18 @@ def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: l
         lane = lane_of.get(i, 0)
         ft = FiveTuple(spec.host_ip(f.src), spec.host_ip(f.dst), LANE_PORT0 + lane, KV_SIDE_CHANNEL_PORT)
         spine = f"spine{lane % spec.spines}"
-        end = float(pre_end[i] + fct[i])
+        start = float(push_start[i])
+        end = start + float(fct[i])
         out = max(r.output_tokens, 1)
         requests.append(RequestRecord(
             request_id=r.request_id, arrival_s=r.arrival_s, prompt_tokens=r.prompt_tokens, output_tokens=out,
             p_instance=p_hosts[p_of[i]], d_instance=d_hosts[d_of[i]], prefill_start_s=float(pre_start[i]),
-            prefill_end_s=float(pre_end[i]), kv_bytes=f.bytes, push_start_s=float(pre_end[i]), push_end_s=end,
+            prefill_end_s=float(pre_end[i]), kv_bytes=f.bytes, push_start_s=start, push_end_s=end,
             lane=lane, five_tuple=ft, path_predicted=spine, path_measured=spine, decode_start_s=float(dstart[i]),
             first_token_s=float(first[i]), completion_s=float(done[i]), ttft_s=float(first[i]) - r.arrival_s,
             tpot_s=(float(done[i]) - float(first[i])) / (out - 1) if out > 1 else None))
         flow_recs.append(FlowRecord(flow_id=r.request_id, request_id=r.request_id, five_tuple=ft, bytes=f.bytes,
-                                    start_s=float(pre_end[i]), end_s=end, path=spine, lane=lane, path_predicted=spine,
+                                    start_s=start, end_s=end, path=spine, lane=lane, path_predicted=spine,
                                     standalone_fct_s=float(alone[i])))
     return Trace(header, requests, flow_recs)
 
@@ -234,6 +268,7 @@ SUMMARY_METRICS = ("requests", "fct_mean_s", "fct_p99_s", "slowdown_mean", "ttft
 def summarize(trace: Trace, wall_s: float) -> dict[str, Any]:
     """One simulation's row: mode, backend, SUMMARY_METRICS of ``TraceMetrics`` and the wall time."""
     m = TraceMetrics.of(trace).to_dict()
-    return {"mode": trace.header.mode, "backend": trace.header.meta.get(META_BACKEND),
+    return {"mode": variant_label(trace.header.mode, trace.header.meta.get("push_granularity", "request")),
+            "backend": trace.header.meta.get(META_BACKEND),
             **{k: m[k] for k in SUMMARY_METRICS}, "wall_s": wall_s}
 

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
+from kvpath.layer_push import GRANULARITIES, variant_label
 from kvpath.testbed.run_config import CONNECTORS, ENGINES
 
 logger = logging.getLogger(__name__)
@@ -76,10 +77,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     modes = [m for m in args.mode.split(",") if m]
+    grans = [g for g in args.push_granularity.split(",") if g]
     cfgs = []
     try:
-        for m in modes:
-            cfg = RunConfig(out=f"{args.out}/{m}", fabric=args.fabric, pools=args.pools, engine=args.engine,
+        for m, g in [(m, g) for m in modes for g in grans]:
+            cfg = RunConfig(out=f"{args.out}/{variant_label(m, g)}", fabric=args.fabric, pools=args.pools,
+                            engine=args.engine, push_granularity=g, layer_group=args.layer_group,
                             connector=args.connector,
                             workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
                             scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, tp=args.tp, model=args.model,
@@ -91,7 +94,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RunConfigError as e:
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
     if not cfgs:
-        raise SystemExit(f"kvpath testbed run: error: --mode: give at least one of {', '.join(MODES)}")
+        raise SystemExit(f"kvpath testbed run: error: --mode and --push-granularity: give at least one of "
+                         f"{', '.join(MODES)} and of {', '.join(GRANULARITIES)}")
     if args.repeats < 1:
         raise SystemExit("kvpath testbed run: error: --repeats: at least 1")
     console = Console()
@@ -158,6 +162,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="when a push's lane is reserved: when the proxy admits the request, or when P starts the push")
     rn.add_argument("--cc-metric", default="flows", choices=METRICS,
                     help="cc/dc: least reserved flows, or least reserved bytes, on a path's busiest link")
+    rn.add_argument("--push-granularity", default="request",
+                    help=f"when P's KV leaves: {' or '.join(GRANULARITIES)} (layer by layer while P computes), or a "
+                    "comma-separated list: every mode runs with each, as its own variant (<mode>+layer)")
+    rn.add_argument("--layer-group", type=int, default=4,
+                    help="layer-wise push: layers per WRITE (default %(default)s)")
     rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
                     "least_outstanding (with equal pools, round_robin pairs P i with D i)")
     rn.add_argument("--repeats", type=int, default=1,

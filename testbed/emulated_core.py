@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
+from kvpath.layer_push import layer_done_times
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,6 +45,12 @@ class EngineSpec:
     max_batch_tokens: int = 8192  # prefill tokens per iteration
     max_num_seqs: int = 256  # running decodes
     time_scale: float = 1.0  # B/S: modelled (datacenter) seconds -> testbed seconds
+    # P: the model's layers (the KV layout's regions) and when its KV leaves: "request"
+    # after the prefill, or "layer" in groups of layer_group as the iteration computes
+    # them (kvpath.layer_push: layers take equal shares of the iteration's time)
+    layers: int = 1
+    push_granularity: str = "request"
+    layer_group: int = 1
 
     @property
     def block_bytes(self) -> int:
@@ -117,6 +125,7 @@ class EmulatedEngine:
         self.pushing: dict[str, EmuRequest] = {}  # P: handed to the sender, blocks held
         self.records: deque[dict[str, Any]] = deque(maxlen=100_000)
         self.counters = {"requests": 0, "recomputed": 0, "failed": 0, "iterations": 0}
+        self.forward = 0  # P: the iteration counter the sender's layer reports name
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -209,12 +218,17 @@ class EmulatedEngine:
         t0 = time.time()
         for r in batch:
             r.prefill_start = t0
-        await asyncio.sleep(self.model.prefill_time([r.prompt_tokens for r in batch]) * self.spec.time_scale)
+        duration = self.model.prefill_time([r.prompt_tokens for r in batch]) * self.spec.time_scale
+        pushed = [r for r in batch if self.sender is not None and r.transfer_id]
+        if pushed and self.spec.push_granularity == "layer":
+            await self._layered_iteration(pushed, t0, duration)
+        else:
+            await asyncio.sleep(duration)
         self.counters["iterations"] += 1
         t1 = time.time()
         for r in batch:
             r.prefill_end = t1
-            if self.sender is not None and r.transfer_id:
+            if r in pushed:
                 self.pushing[r.request_id] = r
                 self.sender.submit_finished(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id,
                                             transfer_key=r.transfer_key)
@@ -222,6 +236,22 @@ class EmulatedEngine:
                 self.pool.free(r.blocks)
             self._finish(r, "ok")
         return True
+
+    async def _layered_iteration(self, pushed: list[EmuRequest], t0: float, duration: float) -> None:
+        """An iteration whose prompts push layer-wise: begun before it, each layer group
+        reported as its modelled time passes, as vLLM's save_kv_layer reports them."""
+        self.forward += 1
+        layers, group = self.spec.layers, self.spec.layer_group
+        for r in pushed:
+            self.pushing[r.request_id] = r
+            self.sender.begin(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id, r.transfer_key,
+                              self.forward, layers)
+        done_at = layer_done_times(t0, t0 + duration, layers)
+        for n in [*range(group, layers, group), layers]:
+            await asyncio.sleep(max(0.0, done_at[n - 1] - time.time()))
+            if n < layers:
+                self.sender.layers_done(self.forward, n)
+        self.sender.forward_done(self.forward, layers)
 
     def _poll_receiver(self) -> None:
         if self.receiver is None:

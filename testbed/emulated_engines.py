@@ -51,6 +51,7 @@ class EmulatedEngines:
             "--engine-id", engine_id(role, host), "--reserve-at", cfg.reserve_at,
             "--control-key", keys["control_key"], "--control-trusted-keys", keys["control_trusted_keys"],
             "--reservation-token-file", str(site.token_file),  # the file's path: the token never in argv
+            "--push-granularity", cfg.push_granularity, "--layer-group", str(cfg.layer_group),
         ])
 
     def start(self, proxy_url: str) -> None:

@@ -17,6 +17,7 @@ request's timestamps for the testbed's trace.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -34,6 +35,7 @@ from kvpath.connector.config import ConfigError, KVPathConfig
 from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.layer_push import GRANULARITIES
 from kvpath.reservation.wire import RESERVE_AT
 from kvpath.testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
 
@@ -179,8 +181,14 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     kvb = max(1, round(kv_bytes_per_token(model_preset(args.model)) / args.scale_s))
     spec = EngineSpec(role=args.role, kv_bytes_per_token=kvb, num_blocks=args.num_blocks,
                       time_scale=args.scale_b / args.scale_s, max_batch_tokens=args.max_batch_tokens)
-    buf = np.zeros(spec.num_blocks * spec.block_bytes, dtype=np.uint8)
-    spans = [(buf.ctypes.data, buf.nbytes)]
+    if args.push_granularity == "layer":
+        # one region per layer, as vLLM's per-layer KV tensors: a layer group is a run of regions
+        layers = model_preset(args.model).layers
+        spec = dataclasses.replace(spec, layers=layers, push_granularity="layer", layer_group=args.layer_group)
+    per_layer = -(-spec.block_bytes // spec.layers)  # a block's bytes of one layer (rounded up)
+    buf = np.zeros(spec.layers * spec.num_blocks * per_layer, dtype=np.uint8)
+    region = spec.num_blocks * per_layer
+    spans = [(buf.ctypes.data + k * region, region) for k in range(spec.layers)]
     layout = layout_from_buffers(spans, spec.num_blocks, spec.block_size)
     cfg = KVPathConfig(lanes=args.lanes, side_channel_host=args.kv_host, side_channel_port=args.kv_port,
                        ucx_net_devices=args.ucx_dev or None, trace_path=args.trace or None,
@@ -191,7 +199,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                        control_trusted_keys=args.control_trusted_keys or None,
                        control_plaintext=args.control_plaintext,
                        reservation_token_file=args.reservation_token_file or None,
-                       idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0)
+                       idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0,
+                       push_granularity=args.push_granularity, push_layer_group=args.layer_group)
     cfg.validate()
     if args.role == "prefill":
         from kvpath.connector.sender import PushSender
@@ -237,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control-plaintext", action="store_true", help="no keys (loopback only)")
     ap.add_argument("--reservation-token-file", default="",
                     help="the connector's reservation_token_file (a file holding the reservation service's token)")
+    ap.add_argument("--push-granularity", choices=GRANULARITIES, default="request",
+                    help="P: push each request's KV after its prefill, or layer by layer while it computes")
+    ap.add_argument("--layer-group", type=int, default=4, help="P, layer-wise: layers per WRITE")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

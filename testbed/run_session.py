@@ -136,9 +136,9 @@ def run_rotated(cfgs: Sequence[tuple[str, RunConfig]], repeats: int, console: Co
 
 
 def run_modes(cfgs: list[RunConfig], out: str, console: Console, repeats: int = 1, wide: bool = False) -> int:
-    runs = run_rotated([(c.mode, c) for c in cfgs], repeats, console)
+    runs = run_rotated([(c.label, c) for c in cfgs], repeats, console)
     Path(out).mkdir(parents=True, exist_ok=True)
-    by_mode = {c.mode: [x.summary for x in runs if x.label == c.mode] for c in cfgs}
+    by_mode = {c.label: [x.summary for x in runs if x.label == c.label] for c in cfgs}
     # a figure of one trace per mode: its first valid repeat (the first if none is)
     firsts = {m: next((x for x in runs if x.label == m and x.summary["fidelity"]["valid"]),
                       next(x for x in runs if x.label == m)) for m in by_mode}
@@ -153,7 +153,7 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console, repeats: int = 
         console.print(f"figure: {fig}")
     for x in runs:
         s = x.summary
-        name = s["mode"] if repeats == 1 else f"{s['mode']} r{x.repeat}"
+        name = x.label if repeats == 1 else f"{x.label} r{x.repeat}"
         for r in s.get("decision_replay", []):
             console.print(f"{name}: its {r['decisions']} reservations replayed as {r['mode']}"
                           f"{' (delay %g s)' % r['dc_delay_s'] if r['mode'] == 'dc' else ''}: "

@@ -101,7 +101,8 @@ class VllmEngines:
                                   trace_path=str(site.transfer_trace(pl.host)), lanes=cfg.lanes,
                                   reservation_url=f"{proxy_url}/reservation", fabric_spec=str(site.spec_file),
                                   kernel_oracle=site.fabric.prefix, reserve_at=cfg.reserve_at,
-                                  reservation_token_file=str(site.token_file))
+                                  reservation_token_file=str(site.token_file),
+                                  push_granularity=cfg.push_granularity, push_layer_group=cfg.layer_group)
             if len(set(cfg.tp_sizes)) > 1:
                 # an engine at TP=1 stepping back to back while it waits for a push starved
                 # the P rank sharing its core (docs/connector-tp.md, "TP > 1 on a busy CPU")

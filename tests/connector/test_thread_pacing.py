@@ -44,10 +44,12 @@ def test_writer_sleeps_dormant_idle_or_spins_as_its_work_needs(buffers):
     try:
         s.active_until = 0.0
         assert _timeouts(s) == [DORMANT_POLL_MS]  # nothing held, nothing recent
-        s.writes.in_flight["t"] = InFlight(None, 0, None, None, None, slow_at=time.monotonic() + 30)
+        s.writes.in_flight["t"] = InFlight(None, 0, None, [(None, 0)], None, slow_at=time.monotonic() + 30)
         assert _timeouts(s) == [0]  # a WRITE moving: progressed without pause
         s.writes.in_flight["t"].slow = True
         assert _timeouts(s) == [1]  # a stuck WRITE: every millisecond, not a busy loop
+        s.writes.in_flight["t"].handles.clear()
+        assert _timeouts(s) == [1]  # a layer-wise push waiting for layers: every millisecond, no busy loop
         s.writes.in_flight.clear()
         assert _timeouts(s) == [IDLE_MS]  # just held: the idle pace for LINGER_S
         s.active_until = time.monotonic() - 0.001

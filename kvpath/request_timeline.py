@@ -25,6 +25,27 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("D sees", "completed_at", "d_received_at"),
     ("D 1st tok", "d_received_at", "client_first_at"),
 )
+
+
+def part_lengths(times: Sequence[float | None]) -> list[float | None]:
+    """The lengths of the parts between consecutive ``times`` (None where either end is
+    unknown). A part that starts before the part before it ended (a layer-wise push
+    overlaps P's prefill) counts from that end, and one that ends before it counts 0:
+    the parts never overlap, so they add up to the whole (the push's part is what it
+    adds after P's prefill)."""
+    out: list[float | None] = []
+    reached: float | None = None  # the latest end so far
+    for a, b in zip(times, times[1:]):
+        if a is None or b is None:
+            out.append(None)
+            continue
+        start = a if reached is None else max(a, reached)
+        end = max(b, start)
+        out.append(end - start)
+        reached = end
+    return out
+
+
 # the table's headers, two lines each so that the table fits 80 columns
 _HEADERS = {"to P": "to\nP", "P queue": "P\nqueue", "P prefill": "P\nprefill", "wait D": "wait\nD",
             "push": "push", "D sees": "D\nsees", "D 1st tok": "D 1st\ntoken"}
@@ -57,7 +78,9 @@ class Timeline:
         return None if a is None or b is None else b - a
 
     def parts(self) -> dict[str, float | None]:
-        return {name: self.part(a, b) for name, a, b in PARTS}
+        """Each part's length, never overlapping another (:func:`part_lengths`)."""
+        times = [getattr(self, PARTS[0][1])] + [getattr(self, b) for _, _, b in PARTS]
+        return dict(zip((name for name, _, _ in PARTS), part_lengths(times)))
 
     @staticmethod
     def table(lines: Sequence["Timeline"], title: str) -> Table:
@@ -88,7 +111,8 @@ def _median(vals: Sequence[float | None]) -> float | None:
 
 def median_parts(lines: Sequence[Timeline]) -> dict[str, float | None]:
     """The median of each part (seconds) over the requests that have both its ends."""
-    return {name: _median([tl.part(a, b) for tl in lines]) for name, a, b in PARTS}
+    each = [tl.parts() for tl in lines]
+    return {name: _median([p[name] for p in each]) for name, _, _ in PARTS}
 
 
 def timeline_of(t: TransferRecord, d_received_at: float | None = None) -> Timeline:

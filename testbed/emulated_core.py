@@ -246,11 +246,18 @@ class EmulatedEngine:
             self.pushing[r.request_id] = r
             self.sender.begin(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id, r.transfer_key,
                               self.forward, layers)
-        done_at = layer_done_times(t0, t0 + duration, layers)
-        for n in [*range(group, layers, group), layers]:
-            await asyncio.sleep(max(0.0, done_at[n - 1] - time.time()))
-            if n < layers:
-                self.sender.layers_done(self.forward, n)
+        # the reports on timers, the iteration one sleep: its length is the model's, as
+        # with request granularity, whatever the timers' wake-ups cost
+        loop = asyncio.get_running_loop()
+        base = loop.time() - (time.time() - t0)
+        done_at = layer_done_times(0.0, duration, layers)
+        timers = [loop.call_at(base + done_at[n - 1], self.sender.layers_done, self.forward, n)
+                  for n in range(group, layers, group)]
+        try:
+            await asyncio.sleep(max(0.0, t0 + duration - time.time()))
+        finally:
+            for h in timers:
+                h.cancel()
         self.sender.forward_done(self.forward, layers)
 
     def _poll_receiver(self) -> None:

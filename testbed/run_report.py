@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpath.request_timeline import part_lengths
+
 from kvpath.testbed.orchestrator import RunData
 
 
@@ -109,7 +111,7 @@ def join(data: RunData, ip_of: Any) -> Joined:
                 "flow_id": tid if len(pushes) == 1 else f"{tid}/r{t.rank}>r{t.peer_rank}",
                 "request_id": c["request_id"], "src_ip": p_ip, "dst_ip": d_ip, "src_port": sport,
                 "dst_port": j.lanes.get((p_ip, d_ip, sport)), "bytes": t.bytes, "start": t.submit_at,
-                "end": push.end, "status": t.status, "lane": t.lane,
+                "end": push.end, "status": t.status, "lane": t.lane, "layered": t.layers > 0,
                 "path": max(measured.items(), key=lambda kv: kv[1])[0] if measured else None,
                 "path_predicted": _predicted_spine(dec, t.rank, t.peer_rank) if used else None, "used": used})
         if flows:
@@ -134,7 +136,8 @@ def join(data: RunData, ip_of: Any) -> Joined:
                 standalone = standalone_fct(f["bytes"], min(data.link_mbit, data.host_link_mbit or data.link_mbit),
                                             data.burst_bytes)
                 j.flows.append({k: f[k] for k in ("flow_id", "request_id", "src_ip", "dst_ip", "src_port", "dst_port",
-                                                  "bytes", "start", "end", "path", "lane", "path_predicted")}
+                                                  "bytes", "start", "end", "path", "lane", "path_predicted",
+                                                  "layered")}
                                | {"fct": fct, "wire_fct": standalone,
                                   "wire_slowdown": fct / standalone if standalone else None})
         j.requests.append(row)
@@ -148,9 +151,11 @@ def calibrate_standalone(flows: list[dict[str, Any]], min_lone: int = 5) -> tupl
     The wire time alone (``standalone_fct``) leaves out what a push costs even on an
     idle fabric: posting the WRITE, UCX, D noticing the notification. The pushes that had
     the whole fabric to themselves (no other push overlapped them) measure it: their
-    median FCT minus wire time. With fewer than ``min_lone`` of them it stays 0.
+    median FCT minus wire time. With fewer than ``min_lone`` of them it stays 0. A
+    layer-wise push (``layered``) spans the prefill it overlaps, so it never measures it.
     Returns (overhead seconds, lone pushes)."""
-    lone = [f for f in flows if not any(g is not f and g["start"] < f["end"] and f["start"] < g["end"] for g in flows)]
+    lone = [f for f in flows if not f.get("layered")
+            and not any(g is not f and g["start"] < f["end"] and f["start"] < g["end"] for g in flows)]
     overhead = float(np.median([f["fct"] - f["wire_fct"] for f in lone])) if len(lone) >= min_lone else 0.0
     overhead = max(overhead, 0.0)
     for f in flows:
@@ -175,9 +180,11 @@ def ttft_breakdown(rows: list[dict[str, Any]], scale: float = 1.0) -> dict[str, 
     """Median of each TTFT part over the completed requests that have both its ends
     (seconds x ``scale``); None where no request has them (real engines do not tell
     when their server got a request)."""
+    chain = [TTFT_PARTS[0][1]] + [b for _, _, b in TTFT_PARTS]
+    each = [part_lengths([r.get(f) for f in chain]) for r in rows]  # a layer-wise push counts after the prefill
     out: dict[str, float | None] = {}
-    for name, a, b in TTFT_PARTS:
-        v = [r[b] - r[a] for r in rows if r.get(a) is not None and r.get(b) is not None]
+    for k, (name, _, _) in enumerate(TTFT_PARTS):
+        v = [p[k] for p in each if p[k] is not None]
         out[name] = float(np.median(v)) * scale if v else None
     return out
 

@@ -4,6 +4,7 @@ block accounting, the P hand-over and D's wait for KV, recompute on a failed pus
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -30,6 +31,16 @@ class FakeSender:
     def __init__(self) -> None:
         self.submitted: list[tuple] = []
         self.done: set[str] = set()
+        self.events: list[tuple] = []  # layer-wise: ("begin", rid, forward, layers) | ("layers", forward, n, at)
+
+    def begin(self, request_id, transfer_id, block_ids, lane, lease_id, transfer_key, forward, layers) -> None:
+        self.events.append(("begin", request_id, forward, layers))
+
+    def layers_done(self, forward, n) -> None:
+        self.events.append(("layers", forward, n, time.monotonic()))
+
+    def forward_done(self, forward, layers) -> None:
+        self.events.append(("end", forward, layers, time.monotonic()))
 
     def submit_finished(self, request_id, transfer_id, block_ids, lane=None, lease_id=None, transfer_key="") -> None:
         self.submitted.append((request_id, transfer_id, list(block_ids), lane, lease_id))
@@ -74,6 +85,32 @@ def test_prefill_batches_by_token_budget_hands_blocks_to_the_sender_and_frees_th
         sender.done = {"r0", "r1", "r2", "r3", "r4"}
         await asyncio.sleep(0.05)
         assert len(eng.pool.free_ids) == 64
+        await eng.stop()
+
+    asyncio.run(main())
+
+
+def test_a_layer_wise_prefill_begins_its_pushes_reports_each_group_in_time_and_commits_after():
+    async def main():
+        sender = FakeSender()
+        spec = EngineSpec("prefill", kv_bytes_per_token=100, num_blocks=20000, layers=8, push_granularity="layer",
+                          layer_group=2, max_batch_tokens=200_000)
+        model = FixedModel()
+        eng = EmulatedEngine(spec, model, sender=sender)
+        eng.start()
+        t0 = time.monotonic()
+        reqs = [EmuRequest(f"r{i}", 100_000, 1, transfer_id=f"t{i}") for i in range(2)]  # 0.2 s together
+        await asyncio.gather(*(eng.prefill(r) for r in reqs))
+        begins = [e for e in sender.events if e[0] == "begin"]
+        assert [(e[1], e[2], e[3]) for e in begins] == [("r0", 1, 8), ("r1", 1, 8)]
+        assert sender.events[:2] == begins  # begun before the iteration's layers
+        layers = [e for e in sender.events if e[0] == "layers"]
+        assert [e[2] for e in layers] == [2, 4, 6] and sender.events[-1][:3] == ("end", 1, 8)
+        # group k reported when its share of the 0.2 s passed (k/4 of it), never before
+        for (_, _, n, at) in layers:
+            assert at - t0 >= 0.2 * n / 8 - 0.005
+        assert [s[0] for s in sender.submitted] == ["r0", "r1"]  # the commit: after the iteration
+        assert all(r.prefill_end >= r.prefill_start + 0.2 - 0.005 for r in reqs)
         await eng.stop()
 
     asyncio.run(main())

@@ -110,16 +110,17 @@ SUITE: tuple[Config, ...] = (
 )
 
 
-def write_azure(path: Path, n: int, seed: int) -> None:
+def write_azure(path: Path, n: int, seed: int, ctx: tuple[float, float, int, int] = (1500, 0.6, 256, 4096),
+                gen: tuple[float, float, int, int] = (60, 0.8, 4, 400)) -> None:
     """An Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens) with the
     shape of the 2023 conversation trace: bursty arrivals (a gamma process with a shape
-    below 1), log-normal context lengths. Synthetic: it exercises the importer and
-    bursty load, it is not Azure's data."""
+    below 1), log-normal context and output lengths, each (median, sigma, min, max).
+    Synthetic: it exercises the importer and bursty load, it is not Azure's data."""
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(0.35, 1 / 0.35, n)  # mean 1 s, CV 1.7; the testbed rescales to --qps
     t0 = datetime(2023, 11, 16, 18, 15, tzinfo=timezone.utc)
-    ctx = np.clip(rng.lognormal(np.log(1500), 0.6, n), 256, 4096).astype(int)
-    gen = np.clip(rng.lognormal(np.log(60), 0.8, n), 4, 400).astype(int)
+    ctx = np.clip(rng.lognormal(np.log(ctx[0]), ctx[1], n), ctx[2], ctx[3]).astype(int)
+    gen = np.clip(rng.lognormal(np.log(gen[0]), gen[1], n), gen[2], gen[3]).astype(int)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])

@@ -176,16 +176,18 @@ TTFT_PARTS = (("front end", "arrival", "p_arrival"), ("P queue", "p_arrival", "p
               ("push", "push_start", "push_end"), ("D to 1st token", "push_end", "first_token"))
 
 
-def ttft_breakdown(rows: list[dict[str, Any]], scale: float = 1.0) -> dict[str, float | None]:
-    """Median of each TTFT part over the completed requests that have both its ends
-    (seconds x ``scale``); None where no request has them (real engines do not tell
-    when their server got a request)."""
+def ttft_breakdown(rows: list[dict[str, Any]], scale: float = 1.0, how: str = "median") -> dict[str, float | None]:
+    """The median (or ``how="mean"``) of each TTFT part over the completed requests that
+    have both its ends (seconds x ``scale``); None where no request has them (real
+    engines do not tell when their server got a request). A layer-wise push counts
+    from the end of P's prefill (:func:`kvpath.request_timeline.part_lengths`)."""
     chain = [TTFT_PARTS[0][1]] + [b for _, _, b in TTFT_PARTS]
-    each = [part_lengths([r.get(f) for f in chain]) for r in rows]  # a layer-wise push counts after the prefill
+    each = [part_lengths([r.get(f) for f in chain]) for r in rows]
+    stat = np.median if how == "median" else np.mean
     out: dict[str, float | None] = {}
     for k, (name, _, _) in enumerate(TTFT_PARTS):
         v = [p[k] for p in each if p[k] is not None]
-        out[name] = float(np.median(v)) * scale if v else None
+        out[name] = float(stat(v)) * scale if v else None
     return out
 
 
@@ -263,7 +265,8 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
     judged = [(pred, meas) for r in pushes for pred, meas in r.get("paths", []) if pred and meas]
     agree = sum(pred == meas for pred, meas in judged)
     out: dict[str, Any] = {
-        "mode": data.config["mode"], "requests": len(j.requests), "ok": len(ok),
+        "mode": data.config["mode"], "push_granularity": data.config.get("push_granularity", "request"),
+        "requests": len(j.requests), "ok": len(ok),
         "failed": len(j.requests) - len(ok),
         "failures": dict(Counter(r["status"] for r in j.requests if r["status"] != "ok")),  # status -> count
         "recomputed": sum(r["recomputed"] for r in j.requests),
@@ -289,5 +292,6 @@ def summarize(data: RunData, j: Joined, fid: dict[str, Any], ip_of: Any) -> dict
             "front_end_s": _stats([r.get("front_end") for r in ok], k),
             "tpot_s": _stats([r.get("tpot") for r in ok], k),
             "ttft_breakdown_s": ttft_breakdown(ok, k),  # median per part
+            "ttft_parts_mean_s": ttft_breakdown(ok, k, "mean"),
         }
     return out

@@ -79,7 +79,9 @@ def write_trace(path: Path, data: RunData, j: Joined, spec: FabricSpec) -> None:
                           "seed": data.config["seed"], "engine": data.config["engine"], "connector": data.config["connector"],
                           "netns_prefix": data.prefix, META_BURST: data.burst_bytes,
                           META_QUEUE: data.queue_bytes, META_DROPS: sum(data.port_drops.values()),
-                          META_RETRANS: sum(data.tcp_retrans.values())})
+                          META_RETRANS: sum(data.tcp_retrans.values()),
+                          "push_granularity": data.config.get("push_granularity", "request"),
+                          "layer_group": data.config.get("layer_group", 4)})
     with TraceWriter(path, header) as w:
         for r in j.requests:
             ft = (FiveTuple(r["src_ip"], r["dst_ip"], r["src_port"], r["dst_port"] or 0)

@@ -1,0 +1,128 @@
+"""Layer-wise against whole-request push on emulated engines at datacenter scale, and what
+the serving simulation predicts for the same configuration.
+
+An Azure-2023-format trace (synthetic, the shape of the issue's: prompts 136-6,000
+tokens with a median near 1,050, outputs 2-800 with a median near 50, bursty arrivals)
+on a 3x3x3 leaf-spine fabric at 100 Gbit/s (``ecmp_seed`` 7), 3P6D emulated engines,
+``kvpath testbed run --push-granularity request,layer --repeats N``: the two variants
+interleaved and rotated (A B, B A, ...), every repeat on a fresh fabric. Per variant
+and run: TTFT mean and p99, TPOT mean, the push's share of the mean TTFT (the part
+after P's prefill ends: ``ttft_parts_mean_s``), P's prefill (median); the ranges over
+the valid runs; the gain of ``layer`` over ``request`` per repeat pair. Then
+``kvpath bridge simulate`` (flow backend, round robin as the testbed's default) on the
+same trace, both granularities: the gain the simulation predicts.
+
+    flock /tmp/kvpath-heavy.lock .venv/bin/python benchmarks/bench_layer_push.py [--repeats 3]
+        [--policy least_outstanding] [--out /tmp/kvpath-layer-push] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bridge_suite import write_azure
+
+logger = logging.getLogger(__name__)
+
+KVPATH = str(Path(sys.executable).with_name("kvpath"))
+FABRIC = {"leaves": 3, "spines": 3, "hosts_per_leaf": 3, "ecmp_seed": 7}
+VARIANTS = ("request", "layer")
+
+
+def _run(cmd: list[str], what: str) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode not in (0, 1):  # 1: a run the fidelity check marked (its summary says which)
+        raise SystemExit(f"{what} failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def _row(s: dict) -> dict:
+    dc = s["datacenter"]
+    parts = dc.get("ttft_parts_mean_s") or {}
+    ttft = dc["ttft_s"]["mean"]
+    return {"valid": s["fidelity"]["valid"], "repeat": s.get("repeat", 0), "ttft_mean": ttft,
+            "ttft_p99": dc["ttft_s"]["p99"], "tpot_mean": dc["tpot_s"]["mean"],
+            "push_share": (parts.get("push") or 0.0) / ttft if ttft else None,
+            "prefill_p50": (dc.get("ttft_breakdown_s") or {}).get("P prefill"),
+            "push_after_prefill_mean": parts.get("push")}
+
+
+def _span(vals: list[float], scale: float = 1e3, fmt: str = "{:.1f}") -> str:
+    v = [x for x in vals if x is not None]
+    if not v:
+        return "-"
+    lo, hi = min(v) * scale, max(v) * scale
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}..{fmt.format(hi)}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--qps", type=float, default=15.0)
+    ap.add_argument("--policy", default="round_robin", help="round_robin (the simulation's) or least_outstanding")
+    ap.add_argument("--layer-group", type=int, default=4)
+    ap.add_argument("--scale-b", type=float, default=1000.0)
+    ap.add_argument("--scale-s", type=float, default=250.0)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default="/tmp/kvpath-layer-push")
+    ap.add_argument("--json", default=None, help="write the rows and the ranges here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    console = Console(width=160)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fabric.json").write_text(json.dumps(FABRIC))
+    trace = out / "azure.csv"
+    write_azure(trace, args.requests, args.seed, ctx=(1050, 0.75, 136, 6000), gen=(50, 1.1, 2, 800))
+    common = ["--fabric", str(out / "fabric.json"), "--pools", "3P6D", "--workload", str(trace),
+              "--requests", str(args.requests), "--qps", str(args.qps), "--mode", "cc",
+              "--push-granularity", ",".join(VARIANTS), "--layer-group", str(args.layer_group)]
+    console.rule(f"testbed: {args.repeats} repeats of {', '.join(VARIANTS)}, rotated")
+    _run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--policy", args.policy, "--seed", str(args.seed),
+          "--scale-b", str(args.scale_b), "--scale-s", str(args.scale_s), "--repeats", str(args.repeats),
+          "--out", str(out / "testbed")], "kvpath testbed run")
+    summary = json.loads((out / "testbed" / "summary.json").read_text())
+    rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for s in summary["runs"]:
+        rows[s.get("push_granularity", "request")].append(_row(s))
+    console.rule("the serving simulation (flow backend), same trace and fabric")
+    sim = json.loads(_run([KVPATH, "bridge", "simulate", *common, "--backend", "flow", "--scale-s", str(args.scale_s),
+                           "--json"], "kvpath bridge simulate").strip().splitlines()[-1])
+    predicted = {("layer" if "+layer" in r["mode"] else "request"): r for r in sim}
+
+    t = Table(title=f"layer-wise against request push, datacenter ms (ranges over {args.repeats} runs; "
+                    f"{args.policy}, group {args.layer_group})")
+    for c in ("variant", "valid", "TTFT mean", "TTFT p99", "TPOT mean", "push share", "P prefill p50",
+              "push after prefill", "sim TTFT mean"):
+        t.add_column(c, justify="left" if c == "variant" else "right")
+    for v in VARIANTS:
+        rs = [r for r in rows[v] if r["valid"]]
+        t.add_row(v, f"{len(rs)}/{len(rows[v])}", _span([r["ttft_mean"] for r in rs]),
+                  _span([r["ttft_p99"] for r in rs]), _span([r["tpot_mean"] for r in rs], fmt="{:.2f}"),
+                  _span([r["push_share"] for r in rs], 100, "{:.0f}%"), _span([r["prefill_p50"] for r in rs]),
+                  _span([r["push_after_prefill_mean"] for r in rs]), f"{predicted[v]['ttft_mean_s'] * 1e3:.1f}")
+    console.print(t)
+    pairs = [(a, b) for a in rows["request"] for b in rows["layer"] if a["repeat"] == b["repeat"]
+             and a["valid"] and b["valid"]]
+    gain = {k: [b[k] / a[k] - 1 for a, b in pairs] for k in ("ttft_mean", "ttft_p99", "tpot_mean", "prefill_p50")}
+    for k, g in gain.items():
+        console.print(f"layer vs request, {k}: {_span(g, 100, '{:+.1f}%')} over {len(g)} repeat pairs")
+    sim_gain = predicted["layer"]["ttft_mean_s"] / predicted["request"]["ttft_mean_s"] - 1
+    console.print(f"the simulation predicts TTFT mean {sim_gain * 100:+.1f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "gain": gain, "simulated": predicted,
+                                               "simulated_gain": sim_gain, "args": vars(args)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

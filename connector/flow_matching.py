@@ -42,15 +42,21 @@ class FlowMatching:
         # or is aborted: the engine reports one or the other for each)
         self.begun: OrderedDict[str, FinishedPrefill] = OrderedDict()
 
+    def can_begin(self, fp: FinishedPrefill) -> bool:
+        """A begun prefill is tracked unless its transfer id is begun already (a request
+        reusing a live one's id) or MAX_BEGUN are: such a request goes whole when it ends,
+        and its abort frees its blocks at once (nothing reads them)."""
+        if fp.transfer_id in self.begun or len(self.begun) >= MAX_BEGUN:
+            logger.warning("request %s: transfer %s not pushed layer-wise (%s): pushed whole when it ends",
+                           fp.request_id, fp.transfer_id,
+                           "its id is begun already" if fp.transfer_id in self.begun else f"{MAX_BEGUN} are begun")
+            return False
+        return True
+
     def on_begin(self, fp: FinishedPrefill) -> None:
         """A layer-wise prefill began its last forward: it waits for (or matches) D's
         registration as a finished one does; its flows push layers as they come."""
-        if fp.transfer_id in self.begun:  # the scheduler begins one live request per id: never
-            logger.warning("transfer %s begun twice: the second is pushed when its request finishes", fp.transfer_id)
-            return
         self.begun[fp.transfer_id] = fp
-        while len(self.begun) > MAX_BEGUN:  # never, from an honest engine; a flow past post_by fails
-            self.begun.popitem(last=False)
         self.on_finished(fp, begun=True)
 
     def on_finished(self, fp: FinishedPrefill, begun: bool = False) -> None:
@@ -86,9 +92,16 @@ class FlowMatching:
                 continue
             self.start_matched(m)  # each flow on its own: one that raises must not strand its siblings
 
-    def on_abort(self, transfer_id: str) -> None:
-        b = self.begun.pop(transfer_id, None)
-        if b is not None:  # a layer-wise prefill: no more WRITEs; its posted ones end first
+    def on_abort(self, transfer_id: str, request_id: str | None = None) -> None:
+        """P's request ended without KV to push. ``request_id``: a begun (layer-wise) one."""
+        b = self.begun.get(transfer_id)
+        if request_id is not None and (b is None or b.request_id != request_id):
+            # begun on the scheduler, never here (its id was taken): nothing read its blocks
+            self.freed.report(request_id)
+            if b is not None:
+                return  # the id is another live request's: its flows are not this abort's
+        elif request_id is not None:  # a layer-wise prefill: no more WRITEs; its posted ones end first
+            del self.begun[transfer_id]
             b.progress.aborted = True
             for fp in self.state.take_begun(transfer_id):
                 self.freed.release(fp)

@@ -45,7 +45,7 @@ class FreedBlocks:
             # a running request's blocks; they are reported when the request ends
             p.blocks_released = True
         else:
-            self._report(fp.request_id)
+            self.report(fp.request_id)
         if fp.lease_id and not fp.lane_asked:  # after the blocks: it must not keep them
             self._end_lease(fp)
 
@@ -53,9 +53,10 @@ class FreedBlocks:
         """A layer-wise prefill's request finished or was aborted: blocks its flows have
         all released already are reported now."""
         if fp.progress is not None and fp.progress.blocks_released:
-            self._report(fp.request_id)
+            self.report(fp.request_id)
 
-    def _report(self, request_id: str) -> None:
+    def report(self, request_id: str) -> None:
+        """P request ``request_id``'s blocks may be freed (once; a second report is dropped)."""
         if request_id not in self._reported:
             self._reported[request_id] = None
             if len(self._reported) > REMEMBER_RELEASED:

@@ -53,6 +53,16 @@ class ForwardLayers:
         p.done = max(p.done, self.reported.get(p.forward, 0))
         self._bound()
 
+    def prune(self, now: float) -> None:
+        """Forget forwards whose pushes all have every layer (or ended): the writer then
+        stops polling every millisecond for them."""
+        for fwd, ps in list(self.begun.items()):
+            for p in ps:
+                if (p.forward_ended() or p.final) and p.forward_end_at is None:
+                    p.forward_end_at = now
+            if all(p.forward_ended() or p.final or p.aborted for p in ps):
+                del self.begun[fwd]
+
     def apply(self, events: Iterable[tuple[int, int]], now: float) -> bool:
         """Apply ``(forward, layers done)`` reports; True when any push moved."""
         moved = False
@@ -64,8 +74,7 @@ class ForwardLayers:
                     moved = True
                     if p.forward_ended() and p.forward_end_at is None:
                         p.forward_end_at = now
-        for fwd in [f for f, ps in self.begun.items() if all(p.forward_ended() or p.aborted for p in ps)]:
-            del self.begun[fwd]
+        self.prune(now)
         self._bound()
         return moved
 

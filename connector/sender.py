@@ -145,8 +145,10 @@ class PushSender(EngineThread):
         self.put("finished", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
                                              transfer_key=transfer_key, times=times))
 
-    def abort(self, transfer_id: str) -> None:
-        self.put("abort", transfer_id)
+    def abort(self, transfer_id: str, request_id: str | None = None) -> None:
+        """P's request ended without its KV: ``request_id`` names a begun (layer-wise)
+        request, whose blocks the writer reports once nothing reads them."""
+        self.put("abort", (transfer_id, request_id))
 
     def begin(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None, lease_id: str | None,
               transfer_key: str, forward: int, layers: int) -> None:
@@ -253,7 +255,8 @@ class PushSender(EngineThread):
             elif kind == "reserved":
                 self.writes.on_reserved(*arg)
             elif kind == "abort":
-                self.flows.on_abort(arg)
-            elif kind == "begin":
-                self.forwards.begin(arg.progress)
+                self.flows.on_abort(*arg)
+            elif kind == "begin" and self.flows.can_begin(arg):
+                self.forwards.begin(arg.progress)  # the layers reported so far: its catch-up
                 self.flows.on_begin(arg)
+        self.forwards.prune(time.time())

@@ -54,5 +54,7 @@ class StepCommands:
     # push_granularity=layer: P requests whose prompt this step's forward completes (their
     # KV is pushed layer by layer during it; ``finished`` later commits it)
     computing: list[SendReq] = field(default_factory=list)
+    # begun P requests that ended without finishing: (request id, transfer id)
+    aborted_begun: list[tuple[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # P transfer ids
     idle: bool = False  # the step runs no model: it exists only for the connector's work

@@ -120,12 +120,11 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KVPathMetadata):
-            self._worker.begin_forward(connector_metadata)  # before the forward; start_load_kv may come after it
+            # before the forward (start_load_kv may come after it): the step's commands
+            self._worker.begin_forward(connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPathMetadata)
-        self._worker.process_metadata(meta)
+        return  # the step's commands were handed over when vLLM bound them (bind_connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # pushes land between steps; nothing to wait for inside a forward

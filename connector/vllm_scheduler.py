@@ -87,10 +87,23 @@ class KVPathScheduler:
         self._mono_to_unix = time.time() - time.monotonic()
         # push_granularity=layer (P): live P requests, their blocks so far, and those whose
         # push has begun (request id -> transfer id) until request_finished
-        self.layer_push = self.role in ("kv_producer", "kv_both")  # the knob, or a request's own choice
+        self.layer_push = self.role in ("kv_producer", "kv_both") and self._layer_push_supported(vllm_config)
         self._p_live: dict[str, "Request"] = {}
         self._p_blocks: dict[str, list[int]] = {}
         self._p_begun: dict[str, str] = {}
+
+    def _layer_push_supported(self, vllm_config: "VllmConfig") -> bool:
+        """Layer-wise push needs a KV cache written by the time save_kv_layer is called (the
+        CPU's: a GPU's would need a CUDA event per layer, not built) and one step in flight
+        at a time (with asynchronous scheduling a request whose last forward is in flight
+        can be preempted and its blocks reused under a WRITE). Elsewhere every push is whole."""
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        async_sched = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+        ok = device == "cpu" and not async_sched
+        if not ok and self.cfg.push_granularity == "layer":
+            logger.warning("push_granularity=layer needs a CPU KV cache and synchronous scheduling (device %s, "
+                           "async scheduling %s): every push goes whole", device, async_sched)
+        return ok
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -263,10 +276,11 @@ class KVPathScheduler:
             return False, {"error": why, "kv_role": self.role}
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:
-            self._meta.aborted.append(pp.transfer_id)
             if begun:  # its layer WRITEs may read the blocks: the writer frees them once they end
+                self._meta.aborted_begun.append((rid, pp.transfer_id))
                 self._p_pending.add(rid)
                 return True, None
+            self._meta.aborted.append(pp.transfer_id)
             return False, None
         self._meta.finished.append(SendReq(rid, pp.transfer_id, list(block_ids), pp.lane, pp.lease_id,
                                            pp.transfer_key, times))

@@ -101,14 +101,19 @@ class KVPathWorker:
                                             transfer_key=s.transfer_key, times=s.times)
             for tid in meta.aborted:
                 self.sender.abort(tid)
+            for rid, tid in meta.aborted_begun:
+                self.sender.abort(tid, rid)
         if meta.idle and self.idle_wait_s > 0:
             self.wait_for_results(self.idle_wait_s)
 
     def begin_forward(self, meta: KVPathMetadata) -> None:
-        """Before the step's forward (vLLM runs ``start_load_kv`` after it when no load is
-        synchronous): the prompts it completes begin their layer-wise push now."""
+        """The step's commands, before its forward (vLLM runs ``start_load_kv`` after the
+        forward when no load is synchronous): requests that ended hand over first (a
+        layer-wise push commits without waiting for the next forward), then the prompts
+        this forward completes begin their layer-wise push."""
         self.forward += 1
         self._pushing = False
+        self.process_metadata(meta)
         if self.sender is None or not meta.computing:
             return
         for s in meta.computing:

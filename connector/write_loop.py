@@ -149,7 +149,6 @@ class WriteLoop:
             **(fp.times.record_fields() if fp.times is not None else {}),
         )
         if fp.progress is not None:
-            rec.granularity = "layer"
             self._final_times(fp.progress, rec)
             if fp.progress.aborted:
                 self.fail(m, "P's request was aborted", rec)
@@ -278,7 +277,7 @@ class WriteLoop:
         """A flow whose prefill is still computing: WRITEs follow its layers (those done
         already in one catch-up WRITE), the commit its request's end."""
         fp, reg = m.prefill, m.registration.reg
-        rec.blocks = len(reg.block_ids)
+        rec.blocks, rec.granularity = len(reg.block_ids), "layer"
         total = self.plans.whole(peer.hello, fp.block_ids, reg)[2]
         f = InFlight(m, lane, agent, [], rec, float("inf"), lane_obj=peer.lanes.lanes[lane], layered=True,
                      total_bytes=total)
@@ -317,14 +316,20 @@ class WriteLoop:
                 l_d = f.agent.get_xfer_descs(loc, self.layout.mem_type)
                 r_d = f.agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
                 h = f.agent.initialize_xfer("WRITE", l_d, r_d, pr.reg.agent_name, b"")  # the commit notifies
+                f.handles.append((h, nbytes))  # from here on released by progress(), whatever follows
                 if f.record.writes == 0:  # D: progress fast now; the WRITEs' bytes in all
                     f.record.submit_at = time.time()
                     self.channel.ack(pr.reply_to, fp.transfer_id, "posted", nbytes=f.total_bytes)
                 f.record.writes += 1
                 self.stats.inc("layer_writes")
-                f.handles.append((h, nbytes))
-                f.slow_at = time.monotonic() + self.cfg.transfer_timeout_s
-                if f.agent.transfer(h) == "ERR":
+                if not f.slow:
+                    f.slow_at = time.monotonic() + self.cfg.transfer_timeout_s
+                try:
+                    state = f.agent.transfer(h)
+                except Exception as e:
+                    state = "ERR"
+                    logger.warning("posting a layer WRITE of %s raised: %s", fp.transfer_id, e)
+                if state == "ERR":
                     f.failing, f.errored = "NIXL refused the WRITE", True
                     return
         except Exception as e:
@@ -483,9 +488,15 @@ class WriteLoop:
                     logger.exception("failing push %s failed", m.prefill.transfer_id)
 
     def cancel_parked(self, key: str) -> bool:
-        """D's Cancel of a push (flow ``key``) waiting for a lane: it ends "cancelled", not
-        posted, its blocks freed. False when it is not waiting."""
-        got = self.parked.take(key)
+        """D's Cancel of a push (flow ``key``) waiting for a lane, or of a layer-wise one
+        that has posted nothing yet: it ends "cancelled", not posted, its blocks freed
+        (for a request still computing: when it ends). False when neither."""
+        f = self.in_flight.get(key)
+        if f is not None and f.layered and f.record.writes == 0 and not f.handles:
+            del self.in_flight[key]
+            got = (f.match, f.record)
+        else:
+            got = self.parked.take(key)
         if got is None:
             return False
         m, rec = got
@@ -493,9 +504,10 @@ class WriteLoop:
         self.state.complete(key, "cancelled", posted=False)
         self.freed.release(m.prefill)
         self.stats.inc("pushes_cancelled")
-        rec.status, rec.detail, rec.completed_at = "cancelled", "cancelled while its lane reopened", time.time()
+        why = "cancelled before its WRITE was posted"
+        rec.status, rec.detail, rec.completed_at = "cancelled", why, time.time()
         self._record(rec)
-        self.channel.ack(m.registration.reply_to, tid, "cancelled", "cancelled while its lane reopened", False)
+        self.channel.ack(m.registration.reply_to, tid, "cancelled", why, False)
         return True
 
     def drop_all(self) -> None:

@@ -18,6 +18,7 @@ from kvpath.bridge.backends import make
 from kvpath.bridge.flow_model import FlowSpec, NetParams
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.fabric import FabricSpec
+from kvpath.layer_push import piece_starts
 from kvpath.trace import Trace
 from kvpath.trace.header import TraceSetup
 
@@ -48,11 +49,35 @@ def trace_flows(trace: Trace) -> tuple[list[FlowSpec], np.ndarray]:
     # simulation ran every flow on its own, so its traces replay that way
     lanes = connections(trace)
     conns: list[int | None] = list(lanes) if TraceSetup(trace).is_testbed else [None] * len(trace.flows)
-    for f, cold, conn in zip(trace.flows, _firsts(trace, lanes), conns):
+    pieces = layer_pieces(trace)
+    for f, cold, conn, parts in zip(trace.flows, _firsts(trace, lanes), conns, pieces):
         spine = None if f.path is None else int(f.path.removeprefix("spine"))
-        flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold, conn))
+        flows.append(FlowSpec(f.five_tuple.src_ip, f.five_tuple.dst_ip, f.bytes, f.start_s, spine, cold, conn, parts))
         fct.append(f.fct_s)
     return flows, np.array(fct, dtype=float)
+
+
+def layer_pieces(trace: Trace) -> list[tuple[tuple[float, int], ...]]:
+    """Per flow of a layer-wise run (header ``push_granularity`` layer): the pieces its push
+    left P in, by the shared model (``kvpath.layer_push.piece_starts``: each layer group
+    when its share of the request's measured prefill has passed, never before the flow's
+    first WRITE); () for a flow that went whole (it started after P's prefill ended) and
+    for every flow of another run."""
+    meta = trace.header.meta
+    if meta.get("push_granularity") != "layer":
+        return [()] * len(trace.flows)
+    layers = TraceSetup(trace).iteration_time.model.layers
+    group = int(meta.get("layer_group") or 1)
+    req = {r.request_id: r for r in trace.requests}
+    out: list[tuple[tuple[float, int], ...]] = []
+    for f in trace.flows:
+        r = req.get(f.request_id)
+        if r is None or r.prefill_start_s is None or r.prefill_end_s is None or f.start_s >= r.prefill_end_s:
+            out.append(())
+            continue
+        out.append(tuple((max(t, f.start_s), b) for t, b in
+                         piece_starts(r.prefill_start_s, r.prefill_end_s, layers, f.bytes, "layer", group) if b > 0))
+    return out
 
 
 def connections(trace: Trace) -> list[int]:
@@ -88,8 +113,22 @@ def simulate_run(backend: str, spec: FabricSpec, flows: list[FlowSpec], params: 
                  ns3: Ns3Params | None = None) -> tuple[np.ndarray, int | None, dict[str, int] | None]:
     """(FCT per flow, packets dropped, dropped per tier of port): drops only from a
     packet-level backend (``counts_drops``: ns3), None from the others, which model no queue."""
-    res = make(backend, spec, params, ns3).replay(flows)
-    return res.fct_s, res.drops, res.tier_drops
+    if not any(f.pieces for f in flows):
+        res = make(backend, spec, params, ns3).replay(flows)
+        return res.fct_s, res.drops, res.tier_drops
+    # a layer-wise push's pieces are flows of their own (same path, same connection); the
+    # push's FCT is from its first piece's start to its last piece's end
+    owner, expanded = [], []
+    for i, f in enumerate(flows):
+        for k, (start, b) in enumerate(f.pieces or ((f.start_s, f.bytes),)):
+            expanded.append(dataclasses.replace(f, bytes=b, start_s=start, pieces=(), cold=f.cold and k == 0))
+            owner.append(i)
+    res = make(backend, spec, params, ns3).replay(expanded)
+    end = np.full(len(flows), -np.inf)
+    start = np.array([f.start_s for f in flows], dtype=float)
+    for j, i in enumerate(owner):
+        end[i] = max(end[i], expanded[j].start_s + float(res.fct_s[j]))
+    return end - start, res.drops, res.tier_drops
 
 
 @dataclass

@@ -47,6 +47,9 @@ class FlowSpec:
     # FlowModel gives the connection one flow's share, splits it among the flows with
     # bytes left and completes them in the order they started (None: a connection of its own)
     conn: int | None = None
+    # a layer-wise push (kvpath.layer_push): its pieces, (start_s, bytes) each, replayed as
+    # flows of their own on its connection (compare.simulate_run); its FCT is their span
+    pieces: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)

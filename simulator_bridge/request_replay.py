@@ -89,6 +89,9 @@ class ReplayInput:
     front_end: np.ndarray  # measured: P's arrival - the client's (NaN where not recorded)
     base: IterationTimeModel
     time_scale: float
+    # per trace flow: where its replayed FCT starts, from the end of its request's prefill
+    # (a layer-wise push began before it, so it is negative; 0 for a whole push)
+    kv_offset: np.ndarray | None = None
 
     @classmethod
     def of(cls, trace: Trace) -> "ReplayInput":
@@ -105,6 +108,13 @@ class ReplayInput:
         ds = {d: k for k, d in enumerate(sorted({q.d_instance for q in rows}))}
         setup = TraceSetup(trace)
         groups = [flow_of[q.request_id] for q in rows]
+        req = {q.request_id: q for q in rows}
+        offset = np.zeros(len(trace.flows))
+        if trace.header.meta.get("push_granularity") == "layer":
+            for i, f in enumerate(trace.flows):
+                q = req.get(f.request_id)
+                if q is not None and q.prefill_end_s is not None and f.start_s < q.prefill_end_s:
+                    offset[i] = f.start_s - q.prefill_end_s
         return cls(reqs=[Request(q.request_id, q.arrival_s, q.prompt_tokens, max(q.output_tokens, 1)) for q in rows],
                    p_of=[ps[q.p_instance] for q in rows], d_of=[ds[q.d_instance] for q in rows],
                    flows=np.array([i for g in groups for i in g], dtype=np.int64),
@@ -113,7 +123,7 @@ class ReplayInput:
                    tpot=np.array([np.nan if q.tpot_s is None else q.tpot_s for q in rows], dtype=float),
                    front_end=np.array([np.nan if q.p_arrival_s is None else q.p_arrival_s - q.arrival_s
                                        for q in rows], dtype=float),
-                   base=setup.iteration_time, time_scale=setup.time_scale)
+                   base=setup.iteration_time, time_scale=setup.time_scale, kv_offset=offset)
 
 
     def flows_of(self, mask: np.ndarray) -> np.ndarray:
@@ -123,8 +133,11 @@ class ReplayInput:
                               + [np.zeros(0, dtype=np.int64)])
 
     def kv_time(self, flow_fct: np.ndarray) -> np.ndarray:
-        """Per request: the FCT of its slowest flow (its KV is on D when the last lands)."""
-        return np.maximum.reduceat(flow_fct[self.flows], self.flow_start)
+        """Per request: from the end of its prefill to its KV on D, when its slowest flow
+        lands (a whole push: that flow's FCT; a layer-wise one, which began during the
+        prefill: what its last piece adds after the prefill, never below 0)."""
+        end = flow_fct if self.kv_offset is None else flow_fct + self.kv_offset
+        return np.maximum(np.maximum.reduceat(end[self.flows], self.flow_start), 0.0)
 
 
 def replay(inp: ReplayInput, flow_fct: np.ndarray, compute: ComputeParams, measured_front_end: bool = True

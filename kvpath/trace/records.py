@@ -140,7 +140,7 @@ class TransferRecord(msgspec.Struct, tag="transfer"):
     p_scheduled_at: float | None = None
     # How the push left P (connector push_granularity): "request" in one WRITE after the
     # prefill, or "layer": ``writes`` WRITEs of layer groups (``layers`` layers in all)
-    # while P computed, ``overlap_bytes`` of them landed before P's prefill ended
+    # while P computed, ``overlap_bytes`` of them landed before P's forward ended (as the writer saw it)
     granularity: str = "request"
     writes: int = 0
     layers: int = 0

@@ -111,7 +111,7 @@ def test_an_abort_mid_push_fails_d_after_the_posted_writes_and_frees_p_blocks_on
     p.sender.layers_done(3, 1)
     _wait_landed(d, dst, p, src, 1)
     assert "p4" not in p.sender.take_finished()  # its request still runs: its blocks are held
-    p.sender.abort(tid)
+    p.sender.abort(tid, "p4")
     _, done, failed = d.call("wait", ["d4"], 10)
     assert done == ["d4"] and failed == ["d4"]
     assert "p4" in p.wait_released(["p4"])
@@ -160,3 +160,39 @@ def test_the_engine_thread_makes_no_nixl_call(pair, monkeypatch):
     _, done, failed = d.call("wait", ["d6"], 10)
     assert done == ["d6"] and not failed
     assert calls and engine not in calls and set(calls) == {"kvpath-push-sender"}
+
+
+def test_an_abort_naming_another_request_with_the_same_transfer_id_leaves_the_push_alone(pair):
+    p, d = pair
+    src, dst, tid = [13, 14], [74, 75], uuid.uuid4().hex
+    d.call("register", "d7", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    p.sender.begin("p7", tid, src, None, None, "", forward=6, layers=LAYERS)
+    p.sender.begin("p7b", tid, [15], None, None, "", forward=6, layers=LAYERS)  # reuses the id: not tracked
+    p.sender.layers_done(6, 1)
+    _wait_landed(d, dst, p, src, 1)
+    p.sender.abort(tid, "p7b")  # the second request ends: its blocks free at once, p7's push goes on
+    assert "p7b" in p.wait_released(["p7b"], timeout=3)
+    p.sender.forward_done(6, LAYERS)
+    p.sender.submit_finished("p7", tid, src)
+    _, done, failed = d.call("wait", ["d7"], 10)
+    assert done == ["d7"] and not failed and _landed(d, dst, p, src) == [True] * 3
+    assert "p7" in p.wait_released(["p7"])
+
+
+def test_d_cancelling_a_flow_that_posted_nothing_ends_it_not_posted(pair):
+    p, d = pair
+    src, dst, tid = [16], [76], uuid.uuid4().hex
+    d.call("register", "d8", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    p.sender.begin("p8", tid, src, None, None, "", forward=8, layers=LAYERS)  # matched, no layer yet
+    time.sleep(0.1)
+    d.call("cancel", "d8")
+    _, done, failed = d.call("wait", ["d8"], 5)
+    assert done == ["d8"] and not failed  # cancelled, nothing posted: released without a fence
+    assert p.sender.stats.snapshot()["pushes_cancelled"] == 1
+    p.sender.forward_done(8, LAYERS)
+    time.sleep(0.2)
+    assert "p8" not in p.sender.take_finished()  # its request still runs
+    p.sender.submit_finished("p8", tid, src)
+    assert "p8" in p.wait_released(["p8"], timeout=3)

@@ -74,6 +74,8 @@ def main() -> int:
     ap.add_argument("--scale-s", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="/tmp/kvpath-layer-push")
+    ap.add_argument("--backends", default="flow", help="the calibrated replay's backends (flow, ns3)")
+    ap.add_argument("--skip-runs", action="store_true", help="reuse the testbed runs already in --out")
     ap.add_argument("--json", default=None, help="write the rows and the ranges here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -87,16 +89,17 @@ def main() -> int:
               "--requests", str(args.requests), "--qps", str(args.qps), "--mode", "cc",
               "--push-granularity", ",".join(VARIANTS), "--layer-group", str(args.layer_group)]
     console.rule(f"testbed: {args.repeats} repeats of {', '.join(VARIANTS)}, rotated")
-    _run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--policy", args.policy, "--seed", str(args.seed),
-          "--scale-b", str(args.scale_b), "--scale-s", str(args.scale_s), "--repeats", str(args.repeats),
-          "--out", str(out / "testbed")], "kvpath testbed run")
+    if not args.skip_runs:
+        _run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--policy", args.policy, "--seed", str(args.seed),
+              "--scale-b", str(args.scale_b), "--scale-s", str(args.scale_s), "--repeats", str(args.repeats),
+              "--out", str(out / "testbed")], "kvpath testbed run")
     summary = json.loads((out / "testbed" / "summary.json").read_text())
     rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for s in summary["runs"]:
         rows[s.get("push_granularity", "request")].append(_row(s))
     console.rule("the serving simulation (flow backend), same trace and fabric")
-    sim = json.loads(_run([KVPATH, "bridge", "simulate", *common, "--backend", "flow", "--scale-s", str(args.scale_s),
-                           "--json"], "kvpath bridge simulate").strip().splitlines()[-1])
+    sim = json.loads(_run([KVPATH, "bridge", "simulate", *common, "--backend", "flow", "--json"],
+                          "kvpath bridge simulate").strip().splitlines()[-1])
     predicted = {("layer" if "+layer" in r["mode"] else "request"): r for r in sim}
 
     t = Table(title=f"layer-wise against request push, datacenter ms (ranges over {args.repeats} runs; "
@@ -117,11 +120,33 @@ def main() -> int:
     for k, g in gain.items():
         console.print(f"layer vs request, {k}: {_span(g, 100, '{:+.1f}%')} over {len(g)} repeat pairs")
     sim_gain = predicted["layer"]["ttft_mean_s"] / predicted["request"]["ttft_mean_s"] - 1
-    console.print(f"the simulation predicts TTFT mean {sim_gain * 100:+.1f}%")
+    console.print(f"the simulation predicts TTFT mean {sim_gain * 100:+.1f}% (uncalibrated)")
+    across = _calibrated(out / "testbed", args.backends, console)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "gain": gain, "simulated": predicted,
-                                               "simulated_gain": sim_gain, "args": vars(args)}, indent=1))
+                                               "simulated_gain": sim_gain, "calibrated": across, "args": vars(args)},
+                                              indent=1))
     return 0
+
+
+def _calibrated(runs: Path, backends: str, console: Console) -> list[dict]:
+    """``kvpath bridge calibrate`` fitted on the request-granularity runs' traces, evaluated
+    on the layer-wise ones (never fitted on): the replay's errors on each."""
+    fit = sorted(str(p) for p in (runs / "cc").glob("*/trace.jsonl")) or [str(runs / "cc" / "trace.jsonl")]
+    ev = sorted(str(p) for p in (runs / "cc+layer").glob("*/trace.jsonl")) or [str(runs / "cc+layer" / "trace.jsonl")]
+    console.rule(f"calibrated on {len(fit)} request run(s), evaluated on {len(ev)} layer run(s)")
+    res = json.loads(_run([KVPATH, "bridge", "calibrate", *fit, "--evaluate", ",".join(ev), "--backend", backends,
+                           "--json"], "kvpath bridge calibrate").strip().splitlines()[-1])
+    t = Table(title="replay of the layer-wise runs, calibrated on the request runs: error after calibration")
+    for c in ("backend", "trace", "TTFT mean", "TTFT p99", "FCT mean", "FCT p99"):
+        t.add_column(c, justify="left" if c in ("backend", "trace") else "right")
+    for r in res:
+        for e in r["evaluated"]:
+            a, f = e["ttft"]["after"], e["fct"]["after"]
+            t.add_row(r["backend"], Path(e["trace"]).parent.name, f"{a['mean'] * 100:+.1f}%", f"{a['p99'] * 100:+.1f}%",
+                      f"{f['mean'] * 100:+.1f}%", f"{f['p99'] * 100:+.1f}%")
+    console.print(t)
+    return res
 
 
 if __name__ == "__main__":

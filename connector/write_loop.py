@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
-
-import numpy as np
 
 from kvpath.connector import messages as M
 from kvpath.connector.config import RESERVE_AT_PUSH, KVPathConfig
@@ -21,6 +18,7 @@ from kvpath.connector.control_channel import ControlChannel
 from kvpath.connector.freed_blocks import FreedBlocks
 from kvpath.connector.kv_dump import KVDump
 from kvpath.connector.kv_verify import Verifier
+from kvpath.connector.layer_writes import InFlight, LayerWrites, final_times
 from kvpath.connector.lane_setup import MAX_QUEUED_SETUPS, LaneSetup, Peer
 from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_descs import PushDescs
@@ -36,26 +34,6 @@ logger = logging.getLogger(__name__)
 ASK_TIMEOUT_S = 0.05  # reserve_at=push: how long a push waits for its lane
 
 
-@dataclass
-class InFlight:
-    """A flow's posted WRITEs: one for a whole push; for a layer-wise push, those of its
-    layer groups not yet done (none while it waits for layers)."""
-
-    match: Match
-    lane: int
-    agent: Any
-    handles: list[tuple[Any, int]]  # (NIXL handle, its bytes)
-    record: TransferRecord
-    slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
-    slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
-    lane_obj: Any = None  # the Lane it was posted on (a reopened lane is another object)
-    layered: bool = False  # a layer-wise push: WRITEs per layer group, then the commit
-    sent: int = 0  # layer-wise: the layers posted
-    total_bytes: int = 0  # layer-wise: the whole push's bytes (D is told them when the first WRITE posts)
-    failing: str = ""  # layer-wise: why the flow fails once its posted WRITEs have ended
-    errored: bool = False  # one of its WRITEs failed: the lane is torn down at the end
-
-
 class WriteLoop:
     """Matched pushes, from their lane to their end."""
 
@@ -69,6 +47,7 @@ class WriteLoop:
         self._record, self._put = record, put  # put: hands a reservation's answer back to the writer thread
         self.kv_verify, self.kv_dump = kv_verify, kv_dump
         self.plans = PushDescs(layout, compat, lanes.same_sizes)
+        self.layers = LayerWrites(self)
         self.notifier: ReservationNotifier | None = None  # set by the sender's start()
         self.parked = ParkedPushes()
         self.in_flight: dict[str, InFlight] = {}  # flow key -> its posted WRITE
@@ -149,7 +128,7 @@ class WriteLoop:
             **(fp.times.record_fields() if fp.times is not None else {}),
         )
         if fp.progress is not None:
-            self._final_times(fp.progress, rec)
+            final_times(fp.progress, rec)
             if fp.progress.aborted:
                 self.fail(m, "P's request was aborted", rec)
                 return
@@ -175,7 +154,7 @@ class WriteLoop:
             rec.src_port = peer.lanes.lanes[lane].src_port
             rec.five_tuple = peer.lanes.lanes[lane].five_tuple()
             if fp.progress is not None and not fp.progress.final:  # layer-wise: its layers as they come
-                self._begin_layered(m, peer, lane, agent, rec)
+                self.layers.begin(m, peer, lane, agent, rec)
                 return
             loc, rem, nbytes = self.plans.whole(peer.hello, fp.block_ids, reg)
             rec.bytes, rec.descriptors, rec.blocks = nbytes, len(loc), len(reg.block_ids)
@@ -243,7 +222,7 @@ class WriteLoop:
             if f.handles:
                 continue
             if f.layered:
-                self._layered_next(f)
+                self.layers.next(f)
             elif f.errored:
                 self.failed_write(f, f.failing)
             else:
@@ -272,129 +251,9 @@ class WriteLoop:
             self.stats.inc("lanes_torn_down")
         self.fail(f.match, why, f.record, posted=True)
 
-    # -- layer-wise pushes (push_granularity: layer) ---------------------------------
-    def _begin_layered(self, m: Match, peer: Peer, lane: int, agent: Any, rec: TransferRecord) -> None:
-        """A flow whose prefill is still computing: WRITEs follow its layers (those done
-        already in one catch-up WRITE), the commit its request's end."""
-        fp, reg = m.prefill, m.registration.reg
-        rec.blocks, rec.granularity = len(reg.block_ids), "layer"
-        total = self.plans.whole(peer.hello, fp.block_ids, reg)[2]
-        f = InFlight(m, lane, agent, [], rec, float("inf"), lane_obj=peer.lanes.lanes[lane], layered=True,
-                     total_bytes=total)
-        self.in_flight[fp.key] = f
-        self._post_layers(f)
-        if not f.handles and f.sent == 0:
-            self._layered_next(f)  # the request may have ended already (aborted)
-
     def advance(self) -> None:
         """Layers were computed or a request ended: post what is ready, commit what is done."""
-        for f in [f for f in self.in_flight.values() if f.layered]:
-            if f.handles:
-                self._post_layers(f)
-            else:
-                self._layered_next(f)
-
-    def _post_layers(self, f: InFlight) -> None:
-        """Post one WRITE for the layer groups computed and not yet posted."""
-        m, p = f.match, f.match.prefill.progress
-        if f.failing or p.aborted or self.in_flight.get(m.prefill.key) is not f:
-            return
-        group = self.cfg.push_layer_group
-        ready = p.done if p.done >= p.layers else p.done // group * group
-        if ready <= f.sent:
-            return
-        pr, fp = m.registration, m.prefill
-        if time.monotonic() >= pr.post_by:
-            f.failing = "D's post_by deadline passed before the prefill finished"
-            return
-        peer = self.lanes.peer(pr.reg.agent_name)
-        try:
-            if peer is None:
-                raise RuntimeError("D's handshake is gone")
-            loc, rem, nbytes = self.plans.layers(peer.hello, fp.block_ids, pr.reg, f.sent, ready, p.layers)
-            if len(loc):
-                l_d = f.agent.get_xfer_descs(loc, self.layout.mem_type)
-                r_d = f.agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
-                h = f.agent.initialize_xfer("WRITE", l_d, r_d, pr.reg.agent_name, b"")  # the commit notifies
-                f.handles.append((h, nbytes))  # from here on released by progress(), whatever follows
-                if f.record.writes == 0:  # D: progress fast now; the WRITEs' bytes in all
-                    f.record.submit_at = time.time()
-                    self.channel.ack(pr.reply_to, fp.transfer_id, "posted", nbytes=f.total_bytes)
-                f.record.writes += 1
-                self.stats.inc("layer_writes")
-                if not f.slow:
-                    f.slow_at = time.monotonic() + self.cfg.transfer_timeout_s
-                try:
-                    state = f.agent.transfer(h)
-                except Exception as e:
-                    state = "ERR"
-                    logger.warning("posting a layer WRITE of %s raised: %s", fp.transfer_id, e)
-                if state == "ERR":
-                    f.failing, f.errored = "NIXL refused the WRITE", True
-                    return
-        except Exception as e:
-            f.failing = f"posting layers {f.sent}-{ready} failed: {e}"
-            logger.warning("push %s: %s", fp.transfer_id, f.failing)
-            return
-        f.record.bytes += nbytes
-        f.record.descriptors += len(loc)
-        f.record.layers = f.sent = ready
-
-    def _layered_next(self, f: InFlight) -> None:
-        """A layer-wise flow with no WRITE in flight: fail it, commit it, or post more."""
-        m, p = f.match, f.match.prefill.progress
-        posted = f.record.writes > 0
-        if not f.failing and not p.final and time.monotonic() >= m.registration.post_by:
-            f.failing = "D's post_by deadline passed before the prefill finished"
-        if f.failing or p.aborted:
-            self.in_flight.pop(m.prefill.key, None)
-            why = f.failing or "P's request was aborted"
-            if f.errored:
-                self.failed_write(f, why)
-            else:
-                self.fail(m, why, f.record, posted=posted)
-            return
-        if p.final and f.sent >= p.layers:
-            self._commit(f)
-            return
-        self._post_layers(f)
-
-    def _commit(self, f: InFlight) -> None:
-        """Every layer's WRITE has ended (each flushed: its bytes are in D's memory) and the
-        request has finished: the completion notification tells D the flow is whole."""
-        m = f.match
-        fp, pr = m.prefill, m.registration
-        self.in_flight.pop(fp.key, None)
-        self._final_times(fp.progress, f.record)
-        try:
-            if self.kv_verify is None:
-                notif = M.make_notif(fp.transfer_id)
-            else:
-                peer = self.lanes.peers[pr.reg.agent_name]
-                loc = self.plans.whole(peer.hello, fp.block_ids, pr.reg)[0]
-                notif = self.kv_verify.p_notif(fp.transfer_id, self.layout, self.compat, peer.hello, fp.block_ids,
-                                               pr.reg, loc)
-            if f.record.writes == 0:  # this rank writes no head of D's: the notification alone
-                self.channel.ack(pr.reply_to, fp.transfer_id, "posted")
-            f.agent.send_notif(pr.reg.agent_name, notif)
-        except Exception as e:
-            self.fail(m, f"committing the push failed: {e}", f.record, posted=f.record.writes > 0)
-            return
-        rec = f.record
-        rec.completed_at = time.time()
-        for name, n in (("pushes_layered", 1), ("layers_pushed", rec.layers), ("layer_bytes", rec.bytes),
-                        ("layer_overlap_bytes", rec.overlap_bytes)):
-            self.stats.inc(name, n)
-        self.succeed(m, rec)
-
-    @staticmethod
-    def _final_times(p: Any, rec: TransferRecord) -> None:
-        """A layer-wise record's prefill times are the request's end, as a whole push's are."""
-        if p.finished_at is not None:
-            rec.prefill_done_at = p.finished_at
-        if p.times is not None:
-            for k, v in p.times.record_fields().items():
-                setattr(rec, k, v)
+        self.layers.advance()
 
     def succeed(self, m: Match, rec: TransferRecord) -> None:
         share = m.prefill.share

@@ -1,0 +1,172 @@
+"""P's layer-wise pushes (``push_granularity: layer``): a flow whose prefill is still
+computing posts one WRITE per batch of layer groups computed, without a notification,
+and commits (the completion notification) when every WRITE has ended and the request has
+finished; it fails, as posted when anything was, on an abort or D's post_by. A part of
+:class:`~kvpath.connector.write_loop.WriteLoop`, whose flows (``in_flight``) and ends
+(``fail``, ``failed_write``, ``succeed``) it uses. :class:`InFlight`, a flow's posted
+WRITEs (one for a whole push), is here because both parts make them. Writer thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvpath.connector import messages as M
+from kvpath.connector.lane_setup import Peer
+from kvpath.connector.push_state import Match
+from kvpath.trace import TransferRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A flow's posted WRITEs: one for a whole push; for a layer-wise push, those of its
+    layer groups not yet done (none while it waits for layers)."""
+
+    match: Match
+    lane: int
+    agent: Any
+    handles: list[tuple[Any, int]]  # (NIXL handle, its bytes)
+    record: TransferRecord
+    slow_at: float  # transfer_timeout_s after posting: logged and counted, not abandoned
+    slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
+    lane_obj: Any = None  # the Lane it was posted on (a reopened lane is another object)
+    layered: bool = False  # a layer-wise push: WRITEs per layer group, then the commit
+    sent: int = 0  # layer-wise: the layers posted
+    total_bytes: int = 0  # layer-wise: the whole push's bytes (D is told them when the first WRITE posts)
+    failing: str = ""  # layer-wise: why the flow fails once its posted WRITEs have ended
+    errored: bool = False  # one of its WRITEs failed: the lane is torn down at the end
+
+
+class LayerWrites:
+    """The layer-wise flows of a write loop (``loop``)."""
+
+    def __init__(self, loop: Any):
+        self.loop = loop
+
+    def begin(self, m: Match, peer: Peer, lane: int, agent: Any, rec: TransferRecord) -> None:
+        """A flow whose prefill is still computing: WRITEs follow its layers (those done
+        already in one catch-up WRITE), the commit its request's end."""
+        fp, reg = m.prefill, m.registration.reg
+        rec.blocks, rec.granularity = len(reg.block_ids), "layer"
+        total = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2]
+        f = InFlight(m, lane, agent, [], rec, float("inf"), lane_obj=peer.lanes.lanes[lane], layered=True,
+                     total_bytes=total)
+        self.loop.in_flight[fp.key] = f
+        self.post(f)
+        if not f.handles and f.sent == 0:
+            self.next(f)  # the request may have ended already (aborted)
+
+    def advance(self) -> None:
+        """Layers were computed or a request ended: post what is ready, commit what is done."""
+        for f in [f for f in self.loop.in_flight.values() if f.layered]:
+            if f.handles:
+                self.post(f)
+            else:
+                self.next(f)
+
+    def post(self, f: InFlight) -> None:
+        """Post one WRITE for the layer groups computed and not yet posted."""
+        m, p = f.match, f.match.prefill.progress
+        if f.failing or p.aborted or self.loop.in_flight.get(m.prefill.key) is not f:
+            return
+        group = self.loop.cfg.push_layer_group
+        ready = p.done if p.done >= p.layers else p.done // group * group
+        if ready <= f.sent:
+            return
+        pr, fp = m.registration, m.prefill
+        if time.monotonic() >= pr.post_by:
+            f.failing = "D's post_by deadline passed before the prefill finished"
+            return
+        peer = self.loop.lanes.peer(pr.reg.agent_name)
+        try:
+            if peer is None:
+                raise RuntimeError("D's handshake is gone")
+            loc, rem, nbytes = self.loop.plans.layers(peer.hello, fp.block_ids, pr.reg, f.sent, ready, p.layers)
+            if len(loc):
+                l_d = f.agent.get_xfer_descs(loc, self.loop.layout.mem_type)
+                r_d = f.agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
+                h = f.agent.initialize_xfer("WRITE", l_d, r_d, pr.reg.agent_name, b"")  # the commit notifies
+                f.handles.append((h, nbytes))  # from here on released by progress(), whatever follows
+                if f.record.writes == 0:  # D: progress fast now; the WRITEs' bytes in all
+                    f.record.submit_at = time.time()
+                    self.loop.channel.ack(pr.reply_to, fp.transfer_id, "posted", nbytes=f.total_bytes)
+                f.record.writes += 1
+                self.loop.stats.inc("layer_writes")
+                if not f.slow:
+                    f.slow_at = time.monotonic() + self.loop.cfg.transfer_timeout_s
+                try:
+                    state = f.agent.transfer(h)
+                except Exception as e:
+                    state = "ERR"
+                    logger.warning("posting a layer WRITE of %s raised: %s", fp.transfer_id, e)
+                if state == "ERR":
+                    f.failing, f.errored = "NIXL refused the WRITE", True
+                    return
+        except Exception as e:
+            f.failing = f"posting layers {f.sent}-{ready} failed: {e}"
+            logger.warning("push %s: %s", fp.transfer_id, f.failing)
+            return
+        f.record.bytes += nbytes
+        f.record.descriptors += len(loc)
+        f.record.layers = f.sent = ready
+
+    def next(self, f: InFlight) -> None:
+        """A layer-wise flow with no WRITE in flight: fail it, commit it, or post more."""
+        m, p = f.match, f.match.prefill.progress
+        posted = f.record.writes > 0
+        if not f.failing and not p.final and time.monotonic() >= m.registration.post_by:
+            f.failing = "D's post_by deadline passed before the prefill finished"
+        if f.failing or p.aborted:
+            self.loop.in_flight.pop(m.prefill.key, None)
+            why = f.failing or "P's request was aborted"
+            if f.errored:
+                self.loop.failed_write(f, why)
+            else:
+                self.loop.fail(m, why, f.record, posted=posted)
+            return
+        if p.final and f.sent >= p.layers:
+            self._commit(f)
+            return
+        self.post(f)
+
+    def _commit(self, f: InFlight) -> None:
+        """Every layer's WRITE has ended (each flushed: its bytes are in D's memory) and the
+        request has finished: the completion notification tells D the flow is whole."""
+        m = f.match
+        fp, pr = m.prefill, m.registration
+        self.loop.in_flight.pop(fp.key, None)
+        final_times(fp.progress, f.record)
+        try:
+            if self.loop.kv_verify is None:
+                notif = M.make_notif(fp.transfer_id)
+            else:
+                peer = self.loop.lanes.peers[pr.reg.agent_name]
+                loc = self.loop.plans.whole(peer.hello, fp.block_ids, pr.reg)[0]
+                notif = self.loop.kv_verify.p_notif(fp.transfer_id, self.loop.layout, self.loop.compat, peer.hello, fp.block_ids,
+                                               pr.reg, loc)
+            if f.record.writes == 0:  # this rank writes no head of D's: the notification alone
+                self.loop.channel.ack(pr.reply_to, fp.transfer_id, "posted")
+            f.agent.send_notif(pr.reg.agent_name, notif)
+        except Exception as e:
+            self.loop.fail(m, f"committing the push failed: {e}", f.record, posted=f.record.writes > 0)
+            return
+        rec = f.record
+        rec.completed_at = time.time()
+        for name, n in (("pushes_layered", 1), ("layers_pushed", rec.layers), ("layer_bytes", rec.bytes),
+                        ("layer_overlap_bytes", rec.overlap_bytes)):
+            self.loop.stats.inc(name, n)
+        self.loop.succeed(m, rec)
+
+
+def final_times(p: Any, rec: TransferRecord) -> None:
+    """A layer-wise record's prefill times are the request's end, as a whole push's are."""
+    if p.finished_at is not None:
+        rec.prefill_done_at = p.finished_at
+    if p.times is not None:
+        for k, v in p.times.record_fields().items():
+            setattr(rec, k, v)

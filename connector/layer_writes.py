@@ -145,9 +145,9 @@ class LayerWrites:
             if self.loop.kv_verify is None:
                 notif = M.make_notif(fp.transfer_id)
             else:
-                peer = self.loop.lanes.peers[pr.reg.agent_name]
-                loc = self.loop.plans.whole(peer.hello, fp.block_ids, pr.reg)[0]
-                notif = self.loop.kv_verify.p_notif(fp.transfer_id, self.loop.layout, self.loop.compat, peer.hello, fp.block_ids,
+                loop, peer = self.loop, self.loop.lanes.peers[pr.reg.agent_name]
+                loc = loop.plans.whole(peer.hello, fp.block_ids, pr.reg)[0]
+                notif = loop.kv_verify.p_notif(fp.transfer_id, loop.layout, loop.compat, peer.hello, fp.block_ids,
                                                pr.reg, loc)
             if f.record.writes == 0:  # this rank writes no head of D's: the notification alone
                 self.loop.channel.ack(pr.reply_to, fp.transfer_id, "posted")

@@ -211,8 +211,8 @@ class PushSender(EngineThread):
         if self.channel.monitor in events:
             self.channel.drain_monitor()
         self.drain_commands()
-        events = drain(self._layer_events)
-        if events and self.forwards.apply(events, time.time()):
+        reports = drain(self._layer_events)
+        if reports and self.forwards.apply(reports, time.time()):
             writes.advance()
         if spinning:
             # Without NIXL's progress thread, UCX moves bytes only while we poll:

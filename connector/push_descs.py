@@ -33,25 +33,42 @@ class PushDescs:
         return self._plan(self.layout, hello.layout, hello, p_blocks, reg)
 
     def layers(self, hello: M.Hello, p_blocks: list[int], reg: M.Register, first: int, last: int,
-               n_layers: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """The descriptors of layers ``[first, last)`` of ``n_layers``."""
+               n_layers: int, tokens: tuple[int, int | None] = (0, None)) -> tuple[np.ndarray, np.ndarray, int]:
+        """The descriptors of layers ``[first, last)`` of ``n_layers`` (of the tokens
+        ``tokens``, as :meth:`whole` takes them)."""
         if not 0 <= first <= last <= n_layers:
             raise ValueError(f"layers [{first}, {last}) outside the model's {n_layers}")
         return self._plan(_layer_slice(self.layout, first, last, n_layers),
-                          _layer_slice(hello.layout, first, last, n_layers), hello, p_blocks, reg)
+                          _layer_slice(hello.layout, first, last, n_layers), hello, p_blocks, reg, tokens)
+
+    def tokens(self, hello: M.Hello, p_blocks: list[int], reg: M.Register, start: int,
+               end: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """The descriptors of the prompt's tokens ``[start, end)`` (None: to the end), every
+        layer. ``start`` and a given ``end`` fall on P's block boundaries; at equal block
+        sizes the ranges of a push add up to its whole descriptors, at unequal ones to
+        its whole bytes (a D block cut by a boundary is written in two)."""
+        return self._plan(self.layout, hello.layout, hello, p_blocks, reg, (start, end))
 
     def _plan(self, local: M.BlockLayout, remote: M.BlockLayout, hello: M.Hello, p_blocks: list[int],
-              reg: M.Register) -> tuple[np.ndarray, np.ndarray, int]:
-        src = p_blocks[reg.skip_blocks : reg.skip_blocks + len(reg.block_ids)]
+              reg: M.Register, tokens: tuple[int, int | None] = (0, None)) -> tuple[np.ndarray, np.ndarray, int]:
+        start, end = tokens
+        p_bs, d_bs = self.layout.block_size, hello.layout.block_size
+        if start % p_bs or (end is not None and end % p_bs) or start < 0 or (end is not None and end < start):
+            raise ValueError(f"tokens [{start}, {end}) must fall on P's {p_bs}-token block boundaries")
+        skip = reg.skip_blocks
         if self._same_sizes(hello):
-            return build_descs(local, remote, src, reg.block_ids)
-        d_bs = hello.layout.block_size
+            first = max(start // p_bs, skip)
+            last = skip + len(reg.block_ids) if end is None else min(end // p_bs, skip + len(reg.block_ids))
+            if last <= first:
+                return build_descs(local, remote, [], [])
+            return build_descs(local, remote, p_blocks[first:last], reg.block_ids[first - skip : last - skip])
         # The tokens both sides' blocks hold: past the prompt's last token they are the
         # last blocks' unused rows (decode's, on D), never another request's block.
-        n = tokens_written(self.layout.block_size, len(p_blocks), d_bs, reg.skip_blocks + len(reg.block_ids))
+        n = tokens_written(p_bs, len(p_blocks), d_bs, skip + len(reg.block_ids))
+        first, last = max(start, skip * d_bs), n if end is None else min(end, n)
         # D's skipped blocks (its prefix hits) are not written: placeholders, never read
         return plan(rank_kv(local, self.compat), rank_kv(remote, hello.compat), None, p_blocks,
-                    [0] * reg.skip_blocks + list(reg.block_ids), n, reg.skip_blocks * d_bs)
+                    [0] * skip + list(reg.block_ids), max(last, first), first)
 
     def too_few_blocks(self, hello: M.Hello, p_blocks: list[int], reg: M.Register) -> str:
         """Why P's blocks cannot fill D's (another prompt length), or "": at equal block

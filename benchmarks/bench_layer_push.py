@@ -3,7 +3,7 @@ the serving simulation predicts for the same configuration.
 
 An Azure-2023-format trace (synthetic, the shape of the issue's: prompts 136-6,000
 tokens with a median near 1,050, outputs 2-800 with a median near 50, bursty arrivals)
-on a 3x3x3 leaf-spine fabric at 100 Gbit/s (``ecmp_seed`` 7), 3P6D emulated engines,
+on a 3x3x3 leaf-spine fabric at 100 Gbit/s (``--gbps``; ``ecmp_seed`` 7), 3P6D emulated engines,
 ``kvpath testbed run --push-granularity request,layer --repeats N``: the two variants
 interleaved and rotated (A B, B A, ...), every repeat on a fresh fabric. Per variant
 and run: TTFT mean and p99, TPOT mean, the push's share of the mean TTFT (the part
@@ -13,7 +13,7 @@ the valid runs; the gain of ``layer`` over ``request`` per repeat pair. Then
 same trace, both granularities: the gain the simulation predicts.
 
     flock /tmp/kvpath-heavy.lock .venv/bin/python benchmarks/bench_layer_push.py [--repeats 3]
-        [--policy least_outstanding] [--out /tmp/kvpath-layer-push] [--json FILE]
+        [--policy least_outstanding] [--gbps 50] [--backends flow,ns3] [--out /tmp/kvpath-layer-push] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from bridge_suite import write_azure
 logger = logging.getLogger(__name__)
 
 KVPATH = str(Path(sys.executable).with_name("kvpath"))
-FABRIC = {"leaves": 3, "spines": 3, "hosts_per_leaf": 3, "ecmp_seed": 7}
+FABRIC = {"leaves": 3, "spines": 3, "hosts_per_leaf": 3, "ecmp_seed": 7}  # link rates: --gbps
 VARIANTS = ("request", "layer")
 
 
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--scale-b", type=float, default=1000.0)
     ap.add_argument("--scale-s", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--gbps", type=float, default=100.0, help="every link's rate, datacenter Gbit/s")
     ap.add_argument("--out", default="/tmp/kvpath-layer-push")
     ap.add_argument("--backends", default="flow", help="the calibrated replay's backends (flow, ns3)")
     ap.add_argument("--skip-runs", action="store_true", help="reuse the testbed runs already in --out")
@@ -82,7 +83,7 @@ def main() -> int:
     console = Console(width=160)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fabric.json").write_text(json.dumps(FABRIC))
+    (out / "fabric.json").write_text(json.dumps({**FABRIC, "host_link_gbps": args.gbps, "spine_link_gbps": args.gbps}))
     trace = out / "azure.csv"
     write_azure(trace, args.requests, args.seed, ctx=(1050, 0.75, 136, 6000), gen=(50, 1.1, 2, 800))
     common = ["--fabric", str(out / "fabric.json"), "--pools", "3P6D", "--workload", str(trace),

@@ -21,7 +21,9 @@ from kvpath.reservation.wire import RESERVE_AT
 
 # the proxy reserves a push's lane when it admits the request, or P's connector when the push starts
 RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
-PUSH_GRANULARITIES = GRANULARITIES  # when P's KV leaves (kvpath.layer_push)
+# when P's KV leaves: the emulated engines' and simulator's (kvpath.layer_push), and "chunk"
+# (a chunked prefill's finished chunks while the next computes, the last layer-wise)
+PUSH_GRANULARITIES = (GRANULARITIES[0], "chunk", *GRANULARITIES[1:])
 
 
 class ConfigError(ValueError):
@@ -130,7 +132,9 @@ class KVPathConfig:
     # When P's KV leaves: "request" pushes a request's KV once its prefill has finished;
     # "layer" pushes each group of push_layer_group layers as soon as the forward that
     # completes the prompt has computed them (the push overlaps the prefill), and
-    # commits the flow once the request has finished (docs/connector.md, "Layer-wise push").
+    # commits the flow once the request has finished; "chunk" also pushes the blocks each
+    # earlier chunk of a chunked prefill filled while the next one computes
+    # (docs/connector-layer-push.md).
     push_granularity: str = "request"
     push_layer_group: int = 4
     extra: dict[str, Any] = field(default_factory=dict)

@@ -59,6 +59,25 @@ class FlowMatching:
         self.begun[fp.transfer_id] = fp
         self.on_finished(fp, begun=True)
 
+    def on_feed(self, b: FinishedPrefill, fp: FinishedPrefill) -> None:
+        """The next forward of begun prefill ``b`` (chunk-wise): its blocks so far, in place
+        (its flows share the list), and what that forward makes final."""
+        b.block_ids[:] = fp.block_ids
+        p = fp.progress
+        b.progress.feed(p.forward, p.tokens_final, p.final_after)
+
+    def on_restart(self, transfer_id: str, request_id: str) -> FinishedPrefill | None:
+        """vLLM preempted begun request ``request_id``: its flows push anew, from its new
+        blocks, once their WRITEs in flight have ended (they read freed blocks: what they
+        land in D's blocks is written again before the commit)."""
+        b = self.begun.get(transfer_id)
+        if b is None or b.request_id != request_id:
+            return None
+        b.progress.restart()
+        self.stats.inc("layer_restarts")
+        self.writes.advance()
+        return b
+
     def on_finished(self, fp: FinishedPrefill, begun: bool = False) -> None:
         b = None if begun else self.begun.get(fp.transfer_id)
         if b is not None and b.request_id == fp.request_id:
@@ -66,6 +85,8 @@ class FlowMatching:
             del self.begun[fp.transfer_id]
             p = b.progress
             p.final, p.done, p.finished_at, p.times = True, p.layers, fp.finished_at, fp.times
+            if p.last_start is None:  # (an honest scheduler fed the last forward first)
+                p.last_start = p.tokens_final
             self.freed.request_ended(b)
             self.writes.advance()
             return

@@ -36,8 +36,10 @@ class InFlight:
     slow: bool = False  # past slow_at: progressed every millisecond, no longer in a busy loop
     lane_obj: Any = None  # the Lane it was posted on (a reopened lane is another object)
     layered: bool = False  # a layer-wise push: WRITEs per layer group, then the commit
-    sent: int = 0  # layer-wise: the layers posted
+    sent: int = 0  # layer-wise: the last forward's layers posted
     total_bytes: int = 0  # layer-wise: the whole push's bytes (D is told them when the first WRITE posts)
+    sent_tokens: int = 0  # layer-wise: the tokens posted in every layer (earlier chunks)
+    gen: int = 0  # layer-wise: the progress's restart it pushes for
     failing: str = ""  # layer-wise: why the flow fails once its posted WRITEs have ended
     errored: bool = False  # one of its WRITEs failed: the lane is torn down at the end
 
@@ -49,20 +51,25 @@ class LayerWrites:
         self.loop = loop
 
     def begin(self, m: Match, peer: Peer, lane: int, agent: Any, rec: TransferRecord) -> None:
-        """A flow whose prefill is still computing: WRITEs follow its layers (those done
-        already in one catch-up WRITE), the commit its request's end."""
+        """A flow whose prefill is still computing: WRITEs follow its finished chunks and
+        its last forward's layers (what is ready already in one catch-up WRITE), the
+        commit its request's end."""
         fp, reg = m.prefill, m.registration.reg
         rec.blocks, rec.granularity = len(reg.block_ids), "layer"
-        total = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2]
+        try:  # the push's bytes, for D's pace; a chunk-wise prefill has only its first blocks yet
+            total = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2]
+        except ValueError:
+            total = (reg.skip_blocks + len(reg.block_ids)) * self.loop.layout.bytes_per_block()
         f = InFlight(m, lane, agent, [], rec, float("inf"), lane_obj=peer.lanes.lanes[lane], layered=True,
-                     total_bytes=total)
+                     total_bytes=total, gen=fp.progress.gen)
         self.loop.in_flight[fp.key] = f
         self.post(f)
         if not f.handles and f.sent == 0:
             self.next(f)  # the request may have ended already (aborted)
 
     def advance(self) -> None:
-        """Layers were computed or a request ended: post what is ready, commit what is done."""
+        """Layers or chunks were computed, a request ended or restarts: post what is ready,
+        commit what is done."""
         for f in [f for f in self.loop.in_flight.values() if f.layered]:
             if f.handles:
                 self.post(f)
@@ -70,23 +77,35 @@ class LayerWrites:
                 self.next(f)
 
     def post(self, f: InFlight) -> None:
-        """Post one WRITE for the layer groups computed and not yet posted."""
+        """Post the WRITEs of what is final and not yet posted: the tokens earlier chunks
+        finished (every layer), then the last forward's layer groups computed."""
         m, p = f.match, f.match.prefill.progress
-        if f.failing or p.aborted or self.loop.in_flight.get(m.prefill.key) is not f:
+        if f.failing or p.aborted or f.gen != p.gen or self.loop.in_flight.get(m.prefill.key) is not f:
+            return  # (a restarted push posts again once its WRITEs in flight have ended: next())
+        if p.tokens_final > f.sent_tokens:
+            if not self._write(f, (f.sent_tokens, p.tokens_final), (0, p.layers)):
+                return
+            f.sent_tokens = p.tokens_final
+        if p.last_start is None or f.sent_tokens < p.last_start:
             return
         group = self.loop.cfg.push_layer_group
         ready = p.done if p.done >= p.layers else p.done // group * group
-        if ready <= f.sent:
-            return
+        if ready > f.sent and self._write(f, (p.last_start, None), (f.sent, ready)):
+            f.record.layers = f.sent = ready
+
+    def _write(self, f: InFlight, tokens: tuple[int, int | None], layers: tuple[int, int]) -> bool:
+        """One WRITE, without a notification, of ``layers`` of the prompt's ``tokens``.
+        False when the flow fails instead (it ends once its WRITEs in flight have)."""
+        m, p = f.match, f.match.prefill.progress
         pr, fp = m.registration, m.prefill
         if time.monotonic() >= pr.post_by:
             f.failing = "D's post_by deadline passed before the prefill finished"
-            return
+            return False
         peer = self.loop.lanes.peer(pr.reg.agent_name)
         try:
             if peer is None:
                 raise RuntimeError("D's handshake is gone")
-            loc, rem, nbytes = self.loop.plans.layers(peer.hello, fp.block_ids, pr.reg, f.sent, ready, p.layers)
+            loc, rem, nbytes = self.loop.plans.layers(peer.hello, fp.block_ids, pr.reg, *layers, p.layers, tokens)
             if len(loc):
                 l_d = f.agent.get_xfer_descs(loc, self.loop.layout.mem_type)
                 r_d = f.agent.get_xfer_descs(rem, peer.hello.layout.mem_type)
@@ -106,17 +125,18 @@ class LayerWrites:
                     logger.warning("posting a layer WRITE of %s raised: %s", fp.transfer_id, e)
                 if state == "ERR":
                     f.failing, f.errored = "NIXL refused the WRITE", True
-                    return
+                    return False
         except Exception as e:
-            f.failing = f"posting layers {f.sent}-{ready} failed: {e}"
+            f.failing = f"posting layers {layers[0]}-{layers[1]} of tokens {tokens[0]}-{tokens[1]} failed: {e}"
             logger.warning("push %s: %s", fp.transfer_id, f.failing)
-            return
+            return False
         f.record.bytes += nbytes
         f.record.descriptors += len(loc)
-        f.record.layers = f.sent = ready
+        return True
 
     def next(self, f: InFlight) -> None:
-        """A layer-wise flow with no WRITE in flight: fail it, commit it, or post more."""
+        """A layer-wise flow with no WRITE in flight: fail it, commit it, or post more (a
+        restarted push from its first token, over what its older WRITEs landed)."""
         m, p = f.match, f.match.prefill.progress
         posted = f.record.writes > 0
         if not f.failing and not p.final and time.monotonic() >= m.registration.post_by:
@@ -129,7 +149,10 @@ class LayerWrites:
             else:
                 self.loop.fail(m, why, f.record, posted=posted)
             return
-        if p.final and f.sent >= p.layers:
+        if f.gen != p.gen:
+            f.gen, f.sent_tokens, f.sent = p.gen, 0, 0
+            f.record.bytes = f.record.descriptors = 0
+        if p.final and f.sent >= p.layers and p.last_start is not None and f.sent_tokens >= p.last_start:
             self._commit(f)
             return
         self.post(f)
@@ -141,6 +164,12 @@ class LayerWrites:
         fp, pr = m.prefill, m.registration
         self.loop.in_flight.pop(fp.key, None)
         final_times(fp.progress, f.record)
+        peer = self.loop.lanes.peer(pr.reg.agent_name)
+        short = "D's handshake is gone" if peer is None else self.loop.plans.too_few_blocks(peer.hello, fp.block_ids,
+                                                                                           pr.reg)
+        if short:  # (a prompt shorter than D's: the scheduler's blocks never reached D's count)
+            self.loop.fail(m, short, f.record, posted=f.record.writes > 0)
+            return
         try:
             if self.loop.kv_verify is None:
                 notif = M.make_notif(fp.transfer_id)

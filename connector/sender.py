@@ -151,11 +151,22 @@ class PushSender(EngineThread):
         self.put("abort", (transfer_id, request_id))
 
     def begin(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None, lease_id: str | None,
-              transfer_key: str, forward: int, layers: int) -> None:
-        """Forward ``forward`` completes this request's prompt (push_granularity=layer): its
-        layers are pushed as they are computed, and committed by ``submit_finished``."""
+              transfer_key: str, forward: int, layers: int, final_before: int = 0,
+              final_after: int | None = None) -> None:
+        """Forward ``forward`` computes a part of this request's prompt (push_granularity
+        layer or chunk; the first call begins its push, later ones feed it): the tokens
+        final before it (``final_before``) go at once; an earlier chunk's (up to
+        ``final_after``) when the forward ends; the last (``final_after`` None) layer by
+        layer. ``submit_finished`` commits the push."""
+        progress = LayerProgress(layers, forward)
+        progress.feed(forward, final_before, final_after)
         self.put("begin", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
-                                          transfer_key=transfer_key, progress=LayerProgress(layers, forward)))
+                                          transfer_key=transfer_key, progress=progress))
+
+    def restart(self, transfer_id: str, request_id: str) -> None:
+        """vLLM preempted a begun request (its blocks are freed): its push starts anew when
+        it is scheduled again, after its WRITEs in flight have ended."""
+        self.put("restart", (transfer_id, request_id))
 
     def layers_done(self, forward: int, layers: int) -> None:
         """From ``save_kv_layer``, inside the forward: a deque append, nothing else (no
@@ -256,7 +267,17 @@ class PushSender(EngineThread):
                 self.writes.on_reserved(*arg)
             elif kind == "abort":
                 self.flows.on_abort(*arg)
-            elif kind == "begin" and self.flows.can_begin(arg):
-                self.forwards.begin(arg.progress)  # the layers reported so far: its catch-up
-                self.flows.on_begin(arg)
+            elif kind == "begin":
+                b = self.flows.begun.get(arg.transfer_id)
+                if b is not None and b.request_id == arg.request_id:  # the next forward of a begun push
+                    self.flows.on_feed(b, arg)
+                    self.forwards.begin(b.progress)
+                    self.writes.advance()
+                elif self.flows.can_begin(arg):
+                    self.forwards.begin(arg.progress)  # the layers reported so far: its catch-up
+                    self.flows.on_begin(arg)
+            elif kind == "restart":
+                b = self.flows.on_restart(*arg)
+                if b is not None:
+                    self.forwards.forget(b.progress)
         self.forwards.prune(time.time())

@@ -35,6 +35,26 @@ class SendReq:
     times: "VllmTimes | None" = None
 
 
+@dataclass
+class ComputeReq:
+    """A begun push's part in one forward: the request's blocks so far; the tokens whose
+    KV was final before this forward (whole blocks) and will be after it (None: this
+    forward completes the prompt, whose layers are pushed as they are computed)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    lane: int | None
+    lease_id: str | None = None
+    transfer_key: str = ""
+    final_before: int = 0
+    final_after: int | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.final_after is None
+
+
 @dataclass(frozen=True)
 class VllmTimes:
     arrival_at: float | None = None
@@ -51,10 +71,13 @@ class StepCommands:
     registrations: list[RecvReq] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # D request ids
     finished: list[SendReq] = field(default_factory=list)
-    # push_granularity=layer: P requests whose prompt this step's forward completes (their
-    # KV is pushed layer by layer during it; ``finished`` later commits it)
-    computing: list[SendReq] = field(default_factory=list)
+    # push_granularity layer or chunk: P requests this step's forward computes a part of
+    # whose push is begun (layer: the last chunk only; chunk: every chunk); ``finished``
+    # later commits it
+    computing: list[ComputeReq] = field(default_factory=list)
     # begun P requests that ended without finishing: (request id, transfer id)
     aborted_begun: list[tuple[str, str]] = field(default_factory=list)
+    # begun P requests vLLM preempted (their blocks are freed): (request id, transfer id)
+    restarts: list[tuple[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # P transfer ids
     idle: bool = False  # the step runs no model: it exists only for the connector's work

@@ -65,6 +65,7 @@ COUNTERS = (
     "layers_pushed",
     "layer_bytes",
     "layer_overlap_bytes",
+    "layer_restarts",
 )
 
 

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
-from kvpath.connector.step_commands import RecvReq, SendReq, StepCommands, VllmTimes
+from kvpath.connector.step_commands import ComputeReq, RecvReq, SendReq, StepCommands, VllmTimes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -192,10 +192,16 @@ class KVPathScheduler:
         return meta
 
     def _begin_layer_pushes(self, out: "SchedulerOutput", meta: KVPathMetadata) -> None:
-        """push_granularity=layer: the P requests whose prompt this step's forward
-        completes begin their push with it. Only a request that ends after that forward
-        (max_tokens 1, as the proxy's P leg): it cannot be preempted between its blocks
-        being read and its end, and it is never begun twice."""
+        """push_granularity layer or chunk: the P requests whose push this step's forward
+        feeds. ``layer``: the forward that completes the prompt; ``chunk``: every forward
+        of a chunked prefill, each earlier chunk's whole blocks pushed while the next
+        computes. Only a request that ends after its last forward (max_tokens 1, as the
+        proxy's P leg), never two live requests with one transfer id. A begun request vLLM
+        preempts (its blocks freed, as vLLM does without asking the connector) restarts:
+        the writer waits for its WRITEs in flight, then pushes it anew from its new blocks."""
+        for rid in getattr(out, "preempted_req_ids", None) or ():
+            if rid in self._p_begun:
+                meta.restarts.append((rid, self._p_begun[rid]))
         for new in out.scheduled_new_reqs:
             if new.req_id in self._p_live:
                 self._p_blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
@@ -208,24 +214,29 @@ class KVPathScheduler:
                 else:
                     self._p_blocks.setdefault(rid, []).extend(ids[0])
         busy = set(self._p_begun.values())
+        bs = self.block_size
         for rid, n in out.num_scheduled_tokens.items():
             req = self._p_live.get(rid)
-            if req is None or rid in self._p_begun or req.max_tokens != 1:
-                continue
-            if req.num_computed_tokens + n < req.num_prompt_tokens:
-                continue  # an earlier chunk
-            try:
-                pp = parse_prefill(req.kv_transfer_params, rid)
-            except BadTransferParams:
-                continue  # request_finished says why
-            if pp is None or (pp.push_granularity or self.cfg.push_granularity) != "layer":
-                continue
-            if pp.transfer_id in busy:
-                continue  # another live request's push has the id: this one goes whole
-            meta.computing.append(SendReq(rid, pp.transfer_id, list(self._p_blocks.get(rid, ())), pp.lane,
-                                          pp.lease_id, pp.transfer_key))
-            self._p_begun[rid] = pp.transfer_id
-            busy.add(pp.transfer_id)
+            if req is None or req.max_tokens != 1 or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue  # not a P leg that ends after its prefill, or its prompt is computed
+            last = req.num_computed_tokens + n >= req.num_prompt_tokens
+            tid = self._p_begun.get(rid)
+            if tid is None:
+                try:
+                    pp = parse_prefill(req.kv_transfer_params, rid)
+                except BadTransferParams:
+                    continue  # request_finished says why
+                gran = (pp.push_granularity or self.cfg.push_granularity) if pp is not None else "request"
+                if gran == "request" or (gran == "layer" and not last) or pp.transfer_id in busy:
+                    continue  # whole, an earlier chunk of a layer-wise push, or another live request's id
+                tid = self._p_begun[rid] = pp.transfer_id
+                busy.add(tid)
+                lane, lease, key = pp.lane, pp.lease_id, pp.transfer_key
+            else:
+                lane, lease, key = None, None, ""  # the writer has them from the begin
+            meta.computing.append(ComputeReq(rid, tid, list(self._p_blocks.get(rid, ())), lane, lease, key,
+                                             req.num_computed_tokens // bs * bs,
+                                             None if last else (req.num_computed_tokens + n) // bs * bs))
 
     def _times_of(self, request: "Request") -> VllmTimes:
         """vLLM's own records of a request just scheduled (its events are taken after

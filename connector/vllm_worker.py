@@ -114,11 +114,15 @@ class KVPathWorker:
         self.forward += 1
         self._pushing = False
         self.process_metadata(meta)
-        if self.sender is None or not meta.computing:
+        if self.sender is None:
+            return
+        for rid, tid in meta.restarts:
+            self.sender.restart(tid, rid)
+        if not meta.computing:
             return
         for s in meta.computing:
             self.sender.begin(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id, s.transfer_key,
-                              self.forward, len(self.layer_index))
+                              self.forward, len(self.layer_index), s.final_before, s.final_after)
         self._pushing = True
         self._saved, self._saved_prefix = [False] * len(self.layer_index), 0
 

@@ -135,7 +135,9 @@ class WriteLoop:
         if time.monotonic() >= pr.post_by:
             self.fail(m, "D's post_by deadline passed before the prefill finished", rec)
             return
-        short = self.plans.too_few_blocks(peer.hello, fp.block_ids, reg)
+        # (a prefill still computing has only its first chunks' blocks yet: its commit checks)
+        short = "" if fp.progress is not None and not fp.progress.final else self.plans.too_few_blocks(
+            peer.hello, fp.block_ids, reg)
         if short:
             self.fail(m, short, rec)
             return

@@ -119,3 +119,30 @@ def test_a_report_that_overtakes_the_begin_counts_and_ended_forwards_are_forgott
     assert not fw.live()
     fw.apply([(k, 1) for k in range(200)], now=4.0)
     assert len(fw.reported) <= 64  # bounded
+
+
+def test_chunk_wise_every_forward_feeds_the_push_with_the_whole_blocks_it_makes_final():
+    s = _scheduler(granularity="chunk")
+    a = _req("a", 100)
+    s.get_num_new_matched_tokens(a, 0)
+    m = s.build_connector_meta(_out(new=[(a, [3, 4, 5])], sched={"a": 40}))  # tokens 0-39: blocks 0, 1 final
+    assert [(c.block_ids, c.final_before, c.final_after) for c in m.computing] == [([3, 4, 5], 0, 32)]
+    a.num_computed_tokens = 40
+    m = s.build_connector_meta(_out(cached=[(a, [6, 7])], sched={"a": 40}))  # tokens 40-79
+    assert [(c.block_ids, c.final_before, c.final_after) for c in m.computing] == [([3, 4, 5, 6, 7], 32, 80)]
+    a.num_computed_tokens = 80
+    m = s.build_connector_meta(_out(cached=[(a, [8])], sched={"a": 20}))  # the last chunk: layer by layer
+    assert [(c.block_ids, c.final_before, c.last) for c in m.computing] == [([3, 4, 5, 6, 7, 8], 80, True)]
+
+
+def test_a_preempted_begun_request_restarts_and_its_next_forward_feeds_its_new_blocks():
+    s = _scheduler(granularity="chunk")
+    a = _req("a", 100)
+    s.get_num_new_matched_tokens(a, 0)
+    s.build_connector_meta(_out(new=[(a, [3, 4, 5])], sched={"a": 40}))
+    out = _out()
+    out.preempted_req_ids = {"a"}
+    assert s.build_connector_meta(out).restarts == [("a", "t-a")]
+    a.num_computed_tokens = 0
+    m = s.build_connector_meta(_out(cached=[(a, [9, 10, 11])], sched={"a": 40}, resumed={"a"}))
+    assert [(c.block_ids, c.final_before, c.final_after) for c in m.computing] == [([9, 10, 11], 0, 32)]

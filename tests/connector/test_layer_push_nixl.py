@@ -196,3 +196,56 @@ def test_d_cancelling_a_flow_that_posted_nothing_ends_it_not_posted(pair):
     assert "p8" not in p.sender.take_finished()  # its request still runs
     p.sender.submit_finished("p8", tid, src)
     assert "p8" in p.wait_released(["p8"], timeout=3)
+
+
+def test_chunk_wise_a_finished_chunk_lands_while_the_next_computes_and_only_the_commit_completes(pair):
+    p, d = pair
+    bs = SPEC.block_size
+    src, dst, tid = [20, 21, 22, 23], [84, 85, 86, 87], uuid.uuid4().hex
+    d.call("register", "d9", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    # chunk 1 computes tokens 0-39: blocks 0 and 1 are final once it ends
+    p.sender.begin("p9", tid, src[:3], None, None, "", forward=20, layers=LAYERS, final_before=0,
+                   final_after=2 * bs)
+    time.sleep(0.2)
+    assert d.call("read", dst[:2])[1] != p.expect(src[:2])  # not before the chunk's forward ended
+    p.sender.forward_done(20, LAYERS)
+    deadline = time.monotonic() + 5
+    while d.call("read", dst[:2])[1] != p.expect(src[:2]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert d.call("read", dst[:2])[1] == p.expect(src[:2])  # chunk 1's blocks, every layer
+    assert d.call("read", dst[2:])[1] != p.expect(src[2:])
+    # the last chunk: tokens from 32 on, layer by layer
+    p.sender.begin("p9", tid, src, None, None, "", forward=21, layers=LAYERS, final_before=2 * bs)
+    p.sender.layers_done(21, 1)
+    time.sleep(0.2)
+    assert _not_done(d, "d9")
+    p.sender.forward_done(21, LAYERS)
+    p.sender.submit_finished("p9", tid, src)
+    _, done, failed = d.call("wait", ["d9"], 10)
+    assert done == ["d9"] and not failed
+    assert d.call("read", dst)[1] == p.expect(src)
+    assert "p9" in p.wait_released(["p9"])
+
+
+def test_a_preempted_chunk_wise_push_is_pushed_anew_from_the_new_blocks(pair):
+    p, d = pair
+    bs = SPEC.block_size
+    old, new, dst, tid = [30, 31, 32], [40, 41, 42], [88, 89, 90], uuid.uuid4().hex
+    d.call("register", "d10", tid, p.sender.address, dst, 0)
+    time.sleep(0.2)
+    p.sender.begin("p10", tid, old[:2], None, None, "", forward=30, layers=LAYERS, final_before=0,
+                   final_after=2 * bs)
+    p.sender.forward_done(30, LAYERS)
+    deadline = time.monotonic() + 5
+    while d.call("read", dst[:2])[1] != p.expect(old[:2]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert d.call("read", dst[:2])[1] == p.expect(old[:2])  # the first chunk landed (from blocks now freed)
+    p.sender.restart(tid, "p10")  # vLLM preempted it; it is computed again into other blocks
+    p.sender.begin("p10", tid, new, None, None, "", forward=31, layers=LAYERS, final_before=0)
+    p.sender.forward_done(31, LAYERS)
+    p.sender.submit_finished("p10", tid, new)
+    _, done, failed = d.call("wait", ["d10"], 10)
+    assert done == ["d10"] and not failed
+    assert d.call("read", dst)[1] == p.expect(new)  # every block written again from the new ones
+    assert p.sender.stats.snapshot()["layer_restarts"] == 1

@@ -105,9 +105,9 @@ def test_a_held_push_does_not_stall_the_engine(tp2):
 
 
 def _legs(mode: str) -> tuple[str, str]:
-    """(pd_request's mode, the push granularity): "layer" sends D's leg first and asks
-    for a layer-wise push, so D's registration waits at P before P's last chunk."""
-    return ("d_first", "layer") if mode == "layer" else (mode, "")
+    """(pd_request's mode, the push granularity): "layer" and "chunk" send D's leg first
+    and ask for that granularity, so D's registration waits at P before P computes."""
+    return ("d_first", mode) if mode in ("layer", "chunk") else (mode, "")
 
 
 def assert_layered(recs) -> None:
@@ -117,10 +117,10 @@ def assert_layered(recs) -> None:
     assert any(r.layers > 0 and r.writes >= 1 for r in recs), [(r.layers, r.writes) for r in recs]
 
 
-@pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
+@pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer", "chunk"])
 def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     p, d, logs = tp2
-    prompts = make_prompts(4, seed={"sequential": 11, "concurrent": 12, "layer": 13}[mode])
+    prompts = make_prompts(4, seed={"sequential": 11, "concurrent": 12, "layer": 13, "chunk": 14}[mode])
     legs, granularity = _legs(mode)
 
     async def run():
@@ -268,14 +268,14 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
 
 
 class TestPTp2IntoDTp1:
-    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer", "chunk"])
     def test_p_tp2_into_d_tp1_lands_each_p_ranks_heads_byte_for_byte(self, tp2, d_tp1, mode):
         """P's two ranks each hold 1 of the 2 KV heads; D's one rank holds both. Each P rank
         pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
         equal P's, head by head and token by token (both caches dumped by kv_dump_dir)."""
         p, _, logs = tp2
         unequal_tp_case(p.url, d_tp1.url, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
-                        {"sequential": 21, "concurrent": 22, "layer": 23}[mode])
+                        {"sequential": 21, "concurrent": 22, "layer": 23, "chunk": 24}[mode])
 
     def test_the_proxy_learns_ps_tp_size_and_serves_p_tp2_into_d_tp1_without_tp_in_its_pool(self, tp2, d_tp1):
         """No tp= in the proxy's --prefill: its first request goes P first and P's answer
@@ -367,7 +367,7 @@ def p_tp1(model, tp2):
 
 
 class TestPTp1IntoDTp2:
-    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer"])
+    @pytest.mark.parametrize("mode", ["sequential", "concurrent", "layer", "chunk"])
     def test_p_tp1_into_d_tp2_lands_each_d_ranks_heads_byte_for_byte(self, tp2, p_tp1, mode):
         """P's one rank holds both KV heads; each of D's two ranks holds one. P pushes a
         request once per D rank (two flows of one prefill, each the head that rank
@@ -375,7 +375,7 @@ class TestPTp1IntoDTp2:
         blocks equal P's, head by head and token by token."""
         _, d, logs = tp2
         unequal_tp_case(p_tp1.url, d.url, P1_SIDE, 1, 2, logs, "d_trace.jsonl", "p1_trace.jsonl", mode,
-                        {"sequential": 31, "concurrent": 32, "layer": 33}[mode])
+                        {"sequential": 31, "concurrent": 32, "layer": 33, "chunk": 34}[mode])
 
     def test_kv_usage_returns_to_zero_after_p_tp1_into_d_tp2(self, tp2, p_tp1):
         _, d, _ = tp2

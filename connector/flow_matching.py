@@ -87,6 +87,7 @@ class FlowMatching:
             p.final, p.done, p.finished_at, p.times = True, p.layers, fp.finished_at, fp.times
             if p.last_start is None:  # (an honest scheduler fed the last forward first)
                 p.last_start = p.tokens_final
+            self.state.renew_lease(fp.transfer_id)
             self.freed.request_ended(b)
             self.writes.advance()
             return

@@ -151,7 +151,7 @@ class LayerWrites:
             return
         if f.gen != p.gen:
             f.gen, f.sent_tokens, f.sent = p.gen, 0, 0
-            f.record.bytes = f.record.descriptors = 0
+            f.record.bytes = f.record.descriptors = f.record.layers = f.record.overlap_bytes = 0
         if p.final and f.sent >= p.layers and p.last_start is not None and f.sent_tokens >= p.last_start:
             self._commit(f)
             return

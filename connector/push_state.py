@@ -352,6 +352,14 @@ class SenderState:
             self._unfan(pr.reg.transfer_id, "cancelled")
         return "cancelled", fp, pr
 
+    def renew_lease(self, transfer_id: str) -> None:
+        """A layer-wise prefill's request finished: its flows still waiting for a
+        registration get their lease from now, as a finished prefill does."""
+        keys = self._shares[transfer_id][1].keys if transfer_id in self._shares else ()
+        for k in (transfer_id, *keys):
+            if k in self.prefills:
+                self.prefills[k].deadline = self.clock() + self.lease_s
+
     def take_begun(self, transfer_id: str) -> list[FinishedPrefill]:
         """A layer-wise prefill whose request was aborted: its flows still waiting for a
         registration end now (the caller frees their blocks); matched flows end on the
@@ -390,7 +398,10 @@ class SenderState:
     def expire(self) -> Expired:
         now = self.clock()
         out = Expired()
-        for key in [k for k, fp in self.prefills.items() if fp.deadline <= now]:
+        # (a prefill still computing waits for its registration until its request ends:
+        # renew_lease gives it its lease then)
+        for key in [k for k, fp in self.prefills.items() if fp.deadline <= now
+                    and (fp.progress is None or fp.progress.final or fp.progress.aborted)]:
             out.prefills.append(self.prefills.pop(key))
             self._finish(key, "expired", posted=False)
         for key in [k for k, pr in self.registrations.items() if pr.post_by <= now]:

@@ -152,16 +152,18 @@ class PushSender(EngineThread):
 
     def begin(self, request_id: str, transfer_id: str, block_ids: list[int], lane: int | None, lease_id: str | None,
               transfer_key: str, forward: int, layers: int, final_before: int = 0,
-              final_after: int | None = None) -> None:
+              final_after: int | None = None, first: bool = True) -> None:
         """Forward ``forward`` computes a part of this request's prompt (push_granularity
         layer or chunk; the first call begins its push, later ones feed it): the tokens
         final before it (``final_before``) go at once; an earlier chunk's (up to
         ``final_after``) when the forward ends; the last (``final_after`` None) layer by
-        layer. ``submit_finished`` commits the push."""
+        layer. ``first``: the push's first forward (a later one never begins a push the
+        writer did not take: it would lack the lane, lease and key). ``submit_finished``
+        commits the push."""
         progress = LayerProgress(layers, forward)
         progress.feed(forward, final_before, final_after)
-        self.put("begin", FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
-                                          transfer_key=transfer_key, progress=progress))
+        self.put("begin", (FinishedPrefill(request_id, transfer_id, list(block_ids), lane, lease_id,
+                                           transfer_key=transfer_key, progress=progress), first))
 
     def restart(self, transfer_id: str, request_id: str) -> None:
         """vLLM preempted a begun request (its blocks are freed): its push starts anew when
@@ -209,7 +211,7 @@ class PushSender(EngineThread):
         # not in a busy loop: it must not cost P a core for as long as UCX takes to fail it;
         # a lane set-up's probe is polled every millisecond, between the other work
         spinning = writes.spinning()
-        timeout_ms = (0 if spinning else 1 if (writes.in_flight or setting_up or self.forwards.live())
+        timeout_ms = (0 if spinning else 1 if (writes.posting() or setting_up or self.forwards.live())
                       else 5 if writes.asking
                       else int(self.cfg.idle_poll_s * 1000) if now < self.active_until else DORMANT_POLL_MS)
         events = self.poll_events(timeout_ms)
@@ -268,14 +270,15 @@ class PushSender(EngineThread):
             elif kind == "abort":
                 self.flows.on_abort(*arg)
             elif kind == "begin":
-                b = self.flows.begun.get(arg.transfer_id)
-                if b is not None and b.request_id == arg.request_id:  # the next forward of a begun push
-                    self.flows.on_feed(b, arg)
+                fp, first = arg
+                b = self.flows.begun.get(fp.transfer_id)
+                if b is not None and b.request_id == fp.request_id:  # the next forward of a begun push
+                    self.flows.on_feed(b, fp)
                     self.forwards.begin(b.progress)
                     self.writes.advance()
-                elif self.flows.can_begin(arg):
-                    self.forwards.begin(arg.progress)  # the layers reported so far: its catch-up
-                    self.flows.on_begin(arg)
+                elif first and self.flows.can_begin(fp):
+                    self.forwards.begin(fp.progress)  # the layers reported so far: its catch-up
+                    self.flows.on_begin(fp)
             elif kind == "restart":
                 b = self.flows.on_restart(*arg)
                 if b is not None:

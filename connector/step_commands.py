@@ -49,6 +49,7 @@ class ComputeReq:
     transfer_key: str = ""
     final_before: int = 0
     final_after: int | None = None
+    first: bool = True  # the push's first forward (it begins; later ones feed it)
 
     @property
     def last(self) -> bool:

@@ -91,6 +91,7 @@ class KVPathScheduler:
         self._p_live: dict[str, "Request"] = {}
         self._p_blocks: dict[str, list[int]] = {}
         self._p_begun: dict[str, str] = {}
+        self._p_final: dict[str, int] = {}  # begun request -> tokens its push's own forwards made final
 
     def _layer_push_supported(self, vllm_config: "VllmConfig") -> bool:
         """Layer-wise push needs a KV cache written by the time save_kv_layer is called (the
@@ -100,9 +101,9 @@ class KVPathScheduler:
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         async_sched = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
         ok = device == "cpu" and not async_sched
-        if not ok and self.cfg.push_granularity == "layer":
-            logger.warning("push_granularity=layer needs a CPU KV cache and synchronous scheduling (device %s, "
-                           "async scheduling %s): every push goes whole", device, async_sched)
+        if not ok and self.cfg.push_granularity != "request":
+            logger.warning("push_granularity=%s needs a CPU KV cache and synchronous scheduling (device %s, async "
+                           "scheduling %s): every push goes whole", self.cfg.push_granularity, device, async_sched)
         return ok
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -202,6 +203,7 @@ class KVPathScheduler:
         for rid in getattr(out, "preempted_req_ids", None) or ():
             if rid in self._p_begun:
                 meta.restarts.append((rid, self._p_begun[rid]))
+                self._p_final.pop(rid, None)  # its blocks are freed: nothing it computed stays
         for new in out.scheduled_new_reqs:
             if new.req_id in self._p_live:
                 self._p_blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
@@ -217,10 +219,12 @@ class KVPathScheduler:
         bs = self.block_size
         for rid, n in out.num_scheduled_tokens.items():
             req = self._p_live.get(rid)
-            if req is None or req.max_tokens != 1 or req.num_computed_tokens >= req.num_prompt_tokens:
-                continue  # not a P leg that ends after its prefill, or its prompt is computed
+            if (req is None or req.max_tokens != 1 or req.num_computed_tokens >= req.num_prompt_tokens
+                    or getattr(req, "resumable", False)):
+                continue  # not a P leg that ends after its prefill, its prompt is computed, or a session's
             last = req.num_computed_tokens + n >= req.num_prompt_tokens
             tid = self._p_begun.get(rid)
+            first = tid is None
             if tid is None:
                 try:
                     pp = parse_prefill(req.kv_transfer_params, rid)
@@ -234,9 +238,14 @@ class KVPathScheduler:
                 lane, lease, key = pp.lane, pp.lease_id, pp.transfer_key
             else:
                 lane, lease, key = None, None, ""  # the writer has them from the begin
+            # Final before this forward: only what this push's own earlier forwards computed.
+            # A prefix-cache hit's blocks may be another request's that this very forward
+            # fills (vLLM caches blocks when it allocates them): they count once it ends.
+            before = self._p_final.get(rid, 0)
+            after = None if last else (req.num_computed_tokens + n) // bs * bs
             meta.computing.append(ComputeReq(rid, tid, list(self._p_blocks.get(rid, ())), lane, lease, key,
-                                             req.num_computed_tokens // bs * bs,
-                                             None if last else (req.num_computed_tokens + n) // bs * bs))
+                                             before, after, first))
+            self._p_final[rid] = before if after is None else after
 
     def _times_of(self, request: "Request") -> VllmTimes:
         """vLLM's own records of a request just scheduled (its events are taken after
@@ -259,6 +268,7 @@ class KVPathScheduler:
         self._p_live.pop(rid, None)
         self._p_blocks.pop(rid, None)
         begun = self._p_begun.pop(rid, None) is not None
+        self._p_final.pop(rid, None)
         times = self._p_times.pop(rid, None)
         tid = self._owned.pop(rid, None)
         if tid is not None:  # siblings still waiting compute their prefill locally

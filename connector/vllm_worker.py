@@ -122,7 +122,7 @@ class KVPathWorker:
             return
         for s in meta.computing:
             self.sender.begin(s.request_id, s.transfer_id, s.block_ids, s.lane, s.lease_id, s.transfer_key,
-                              self.forward, len(self.layer_index), s.final_before, s.final_after)
+                              self.forward, len(self.layer_index), s.final_before, s.final_after, s.first)
         self._pushing = True
         self._saved, self._saved_prefix = [False] * len(self.layer_index), 0
 

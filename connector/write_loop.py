@@ -57,6 +57,11 @@ class WriteLoop:
         """A WRITE in flight is progressed in a busy loop (none is past transfer_timeout_s)."""
         return any(f.handles and not f.slow for f in self.in_flight.values())
 
+    def posting(self) -> bool:
+        """A WRITE is in flight (a layer-wise flow waiting for its prefill has none: it
+        moves on the engine's reports and commands, which wake the writer)."""
+        return any(f.handles for f in self.in_flight.values())
+
     def busy(self) -> bool:
         return bool(self.in_flight) or bool(self.asking)
 
@@ -136,8 +141,8 @@ class WriteLoop:
             self.fail(m, "D's post_by deadline passed before the prefill finished", rec)
             return
         # (a prefill still computing has only its first chunks' blocks yet: its commit checks)
-        short = "" if fp.progress is not None and not fp.progress.final else self.plans.too_few_blocks(
-            peer.hello, fp.block_ids, reg)
+        early = fp.progress is not None and fp.progress.last_start is None and not fp.progress.final
+        short = "" if early else self.plans.too_few_blocks(peer.hello, fp.block_ids, reg)
         if short:
             self.fail(m, short, rec)
             return

@@ -146,3 +146,37 @@ def test_a_preempted_begun_request_restarts_and_its_next_forward_feeds_its_new_b
     a.num_computed_tokens = 0
     m = s.build_connector_meta(_out(cached=[(a, [9, 10, 11])], sched={"a": 40}, resumed={"a"}))
     assert [(c.block_ids, c.final_before, c.final_after) for c in m.computing] == [([9, 10, 11], 0, 32)]
+
+
+def test_a_prefix_hit_on_p_counts_as_final_only_once_the_forward_that_may_fill_it_ends():
+    s = _scheduler(granularity="chunk")
+    a, b = _req("a", 100), _req("b", 48)
+    for r in (a, b):
+        s.get_num_new_matched_tokens(r, 0)
+    a.num_computed_tokens = b.num_computed_tokens = 32  # hits on blocks another request may be filling now
+    m = s.build_connector_meta(_out(new=[(a, [1, 2, 3]), (b, [1, 2, 4])], sched={"a": 40, "b": 16}))
+    got = {c.request_id: (c.final_before, c.final_after) for c in m.computing}
+    assert got == {"a": (0, 64), "b": (0, None)}  # nothing final before: the hit goes after (a) or layer-wise (b)
+    s2 = _scheduler(granularity="chunk")
+    c = _req("c", 100)
+    s2.get_num_new_matched_tokens(c, 0)
+    c.resumable = True  # a streaming session's request: its prompt grows, never pushed in parts
+    assert s2.build_connector_meta(_out(new=[(c, [1, 2])], sched={"c": 40})).computing == []
+
+
+def test_a_begun_prefill_waits_for_its_registration_until_its_request_ends_then_for_its_lease():
+    from kvpath.connector.push_state import FinishedPrefill, SenderState
+
+    now = [0.0]
+    st = SenderState(lease_s=30.0, clock=lambda: now[0])
+    p = LayerProgress(layers=4, forward=1)
+    fp = FinishedPrefill("r", "t", [1, 2], progress=p)
+    assert st.add_prefill(fp)[0] == "waiting"
+    now[0] = 100.0  # a long chunked prefill: past the lease, still computing
+    assert st.expire().prefills == []
+    p.final = True
+    st.renew_lease("t")  # its request ended now: its lease runs from here
+    now[0] = 129.0
+    assert st.expire().prefills == []
+    now[0] = 131.0
+    assert [x.request_id for x in st.expire().prefills] == ["r"]

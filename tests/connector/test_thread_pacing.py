@@ -49,7 +49,14 @@ def test_writer_sleeps_dormant_idle_or_spins_as_its_work_needs(buffers):
         s.writes.in_flight["t"].slow = True
         assert _timeouts(s) == [1]  # a stuck WRITE: every millisecond, not a busy loop
         s.writes.in_flight["t"].handles.clear()
-        assert _timeouts(s) == [1]  # a layer-wise push waiting for layers: every millisecond, no busy loop
+        # a layer-wise push waiting for its prefill: the idle pace (commands wake the writer)...
+        assert _timeouts(s) == [IDLE_MS]
+        from kvpath.connector.layer_progress import LayerProgress
+
+        lp = LayerProgress(layers=4, forward=1)
+        s.forwards.begin(lp)
+        assert _timeouts(s) == [1]  # ...every millisecond while a begun forward reports its layers
+        s.forwards.forget(lp)
         s.writes.in_flight.clear()
         assert _timeouts(s) == [IDLE_MS]  # just held: the idle pace for LINGER_S
         s.active_until = time.monotonic() - 0.001

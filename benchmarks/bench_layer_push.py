@@ -136,8 +136,14 @@ def _calibrated(runs: Path, backends: str, console: Console) -> list[dict]:
     fit = sorted(str(p) for p in (runs / "cc").glob("*/trace.jsonl")) or [str(runs / "cc" / "trace.jsonl")]
     ev = sorted(str(p) for p in (runs / "cc+layer").glob("*/trace.jsonl")) or [str(runs / "cc+layer" / "trace.jsonl")]
     console.rule(f"calibrated on {len(fit)} request run(s), evaluated on {len(ev)} layer run(s)")
-    res = json.loads(_run([KVPATH, "bridge", "calibrate", *fit, "--evaluate", ",".join(ev), "--backend", backends,
-                           "--json"], "kvpath bridge calibrate").strip().splitlines()[-1])
+    res = []
+    for b in backends.split(","):  # one at a time: a backend that fails does not hide the others
+        r = subprocess.run([KVPATH, "bridge", "calibrate", *fit, "--evaluate", ",".join(ev), "--backend", b,
+                            "--json"], capture_output=True, text=True)
+        if r.returncode != 0 or not r.stdout.strip():
+            console.print(f"[red]{b}: calibrate failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        res.extend(json.loads(r.stdout.strip().splitlines()[-1]))
     t = Table(title="replay of the layer-wise runs, calibrated on the request runs: error after calibration")
     for c in ("backend", "trace", "TTFT mean", "TTFT p99", "FCT mean", "FCT p99"):
         t.add_column(c, justify="left" if c in ("backend", "trace") else "right")

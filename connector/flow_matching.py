@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
 from kvpath.connector import messages as M
@@ -40,7 +39,7 @@ class FlowMatching:
         self.next_heartbeat = 0.0  # monotonic time of the next Pending heartbeat
         # transfer id -> a layer-wise prefill still computing (until its request finishes
         # or is aborted: the engine reports one or the other for each)
-        self.begun: OrderedDict[str, FinishedPrefill] = OrderedDict()
+        self.begun: dict[str, FinishedPrefill] = {}
 
     def can_begin(self, fp: FinishedPrefill) -> bool:
         """A begun prefill is tracked unless its transfer id is begun already (a request

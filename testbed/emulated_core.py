@@ -243,7 +243,6 @@ class EmulatedEngine:
         self.forward += 1
         layers, group = self.spec.layers, self.spec.layer_group
         for r in pushed:
-            self.pushing[r.request_id] = r
             self.sender.begin(r.request_id, r.transfer_id, r.blocks, r.lane, r.lease_id, r.transfer_key,
                               self.forward, layers)
         # the reports on timers, the iteration one sleep: its length is the model's, as

@@ -210,10 +210,7 @@ def test_chunk_wise_a_finished_chunk_lands_while_the_next_computes_and_only_the_
     time.sleep(0.2)
     assert d.call("read", dst[:2])[1] != p.expect(src[:2])  # not before the chunk's forward ended
     p.sender.forward_done(20, LAYERS)
-    deadline = time.monotonic() + 5
-    while d.call("read", dst[:2])[1] != p.expect(src[:2]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert d.call("read", dst[:2])[1] == p.expect(src[:2])  # chunk 1's blocks, every layer
+    assert _wait_landed(d, dst[:2], p, src[:2], LAYERS) == [True] * LAYERS  # chunk 1's blocks, every layer
     assert d.call("read", dst[2:])[1] != p.expect(src[2:])
     # the last chunk: tokens from 32 on, layer by layer
     p.sender.begin("p9", tid, src, None, None, "", forward=21, layers=LAYERS, final_before=2 * bs)
@@ -237,10 +234,8 @@ def test_a_preempted_chunk_wise_push_is_pushed_anew_from_the_new_blocks(pair):
     p.sender.begin("p10", tid, old[:2], None, None, "", forward=30, layers=LAYERS, final_before=0,
                    final_after=2 * bs)
     p.sender.forward_done(30, LAYERS)
-    deadline = time.monotonic() + 5
-    while d.call("read", dst[:2])[1] != p.expect(old[:2]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert d.call("read", dst[:2])[1] == p.expect(old[:2])  # the first chunk landed (from blocks now freed)
+    # the first chunk landed (from blocks now freed)
+    assert _wait_landed(d, dst[:2], p, old[:2], LAYERS) == [True] * LAYERS
     p.sender.restart(tid, "p10")  # vLLM preempted it; it is computed again into other blocks
     p.sender.begin("p10", tid, new, None, None, "", forward=31, layers=LAYERS, final_before=0)
     p.sender.forward_done(31, LAYERS)

@@ -9,6 +9,7 @@ import pytest
 
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S
+from kvpath.connector.layer_progress import LayerProgress
 from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.receiver import PushReceiver
 from kvpath.connector.sender import PushSender
@@ -51,8 +52,6 @@ def test_writer_sleeps_dormant_idle_or_spins_as_its_work_needs(buffers):
         s.writes.in_flight["t"].handles.clear()
         # a layer-wise push waiting for its prefill: the idle pace (commands wake the writer)...
         assert _timeouts(s) == [IDLE_MS]
-        from kvpath.connector.layer_progress import LayerProgress
-
         lp = LayerProgress(layers=4, forward=1)
         s.forwards.begin(lp)
         assert _timeouts(s) == [1]  # ...every millisecond while a begun forward reports its layers

@@ -17,6 +17,7 @@ from typing import Any
 from kvpath.connector import messages as M
 from kvpath.connector.lane_setup import Peer
 from kvpath.connector.push_state import Match
+from kvpath.reservation.wire import MAX_EXPECTED_END_S
 from kvpath.trace import TransferRecord
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class InFlight:
     gen: int = 0  # layer-wise: the progress's restart it pushes for
     failing: str = ""  # layer-wise: why the flow fails once its posted WRITEs have ended
     errored: bool = False  # one of its WRITEs failed: the lane is torn down at the end
+    done_bytes: int = 0  # layer-wise: bytes of its WRITEs that ended DONE (its pace)
+    learned: bool = False  # layer-wise: its whole bytes are known (the last forward began)
 
 
 class LayerWrites:
@@ -86,12 +89,39 @@ class LayerWrites:
             if not self._write(f, (f.sent_tokens, p.tokens_final), (0, p.layers)):
                 return
             f.sent_tokens = p.tokens_final
+        if p.last_start is not None and not f.learned:
+            self._learn(f)
         if p.last_start is None or f.sent_tokens < p.last_start:
             return
         group = self.loop.cfg.push_layer_group
         ready = p.done if p.done >= p.layers else p.done // group * group
         if ready > f.sent and self._write(f, (p.last_start, None), (f.sent, ready)):
             f.record.layers = f.sent = ready
+
+    def _learn(self, f: InFlight) -> None:
+        """The last forward began: every block of the prompt exists, so the push's whole
+        bytes are known. A lane this flow reserved at its first layer (reserve_at push)
+        learns them, and when the flow expects to end at its pace so far (its lease lasts
+        past that: a push that began with the prefill holds its lane longer). A lease the
+        proxy took covers every rank's flow; the proxy sized it from the prompt."""
+        f.learned = True
+        m = f.match
+        fp, reg = m.prefill, m.registration.reg
+        peer = self.loop.lanes.peer(reg.agent_name)
+        try:
+            total = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2] if peer is not None else f.total_bytes
+        except ValueError:
+            total = f.total_bytes
+        f.total_bytes = max(f.total_bytes, total)
+        notifier = self.loop.notifier
+        if not (fp.lane_asked and fp.lease_id) or notifier is None:
+            return
+        expected = None
+        if f.done_bytes > 0 and f.record.submit_at:
+            pace = f.done_bytes / max(time.time() - f.record.submit_at, 1e-6)
+            expected = min((f.total_bytes - f.done_bytes) / pace, MAX_EXPECTED_END_S) if pace > 0 else None
+        notifier.update(fp.lease_id, f.total_bytes, None if expected is None else round(max(expected, 0.0), 3))
+        self.loop.stats.inc("leases_updated")
 
     def _write(self, f: InFlight, tokens: tuple[int, int | None], layers: tuple[int, int]) -> bool:
         """One WRITE, without a notification, of ``layers`` of the prompt's ``tokens``.

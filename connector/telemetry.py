@@ -51,6 +51,7 @@ COUNTERS = (
     "reservation_calls_failed",
     "lanes_reserved_at_push",
     "lanes_reserve_fallback",
+    "leases_updated",  # a layer-wise push's own lease told its whole bytes and expected end
     "peers_forgotten",
     "peers_over_limit",
     "lane_registrations_skipped",

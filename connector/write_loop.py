@@ -224,8 +224,10 @@ class WriteLoop:
                     # a failed WRITE no longer reads P's blocks; the flow's others may: it
                     # ends when they have ended
                     f.failing, f.errored = f.failing or why, True
-                elif f.layered and f.match.prefill.progress.forward_end_at is None:
-                    f.record.overlap_bytes += nbytes  # landed before P's prefill ended
+                elif f.layered:
+                    f.done_bytes += nbytes
+                    if f.match.prefill.progress.forward_end_at is None:
+                        f.record.overlap_bytes += nbytes  # landed before P's prefill ended
             if f.handles:
                 continue
             if f.layered:

@@ -189,7 +189,7 @@ def fit_network(sets: list[FitSet], backend: str, known_burst: int | None, ns3: 
 def unshared(fs: FitSet) -> np.ndarray:
     """Per flow: no other flow shared a link with it while it ran (measured): its
     sender's port, its receiver's, or the spine's links it crossed."""
-    spec, n = fs.spec, len(fs.flows)
+    spec = fs.spec
     links = []
     for f in fs.flows:
         src, dst = spec.locate(f.src), spec.locate(f.dst)  # a host by name or address: one key

@@ -209,23 +209,28 @@ class Ns3Backend:
 
                 with Progress(transient=True) as bar:
                     task = bar.add_task("ns-3", total=len(lines))
-                    drops, uplinks, tiers, err = self._execute(cmd, len(lines), lambda d, _: bar.update(task, completed=d))
+                    drops, uplinks, tiers, err, failed = self._execute(
+                        cmd, len(lines), lambda d, _: bar.update(task, completed=d))
             else:
-                drops, uplinks, tiers, err = self._execute(cmd, len(lines), progress)
+                drops, uplinks, tiers, err, failed = self._execute(cmd, len(lines), progress)
             got = np.loadtxt(fout, ndmin=2) if fout.exists() else np.zeros((0, 2))
         if got.shape[0] != len(lines):
             raise Ns3Error(f"ns-3 returned {got.shape[0]} of {len(lines)} flows: {err[-2000:]}")
         ids, vals = got[:, 0].astype(np.int64), got[:, 1]
         if (vals < 0).any():
+            why = f"; ns-3's TCP gave up on {failed} connections (every retry unanswered)" if failed else ""
             raise Ns3Error(f"{int((vals < 0).sum())} flows did not finish within horizon_s={p.horizon_s} "
-                           f"of simulated time ({drops} drops)")
+                           f"of simulated time ({drops} drops){why}")
         fct[ids] = vals
         return Ns3Result(fct + fixed_costs(flows, self.net), drops, time.perf_counter() - t0, uplinks, tiers)
 
     def _execute(self, cmd: list[str], n: int,
-                 progress: Callable[[int, int], None] | None) -> tuple[int, dict[tuple[int, int], int], dict[str, int], str]:
+                 progress: Callable[[int, int], None] | None
+                 ) -> tuple[int, dict[tuple[int, int], int], dict[str, int], str, int]:
+        """Runs the scenario: (drops, bytes per uplink, drops per tier, stderr's other lines,
+        connections ns-3's TCP gave up on)."""
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        drops, tail, uplinks, tiers = 0, [], {}, {}
+        drops, failed, tail, uplinks, tiers = 0, 0, [], {}, {}
         assert proc.stderr is not None
         # the progress lines block the reader, so the wall-clock limit is a timer that kills
         timer = threading.Timer(self.params.timeout_s, proc.kill) if self.params.timeout_s else None
@@ -238,6 +243,8 @@ class Ns3Backend:
                         progress(int(line.split()[1]), n)
                 elif line.startswith("stats drops "):
                     drops = int(line.split()[2])
+                elif line.startswith("stats conn_failed "):
+                    failed = int(line.split()[2])
                 elif line.startswith("stats uplink "):
                     _, _, leaf, spine, nbytes = line.split()
                     uplinks[(int(leaf), int(spine))] = int(nbytes)
@@ -266,5 +273,5 @@ class Ns3Backend:
             raise Ns3Error(f"ns-3 reported drops for tiers {sorted(tiers)}, not {list(PORT_TIERS)}")
         if drops:  # expected where the queues are the testbed's own (its drops are the trace's)
             log.info("ns-3 dropped %d packets at its %d-byte drop-tail egress queues", drops, self.params.queue_bytes)
-        return drops, uplinks, tiers, "".join(tail)
+        return drops, uplinks, tiers, "".join(tail), failed
 

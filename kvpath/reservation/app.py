@@ -2,6 +2,8 @@
 
 POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?, scope?} -> lane, path, lease
 POST /v1/release   {lease_id} -> {released}   (idempotent)
+POST /v1/lease     {lease_id, bytes, expected_end_s?} -> {updated, bytes, expires_in_s}
+                   (a live reservation's flow, better known: its bytes, when it expects to end)
 POST /v1/lanes     {src_host, dst_host, pair?, worker?, lanes} (P connectors register the lanes
                    they opened: per (P worker, D worker) pair, each lane's full 5-tuple)
 POST /v1/lanes/unregister {src_host, dst_host, pair?, worker?} (forget one pair's lanes)
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 # The largest body any call needs: a lane registration of a few thousand lanes.
 MAX_BODY_BYTES = 1024 * 1024
 
-_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest, wire.LanesRemoval)
-Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LanesRequest, wire.LanesRemoval)
+_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.LanesRequest, wire.LanesRemoval)
+Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.LanesRequest,
+               wire.LanesRemoval)
 # strict=False: numbers written as strings ("5") are read as numbers, as the service always did
 _DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in _BODIES}
 
@@ -106,6 +109,7 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
     reg = CollectorRegistry()
     m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
     m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)
+    m_upd = Counter("kvpath_lease_updates_total", "lease updates (known: the lease was live)", ["known"], registry=reg)
     m_lat = Histogram("kvpath_reserve_seconds", "time to decide one reservation", registry=reg,
                       buckets=[1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.02])
     m_active = Gauge("kvpath_active_leases", "reservations holding load", registry=reg)
@@ -177,6 +181,23 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
         ok = svc.release(body.lease_id)
         m_rel.labels(str(ok).lower()).inc()
         return _json(wire.ReleaseAnswer(body.lease_id, ok))
+
+    @app.post(wire.LEASE_PATH)
+    async def lease(request: Request) -> Response:
+        try:
+            body = await authorized_body(request, wire.LeaseUpdate)
+        except BadBody as e:
+            return e.response
+        try:
+            r = svc.update(body.lease_id, body.bytes, body.expected_end_s)
+        except ReservationError as e:
+            raise HTTPException(422, str(e)) from None
+        m_upd.labels(str(r is not None).lower()).inc()
+        if r is None:
+            return _json(wire.LeaseAnswer(lease_id=body.lease_id))
+        now = svc.clock()
+        return _json(wire.LeaseAnswer(lease_id=r.lease_id, updated=True, bytes=r.bytes,
+                                      expires_in_s=round(r.expires_at - now, 3) if r.expires_at else None))
 
     @app.post(wire.LANES_PATH)
     async def lanes(request: Request) -> Response:

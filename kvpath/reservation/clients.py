@@ -39,6 +39,12 @@ class InProcessReserver:
     async def release(self, lease_id: str) -> None:
         self.svc.release(lease_id)
 
+    async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool:
+        try:
+            return self.svc.update(lease_id, nbytes, expected_end_s) is not None
+        except ReservationError:
+            return False
+
     async def close(self) -> None:
         return None
 
@@ -79,6 +85,16 @@ class HttpReserver:
                                    headers=_JSON)
         except httpx.HTTPError:
             pass  # the lease ends it anyway
+
+    async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool:
+        """True when the service updated the live lease; False for every fault (best effort:
+        the reservation keeps its first bytes and its lease)."""
+        body = wire.LeaseUpdate(lease_id=lease_id, bytes=nbytes, expected_end_s=expected_end_s)
+        try:
+            r = await self.client.post(self.url + wire.LEASE_PATH, content=wire.encode(body), headers=_JSON)
+            return r.status_code == 200 and wire.decode_lease(r.content).updated
+        except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return False
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -38,12 +38,14 @@ from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
 from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
-from kvpath.reservation.wire import MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo, ReserveAnswer, WorkerPair
+from kvpath.reservation.wire import (MAX_EXPECTED_END_S, MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo,
+                                    ReserveAnswer, WorkerPair)
 
 __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "ReservationError", "ReservationService",
            "UnregisteredLanes", "WorkerPair", "default_lane"]
 
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
+MAX_UPDATES_PER_LEASE = 64  # a lease's updates, each kept in its decision record for replay
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
@@ -115,6 +117,8 @@ class SyncReserver(Protocol):
                 transfer_id: str = "", scope: FlowScope | None = None) -> Reservation: ...
 
     def release(self, lease_id: str) -> bool: ...
+
+    def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> "Reservation | None": ...
 
 
 class ReservationService:
@@ -340,14 +344,46 @@ class ReservationService:
         self.counters["releases"] += 1
         return True
 
+    def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> Reservation | None:
+        """A live reservation's flow, better known: its whole ``nbytes`` replace the
+        reserved bytes on its links (its flow count stays), and with ``expected_end_s``
+        (seconds from now) the lease lasts ``lease_s`` past that. None when the lease had
+        already ended. A layer-wise push reserves at its first layer with the blocks that
+        exist then, and learns its bytes when its request's prompt is computed."""
+        now = self.clock()
+        self.expire(now)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
+            raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
+        if expected_end_s is not None and not 0 <= expected_end_s <= MAX_EXPECTED_END_S:
+            raise ReservationError(f"expected_end_s must be in [0, {MAX_EXPECTED_END_S:g}], got {expected_end_s!r}")
+        r = self.active.get(lease_id)
+        if r is None:
+            self.counters["updates_unknown"] += 1
+            return None
+        d = self._open_decisions.get(lease_id)
+        if d is not None and len(d.get("updates", ())) >= MAX_UPDATES_PER_LEASE:
+            raise ReservationError(f"lease {lease_id} was updated {MAX_UPDATES_PER_LEASE} times already")
+        if nbytes != r.bytes:
+            self._apply(r, -1, now)
+            r.bytes = nbytes
+            self._apply(r, +1, now)
+        if expected_end_s is not None:
+            r.expires_at = now + expected_end_s + self.lease_s
+            heapq.heappush(self._expiry, (r.expires_at, lease_id))  # the old entry is skipped when due
+        if d is not None:  # replayed in order with the reservations and their ends
+            d["updates"] = (*d.get("updates", ()), (next(self._seq), time.time(), nbytes))
+        self.counters["updates"] += 1
+        return r
+
     def expire(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
         self._sweep_lanes(now)
         n = 0
         while self._expiry and self._expiry[0][0] <= now:
             _, lid = heapq.heappop(self._expiry)
-            r = self.active.pop(lid, None)
-            if r is not None and r.expires_at <= now:
+            r = self.active.get(lid)
+            if r is not None and r.expires_at <= now:  # (an updated lease's older entry: not yet)
+                del self.active[lid]
                 self._apply(r, -1, now)
                 self._ended(lid, "expired")
                 self.counters["leases_expired"] += 1

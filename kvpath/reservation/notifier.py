@@ -49,7 +49,8 @@ def reservation_token(cfg: Any, environ: Mapping[str, str] | None = None) -> str
 
 class _Call(NamedTuple):
     path: str  # a route of kvpath.reservation.wire
-    body: wire.ReserveRequest | wire.ReleaseRequest | wire.LanesRequest | wire.LanesRemoval  # encoded on the notifier's thread
+    # encoded on the notifier's thread
+    body: wire.ReserveRequest | wire.ReleaseRequest | wire.LeaseUpdate | wire.LanesRequest | wire.LanesRemoval
     done: ReservedCallback | None = None  # reserve calls only
 
 
@@ -123,6 +124,13 @@ class ReservationNotifier:
 
     def release(self, lease_id: str) -> None:
         self._post(_Call(wire.RELEASE_PATH, wire.ReleaseRequest(lease_id)))
+
+    def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> None:
+        """A live lease's flow, better known (its bytes, when it expects to end): queued
+        behind the registrations and releases before it, so never ahead of the lease's
+        own release."""
+        self._post(_Call(wire.LEASE_PATH, wire.LeaseUpdate(lease_id=lease_id, bytes=nbytes,
+                                                           expected_end_s=expected_end_s)))
 
     def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                 transfer_id: str = "", scope: wire.FlowScope | None = None, *, done: ReservedCallback) -> None:

@@ -2,7 +2,8 @@
 
 A live run's log (``GET /reservation/v1/decisions``) records, for every reservation,
 the lanes it chose among with their spines, its bytes, and when (in the service's own
-order, ``seq``/``end_seq``) it was made and ended. Replaying that sequence through a
+order, ``seq``/``end_seq``) it was made and ended, and each update of its bytes
+(``updates``: sequence number, time, bytes). Replaying that sequence through a
 fresh :class:`~kvpath.reservation.ReservationService` in some mode answers "what would
 this mode have chosen, given exactly the same requests at exactly the same moments":
 
@@ -47,14 +48,16 @@ def replay(decisions: list[dict[str, Any]], spec: FabricSpec, mode: str, dc_dela
         raise ReplayError("the log has decisions without candidates or sequence numbers (several worker pairs "
                           "per P-D pair, or a kvpath older than the replayable log)")
     oracle = TableOracle(spec)
-    events: list[tuple[int, str, dict[str, Any]]] = []
+    events: list[tuple[int, str, dict[str, Any], Any]] = []
     for d in decisions:
         for lane, sport, dport, spine in d["candidates"]:
             idx = None if spine is None else int(spine.removeprefix("spine"))
             oracle.table[(d["src_host"], d["dst_host"], sport, dport)] = idx
-        events.append((d["seq"], "reserve", d))
+        events.append((d["seq"], "reserve", d, None))
+        for seq, at, nbytes in d.get("updates", ()):
+            events.append((seq, "update", d, (at, nbytes)))
         if d.get("end_seq") is not None:
-            events.append((d["end_seq"], "end", d))
+            events.append((d["end_seq"], "end", d, None))
     events.sort(key=lambda e: e[0])
     now = [0.0]
     # leases never expire by themselves here: the log says when each one ended
@@ -63,10 +66,13 @@ def replay(decisions: list[dict[str, Any]], spec: FabricSpec, mode: str, dc_dela
     leases: dict[str, str] = {}
     same, differing = 0, []
     t0 = min((d["at"] for d in decisions), default=0.0)
-    for _, kind, d in events:
-        now[0] = (d["at"] if kind == "reserve" else d["ended_at"]) - t0
+    for _, kind, d, upd in events:
+        now[0] = {"reserve": d["at"], "end": d.get("ended_at"), "update": upd and upd[0]}[kind] - t0
         if kind == "end":
             svc.release(leases.pop(d["lease_id"]))
+            continue
+        if kind == "update":  # its bytes on its links (the lease never expires here)
+            svc.update(leases[d["lease_id"]], int(upd[1]))
             continue
         lanes = [LaneInfo(lane, sport, dport) for lane, sport, dport, _ in d["candidates"]]
         r = svc.reserve(d["src_host"], d["dst_host"], d["bytes"], lanes=lanes, transfer_id=d["transfer_id"])

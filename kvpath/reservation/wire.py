@@ -38,6 +38,7 @@ TOKEN_ENV: Final = "KVPATH_RESERVATION_TOKEN"
 # ---- routes ---------------------------------------------------------------
 RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer (token)
 RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent; token)
+LEASE_PATH: Final = "/v1/lease"  # POST LeaseUpdate -> LeaseAnswer (a flow's bytes and expected end; token)
 LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (token)
 UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (token)
 STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters (token)
@@ -168,6 +169,29 @@ class ReleaseAnswer(msgspec.Struct):
     released: bool  # False when it had already ended
 
 
+# A flow longer than this is not expected: an update may hold its lease this far ahead.
+MAX_EXPECTED_END_S: Final = 3600.0
+
+
+class LeaseUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A live reservation's flow, better known now: its whole ``bytes`` (they replace
+    the reserved ones on every link of its path) and, optionally, when it expects to end
+    (``expected_end_s`` from now; the lease then lasts the service's lease time past
+    that). A layer-wise push reserves at its first layer, before its prompt's last
+    blocks exist, and holds its lane while P still computes."""
+
+    lease_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    bytes: Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
+    expected_end_s: Annotated[float, Meta(ge=0, le=MAX_EXPECTED_END_S)] | None = None
+
+
+class LeaseAnswer(msgspec.Struct, kw_only=True):
+    lease_id: str = ""
+    updated: bool = False  # False when the lease had already ended (released or expired)
+    bytes: int = 0
+    expires_in_s: float | None = None
+
+
 class LanesRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The lanes of one (P worker, D worker) pair of a host pair, so pairs never
     overwrite each other. ``pair`` names it by engines and ranks (what a scoped
@@ -218,6 +242,7 @@ class LaneGrant(msgspec.Struct, frozen=True):
 # Encoders/decoders are built once: msgspec caches nothing per call.
 encode = msgspec.json.Encoder().encode
 decode_answer = msgspec.json.Decoder(ReserveAnswer).decode
+decode_lease = msgspec.json.Decoder(LeaseAnswer).decode
 
 
 # ---- the shapes of caller (the in-process service's is kvpath.reservation.SyncReserver) ----
@@ -230,6 +255,8 @@ class AsyncReserver(Protocol):
                       transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant: ...
 
     async def release(self, lease_id: str) -> None: ...
+
+    async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -248,6 +275,8 @@ class QueuedReserver(Protocol):
                 transfer_id: str = "", scope: FlowScope | None = None, *, done: ReservedCallback) -> None: ...
 
     def release(self, lease_id: str) -> None: ...
+
+    def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> None: ...
 
     def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "",
                        pair: WorkerPair | None = None) -> None: ...

@@ -18,7 +18,7 @@
 // start after such an idle, as a new connection does. Without a conn (or -1) a flow
 // has a connection of its own. Output: one line per flow "id fct_s" (fct -1:
 // it did not finish before the horizon). Progress goes to stderr as "progress DONE N",
-// then "stats drops N", "stats tier_drops TIER N" (the queue discs' drops per tier of
+// then "stats drops N", "stats conn_failed N" (connections TCP gave up on), "stats tier_drops TIER N" (the queue discs' drops per tier of
 // port: host_up, leaf_down, leaf_up, spine_down) and "stats uplink LEAF SPINE BYTES"
 // (bytes sent leaf -> spine, headers included), so a caller can check each flow
 // crossed the spine it was given.
@@ -105,6 +105,7 @@ uint32_t g_done = 0;
 double g_min_rto_s = 0.005;
 uint32_t g_reported = 0;
 uint64_t g_drops = 0;
+uint64_t g_failed = 0;
 const uint64_t kMaxQueue = UINT32_MAX - 65536; // a queue disc's size is 32 bits; room for one more packet
 
 std::vector<uint64_t> g_uplink_bytes; // leaf l -> spine s at l * spines + s
@@ -227,6 +228,14 @@ Connected(uint32_t c, Ptr<Socket> s)
     Fill(c, s, s->GetTxAvailable());
 }
 
+// a connection ns-3's TCP gave up on (its SYN or its data unanswered after every
+// retry): its flows will not finish, which the caller reports with this count
+void
+Failed(Ptr<Socket>)
+{
+    ++g_failed;
+}
+
 void
 StartFlow(uint32_t i)
 {
@@ -260,7 +269,8 @@ StartFlow(uint32_t i)
     // on a retransmission, and sent bytes would count as unsent until the ACK caught up
     NS_ABORT_MSG_UNLESS(s->TraceConnectWithoutContext("HighestSequence", MakeBoundCallback(&HighTx, c, PeekPointer(s))),
                         "no HighestSequence trace source on the TCP socket");
-    s->SetConnectCallback(MakeBoundCallback(&Connected, c), MakeNullCallback<void, Ptr<Socket>>());
+    s->SetConnectCallback(MakeBoundCallback(&Connected, c), MakeCallback(&Failed));
+    s->SetCloseCallbacks(MakeNullCallback<void, Ptr<Socket>>(), MakeCallback(&Failed));
     s->Connect(InetSocketAddress(DataAddress(spine, f.dst), kPort));
     // keyed by the address the connection really uses (set by Connect's route lookup)
     Address name;
@@ -432,7 +442,13 @@ main(int argc, char* argv[])
     Config::SetDefault("ns3::TcpSocket::SndBufSize", UintegerValue(buf_bytes));
     Config::SetDefault("ns3::TcpSocket::RcvBufSize", UintegerValue(buf_bytes));
     Config::SetDefault("ns3::TcpSocket::InitialCwnd", UintegerValue(10));
-    Config::SetDefault("ns3::TcpSocket::ConnTimeout", TimeValue(MilliSeconds(10)));
+    // The SYN's timeout outlasts the path's worst queueing (four FIFO ports full, out and
+    // back), and at least Linux's initial RTO (1 s). At 10 ms, a SYN queued behind a full
+    // port was sent again and again; ns-3's listener forked a socket per duplicate SYN, and
+    // the connection that the first SYN-ACK established never had its data acknowledged
+    // (every retransmission unanswered until TCP gave up: its flows never finished).
+    double queue_s = 4.0 * queue_bytes * 8 / (std::min(host_gbps, spine_gbps) * 1e9);
+    Config::SetDefault("ns3::TcpSocket::ConnTimeout", TimeValue(Seconds(std::max(1.0, 2 * queue_s))));
     Config::SetDefault("ns3::TcpSocketBase::MinRto", TimeValue(MicroSeconds(min_rto_ms * 1000)));
     g_min_rto_s = min_rto_ms / 1000.0;
     // Every segment is acknowledged at once. With ns-3's delayed ACK (every second
@@ -648,6 +664,7 @@ main(int argc, char* argv[])
         out << f.id << ' ' << (f.end < 0 ? -1.0 : f.end - f.start) << '\n';
     }
     std::fprintf(stderr, "stats drops %llu\n", (unsigned long long)g_drops);
+    std::fprintf(stderr, "stats conn_failed %llu\n", (unsigned long long)g_failed);
     for (uint32_t k = 0; k < kTiers; ++k)
     {
         std::fprintf(stderr, "stats tier_drops %s %llu\n", kTierNames[k], (unsigned long long)g_tier_drops[k]);

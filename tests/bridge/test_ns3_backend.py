@@ -302,3 +302,18 @@ def test_a_bad_conn_field_or_an_empty_flow_is_refused_by_the_scenario(tmp_path):
         r = subprocess.run([str(binary()), f"--flows={tmp_path / 'f.txt'}", f"--out={tmp_path / 'o.txt'}"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_a_new_connection_behind_a_full_port_is_not_lost_to_duplicate_syns():
+    """A lane's flow after an idle opens a new connection while two other hosts keep its
+    leaf's uplink queue full (1 MB at 50 Mbit/s: 168 ms). With a 10 ms SYN timeout the
+    SYN went again and again; ns-3's listener forked a socket per copy and the connection
+    never had its data acknowledged: its flows never finished. The SYN now waits out the
+    queueing, and every flow finishes (with the 10 ms timeout: 2 flows never did)."""
+    slow = dataclasses.replace(SPEC, host_link_gbps=0.05, spine_link_gbps=0.05)
+    h = slow.hosts()
+    big = [FlowSpec(h[i], h[4 + i], 10_000_000, 0.0, 0) for i in (0, 1)]  # both through leaf0's uplink 0
+    lane = [FlowSpec(h[2], h[6], 100_000, t, 0, conn=5) for t in (0.0, 1.0, 1.05)]  # 1.0: after an idle
+    res = Ns3Backend(slow, params=Ns3Params(queue_bytes=1 << 20)).run(big + lane)
+    assert res.drops > 0 and res.tier_drops["leaf_up"] > 0  # the uplink's queue was full
+    assert np.isfinite(res.fct_s).all() and (res.fct_s > 0).all()

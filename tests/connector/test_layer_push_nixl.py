@@ -244,3 +244,68 @@ def test_a_preempted_chunk_wise_push_is_pushed_anew_from_the_new_blocks(pair):
     assert done == ["d10"] and not failed
     assert d.call("read", dst)[1] == p.expect(new)  # every block written again from the new ones
     assert p.sender.stats.snapshot()["layer_restarts"] == 1
+
+
+class _Reserver:
+    """The reservation service's client, recorded: grants lane 0 and a lease at once."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def reserve(self, src_host, dst_host, nbytes, lanes=None, transfer_id="", scope=None, *, done):
+        self.calls.append(("reserve", nbytes))
+        done(transfer_id, 0, "lease-7")
+
+    def update(self, lease_id, nbytes, expected_end_s=None):
+        self.calls.append(("update", lease_id, nbytes, expected_end_s))
+
+    def release(self, lease_id):
+        self.calls.append(("release", lease_id))
+
+    def register_lanes(self, *a, **kw):
+        pass
+
+    def unregister_lanes(self, *a, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_lane_reserved_at_the_first_chunk_learns_its_bytes_and_end_at_the_last_forward():
+    """reserve_at=push: the chunk-wise push reserves its lane when its first chunk begins
+    (the bytes of the blocks D's registration names: the whole prompt); when its last
+    forward begins, the lease is told the whole push's bytes and when it expects to end
+    (its pace so far); released at the commit."""
+    c = cfg(lanes=1, push_granularity="chunk", push_layer_group=1, reserve_at="push",
+            reservation_url="http://127.0.0.1:9", fabric_host="l0h0")
+    p = PSide(c)
+    p.sender.notifier = rec = _Reserver()
+    bs = SPEC.block_size
+    src, dst, tid = [50, 51, 52, 53], [60, 61, 62, 63], uuid.uuid4().hex
+    try:
+        with PeerProcess(c, SPEC) as d:
+            d.call("register", "d11", tid, p.sender.address, dst, 0)
+            time.sleep(0.2)
+            p.sender.begin("p11", tid, src[:2], None, None, "", forward=40, layers=LAYERS, final_before=0,
+                           final_after=2 * bs)
+            p.sender.forward_done(40, LAYERS)
+            assert _wait_landed(d, dst[:2], p, src[:2], LAYERS) == [True] * LAYERS
+            time.sleep(0.1)
+            assert [k[0] for k in rec.calls] == ["reserve"]  # not updated before the last forward
+            p.sender.begin("p11", tid, src, None, None, "", forward=41, layers=LAYERS, final_before=2 * bs)
+            p.sender.forward_done(41, LAYERS)
+            p.sender.submit_finished("p11", tid, src)
+            _, done, failed = d.call("wait", ["d11"], 10)
+            assert done == ["d11"] and not failed
+            assert "p11" in p.wait_released(["p11"])
+    finally:
+        p.sender.close()
+    whole = len(src) * LAYERS * SPEC.block_len
+    kinds = [k[0] for k in rec.calls]
+    assert kinds == ["reserve", "update", "release"], rec.calls
+    assert rec.calls[0][1] == whole
+    _, lease, nbytes, expected = rec.calls[1]
+    assert (lease, nbytes) == ("lease-7", whole)
+    assert expected is not None and expected >= 0  # the first chunk's WRITE set its pace
+    assert p.sender.stats.snapshot()["leases_updated"] == 1

@@ -43,7 +43,8 @@ WARMUP_S = 180.0
 # P at TP=2 prefills at most this many tokens a step (chunked prefill, vLLM's default,
 # with chunks the prompts here exceed), the P at TP=1 in one step (chunked prefill off)
 P_CHUNK = 64
-REG_TIMEOUT = 6.0  # D's liveness clock: a dead P's requests fail after this
+REG_TIMEOUT = 12.0  # D's liveness clock: a dead P's requests fail after this (a live P starved
+# of its cores stalled 6-14 s here, its control connection dropped: 6 s failed a live push)
 # D's hard bound (not REG_TIMEOUT's few seconds: a loaded machine may post a push
 # late). A P worker whose engine died can outlive it: vLLM's executor sends
 # SIGTERM (which the worker ignores once its death pipe closed) and may exit before
@@ -81,6 +82,25 @@ def flow_records(logs, d_log: str, tids: set[str], n: int, timeout_s: float = 30
         if (len(recs) >= n and len(got_d) >= n) or time.monotonic() > deadline:
             return recs, got_d
         time.sleep(0.2)
+
+
+# vLLM's start-up warnings, the same on every run: not what went wrong
+_NOISE = ("ulimit", "Triton", "Enforce eager", "Inductor", "SSM cache", "tcmalloc", "libiomp", "experimental",
+          "Runner V2", "Auto-prefetch")
+
+
+def served(got, logs, names: tuple[str, ...]) -> None:
+    """Every request answered 200; else fail with the answers and what the engines'
+    logs warned of (a rare failure in CI leaves nothing else behind)."""
+    if all(g.status == 200 for g in got):
+        return
+    lines = []
+    for name in names:
+        path = logs / name
+        warned = [ln[:300] for ln in path.read_text(errors="replace").splitlines()
+                  if ("WARNING" in ln or "ERROR" in ln or "Traceback" in ln) and not any(n in ln for n in _NOISE)]
+        lines += [f"--- {name} (last {min(len(warned), 25)} of {len(warned)} warnings)"] + warned[-25:]
+    pytest.fail(f"statuses {[g.status for g in got]}, errors {[g.error[:200] for g in got]}\n" + "\n".join(lines))
 
 
 def kv_usage(url: str) -> float:
@@ -130,7 +150,7 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
                                             ref_url=d.url, granularity=granularity)
 
     refs, got = asyncio.run(run())
-    assert [g.status for g in got] == [200] * 4, [g.error[:300] for g in got]
+    served(got, logs, ("p.log", "d.log"))
     assert [g.text for g in got] == refs
     assert max(tokens_of(p.url, pr) for pr in prompts) > P_CHUNK  # a prefill in several chunks
     # one push per (P rank, D rank) pair, rank r to rank r, each landed
@@ -249,7 +269,7 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
                                             p_tp_size=p_tp, granularity=granularity)
 
     _, got = asyncio.run(run())
-    assert [g.status for g in got] == [200] * 3, [g.error[:300] for g in got]
+    served(got, logs, ("p.log" if p_tp == 2 else "p1.log", "d1.log" if d_tp == 1 else "d.log"))
     assert all(g.text.strip() for g in got)
     assert max(tokens_of(p_url, pr) for pr in prompts) > P_CHUNK  # chunked on P at TP=2
     tids = {g.transfer_id for g in got}

@@ -108,19 +108,22 @@ class LayerWrites:
         m = f.match
         fp, reg = m.prefill, m.registration.reg
         peer = self.loop.lanes.peer(reg.agent_name)
-        try:
-            total = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2] if peer is not None else f.total_bytes
-        except ValueError:
-            total = f.total_bytes
-        f.total_bytes = max(f.total_bytes, total)
+        try:  # exact now (the begin's estimate may count prefix hits and heads this rank does not write)
+            if peer is not None:
+                f.total_bytes = self.loop.plans.whole(peer.hello, fp.block_ids, reg)[2]
+        except Exception as e:  # never into the writer's loop: the push itself goes on
+            logger.debug("push %s: its whole bytes are not known (%s)", fp.transfer_id, e)
         notifier = self.loop.notifier
         if not (fp.lane_asked and fp.lease_id) or notifier is None:
             return
         expected = None
         if f.done_bytes > 0 and f.record.submit_at:
             pace = f.done_bytes / max(time.time() - f.record.submit_at, 1e-6)
-            expected = min((f.total_bytes - f.done_bytes) / pace, MAX_EXPECTED_END_S) if pace > 0 else None
-        notifier.update(fp.lease_id, f.total_bytes, None if expected is None else round(max(expected, 0.0), 3))
+            left = max(f.total_bytes - f.done_bytes, 0)
+            expected = round(min(left / pace, MAX_EXPECTED_END_S), 3) if pace > 0 else None
+        if expected is None and f.total_bytes == fp.reserved_bytes:
+            return  # nothing the service does not know (a one-forward prompt: its reservation was exact)
+        notifier.update(fp.lease_id, f.total_bytes, expected)
         self.loop.stats.inc("leases_updated")
 
     def _write(self, f: InFlight, tokens: tuple[int, int | None], layers: tuple[int, int]) -> bool:
@@ -180,7 +183,7 @@ class LayerWrites:
                 self.loop.fail(m, why, f.record, posted=posted)
             return
         if f.gen != p.gen:
-            f.gen, f.sent_tokens, f.sent = p.gen, 0, 0
+            f.gen, f.sent_tokens, f.sent, f.done_bytes, f.learned = p.gen, 0, 0, 0, False
             f.record.bytes = f.record.descriptors = f.record.layers = f.record.overlap_bytes = 0
         if p.final and f.sent >= p.layers and p.last_start is not None and f.sent_tokens >= p.last_start:
             self._commit(f)

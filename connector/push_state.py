@@ -62,6 +62,7 @@ class FinishedPrefill:
     lane: int | None = None  # lane chosen by the caller (the proxy); None: hash
     lease_id: str | None = None  # the reservation behind that lane, released when the push ends
     lane_asked: bool = False  # reserve_at=push: P has asked the reservation service for its lane
+    reserved_bytes: int = 0  # the bytes it asked for (a layer-wise push's lease is told others later)
     transfer_key: str = ""  # when set, only a registration carrying it gets the push
     finished_at: float = field(default_factory=time.time)
     deadline: float = 0.0

@@ -90,6 +90,7 @@ class WriteLoop:
             nbytes = self.plans.whole(peer.hello, fp.block_ids, m.registration.reg)[2]
         except Exception:  # a plan that fails fails the push at start; ask for the blocks
             nbytes = len(m.registration.reg.block_ids) * sum(r.block_len for r in self.layout.regions)
+        fp.reserved_bytes = nbytes
         self.asking[fp.key] = (m, time.monotonic())
         # this worker pair's flow only (with TP>1 every rank asks for its own)
         pair = self.lanes.worker_pair(peer.hello)

@@ -42,7 +42,7 @@ class InProcessReserver:
     async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool:
         try:
             return self.svc.update(lease_id, nbytes, expected_end_s) is not None
-        except ReservationError:
+        except (ReservationError, TypeError):
             return False
 
     async def close(self) -> None:

@@ -45,7 +45,8 @@ __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "Reservat
            "UnregisteredLanes", "WorkerPair", "default_lane"]
 
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
-MAX_UPDATES_PER_LEASE = 64  # a lease's updates, each kept in its decision record for replay
+MAX_UPDATES_PER_LEASE = 16  # a lease's updates, each kept in its decision record for replay
+LEASE_EXTENSION_MAX = 10  # an update holds a lease at most this many lease times ahead
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
@@ -347,7 +348,8 @@ class ReservationService:
     def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> Reservation | None:
         """A live reservation's flow, better known: its whole ``nbytes`` replace the
         reserved bytes on its links (its flow count stays), and with ``expected_end_s``
-        (seconds from now) the lease lasts ``lease_s`` past that. None when the lease had
+        (seconds from now) the lease lasts ``lease_s`` past that (at most
+        ``LEASE_EXTENSION_MAX`` lease times from now). None when the lease had
         already ended. A layer-wise push reserves at its first layer with the blocks that
         exist then, and learns its bytes when its request's prompt is computed."""
         now = self.clock()
@@ -367,8 +369,8 @@ class ReservationService:
             self._apply(r, -1, now)
             r.bytes = nbytes
             self._apply(r, +1, now)
-        if expected_end_s is not None:
-            r.expires_at = now + expected_end_s + self.lease_s
+        if expected_end_s is not None:  # (bounded: a token holder must not pin a lease for an hour)
+            r.expires_at = now + min(expected_end_s + self.lease_s, LEASE_EXTENSION_MAX * self.lease_s)
             heapq.heappush(self._expiry, (r.expires_at, lease_id))  # the old entry is skipped when due
         if d is not None:  # replayed in order with the reservations and their ends
             d["updates"] = (*d.get("updates", ()), (next(self._seq), time.time(), nbytes))

@@ -309,3 +309,27 @@ def test_a_lane_reserved_at_the_first_chunk_learns_its_bytes_and_end_at_the_last
     assert (lease, nbytes) == ("lease-7", whole)
     assert expected is not None and expected >= 0  # the first chunk's WRITE set its pace
     assert p.sender.stats.snapshot()["leases_updated"] == 1
+
+
+def test_a_one_forward_push_whose_reservation_was_exact_sends_no_update():
+    """The lease of a layer-wise push of one forward already has its bytes (its blocks all
+    existed when it reserved) and nothing has landed to pace it: no update is sent."""
+    c = cfg(lanes=1, push_granularity="layer", push_layer_group=1, reserve_at="push",
+            reservation_url="http://127.0.0.1:9", fabric_host="l0h0")
+    p = PSide(c)
+    p.sender.notifier = rec = _Reserver()
+    src, dst, tid = [54, 55], [64, 65], uuid.uuid4().hex
+    try:
+        with PeerProcess(c, SPEC) as d:
+            d.call("register", "d12", tid, p.sender.address, dst, 0)
+            time.sleep(0.2)
+            p.sender.begin("p12", tid, src, None, None, "", forward=50, layers=LAYERS)
+            p.sender.forward_done(50, LAYERS)
+            p.sender.submit_finished("p12", tid, src)
+            _, done, failed = d.call("wait", ["d12"], 10)
+            assert done == ["d12"] and not failed
+            assert "p12" in p.wait_released(["p12"])
+    finally:
+        p.sender.close()
+    assert [k[0] for k in rec.calls] == ["reserve", "release"], rec.calls
+    assert rec.calls[0][1] == len(src) * LAYERS * SPEC.block_len

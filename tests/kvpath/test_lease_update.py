@@ -3,6 +3,7 @@ links, when it expects to end), over HTTP (``POST /v1/lease``), through each cli
 in the decision log that replay reproduces."""
 
 import asyncio
+import contextlib
 import math
 import random
 
@@ -65,6 +66,14 @@ def test_the_expected_end_holds_the_lease_that_long_past_it():
     assert svc.update(r.lease_id, 10) is None and svc.counters["updates_unknown"] == 1  # ended: nothing to update
 
 
+def test_an_update_holds_a_lease_at_most_ten_lease_times_ahead():
+    clock = Clock()
+    svc = ReservationService(SPEC, "cc", clock=clock, lease_s=5)
+    r = svc.reserve("l0h0", "l1h0", 10, lanes_covering_spines("l0h0", "l1h0"))
+    svc.update(r.lease_id, 10, expected_end_s=3000)
+    assert r.expires_at == clock.t + 50
+
+
 @pytest.mark.parametrize("nbytes, expected, field", [
     (-1, None, "bytes"), (True, None, "bytes"), (2 ** 41, None, "bytes"),
     (5, -1.0, "expected_end_s"), (5, math.nan, "expected_end_s"), (5, 1e9, "expected_end_s"),
@@ -99,7 +108,8 @@ def _logged_with_updates(seed: int = 4) -> list[dict]:
         if active and x < 0.3:
             svc.release(active.pop(rng.randrange(len(active))).lease_id)
         elif active and x < 0.6:
-            svc.update(rng.choice(active).lease_id, rng.randint(1, 10**9))
+            with contextlib.suppress(ReservationError):  # (a lease's updates are bounded)
+                svc.update(rng.choice(active).lease_id, rng.randint(1, 10**9))
         else:
             s = rng.choice(srcs)
             active.append(svc.reserve(s, "l1h0", rng.randint(1, 10**6), lanes[s], transfer_id=f"t{step}"))

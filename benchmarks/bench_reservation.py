@@ -1,6 +1,8 @@
-"""Reservation service benchmark: decisions per second in-process and over HTTP.
+"""Reservation service benchmark: decisions per second in-process and over HTTP, and the
+joint placement's decision time beside cc's and ecmp's.
 
     .venv/bin/python benchmarks/bench_reservation.py [--decisions 50000] [--repeats 5] [--http-requests 2000]
+        [--joint 2000]
 
 In-process: reserve+release pairs on an 8 leaves x 8 spines x 8 hosts fabric with 8
 lanes per P host and a few hundred flows kept active (target >= 20,000 decisions/s in
@@ -11,6 +13,11 @@ Over HTTP: a `kvpath reservation` server in its own process (its token in the
 environment, never on its command line), its pairs' lanes registered first, a client
 keeping 8 requests in flight as the proxy asks (no lanes named); p50/p99 latency of
 /v1/reserve.
+Joint placement (kvpath/reservation/placer.py): 16 P engines (on leaves 0-1) x 16 D
+engines (on leaves 4-5) x 8 lanes per pair, random queues and in-flight counts, about
+256 flows kept reserved; per decision, the time of ``place`` (joint, network, load) and
+of a cc and an ecmp ``reserve`` for the same pair, interleaved request by request (A B
+C ...), so that noise hits them alike; p50 and p99 of each, and joint's p99 over cc's.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpath.fabric import FabricSpec
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.placement import CostModel, EngineState
 from kvpath.reservation.decisions import MODES, LaneInfo, ReservationService
+from kvpath.reservation.placer import place
 from kvpath.reservation.wire import TOKEN_ENV as RESERVATION_TOKEN_ENV
 from kvpath.testbed.readiness import free_port, wait_http
 
@@ -81,6 +91,42 @@ def bench_inprocess(n: int, repeats: int) -> dict[str, dict[str, list[float]]]:
             out[mode]["cpu"].append(cpu)
             out[mode]["wall"].append(wall)
     return out
+
+
+def bench_joint(n: int, seed: int = 3) -> dict[str, np.ndarray]:
+    """Per-decision seconds of each kind (see the module), n decisions each, interleaved."""
+    rng = random.Random(seed)
+    p_hosts = [f"l{leaf}h{h}" for leaf in (0, 1) for h in range(8)]
+    d_hosts = [f"l{leaf}h{h}" for leaf in (4, 5) for h in range(8)]
+    lanes = [LaneInfo(i, 40000 + 17 * i, 0) for i in range(8)]
+    cost = CostModel(SPEC, IterationTimeModel.preset())
+    svcs = {k: ReservationService(SPEC, "ecmp" if k == "ecmp" else "cc") for k in ("joint", "network", "load", "cc",
+                                                                                     "ecmp")}
+    for svc in svcs.values():
+        for p in p_hosts:
+            for d in d_hosts:
+                svc.register_lanes(p, d, lanes)
+    active: dict[str, list[str]] = {k: [] for k in svcs}
+    out: dict[str, list[float]] = {k: [] for k in svcs}
+    warm = 200  # untimed: every pair's lane candidates computed once (the service caches them)
+    for i in range(n + warm):
+        ps = [EngineState(f"p{k}", h, rng.randint(0, 6), rng.randint(0, 30_000)) for k, h in enumerate(p_hosts)]
+        ds = [EngineState(f"d{k}", h, rng.randint(0, 6)) for k, h in enumerate(d_hosts)]
+        tokens = rng.randint(100, 6000)
+        nbytes = tokens * 131072
+        s, d = rng.choice(p_hosts), rng.choice(d_hosts)
+        for k, svc in svcs.items():
+            t = time.perf_counter()
+            if k in ("cc", "ecmp"):
+                lid = svc.reserve(s, d, nbytes, transfer_id=f"t{i}").lease_id
+            else:
+                lid = place(svc, cost, ps, ds, tokens, nbytes, transfer_id=f"t{i}", policy=k).reservation.lease_id
+            if i >= warm:
+                out[k].append(time.perf_counter() - t)
+            active[k].append(lid)
+            if len(active[k]) > 256:
+                svc.release(active[k].pop(0))
+    return {k: np.array(v) for k, v in out.items()}
 
 
 def spread(v: list[float]) -> str:
@@ -141,8 +187,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="in-process runs per mode (median and range)")
     ap.add_argument("--http-requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--joint", type=int, default=2000, help="joint placement decisions to time (0: skip)")
     args = ap.parse_args()
     con = Console()
+    if args.joint:
+        jt = bench_joint(args.joint)
+        t = Table(title=f"one decision, us ({args.joint} each, interleaved; joint/network/load over 16 P x 16 D x 8 "
+                        f"lanes, cc and ecmp over one pair's 8 lanes)")
+        for c in ("decision", "p50", "p99", "mean"):
+            t.add_column(c)
+        for k, v in jt.items():
+            t.add_row(k, f"{np.percentile(v, 50) * 1e6:.0f}", f"{np.percentile(v, 99) * 1e6:.0f}",
+                      f"{v.mean() * 1e6:.0f}")
+        con.print(t)
+        ratio = np.percentile(jt["joint"], 99) / np.percentile(jt["cc"], 99)
+        con.print(f"joint p99 / cc p99: {ratio:.1f}x (goal <= 3x: {'yes' if ratio <= 3 else 'NO'})")
     ip = bench_inprocess(args.decisions, args.repeats)
     t = Table(title=f"in-process decisions/s ({SPEC.leaves}x{SPEC.spines}x{SPEC.hosts_per_leaf} fabric, 8 lanes, "
                     f"~256 active flows; median (min..max) of {args.repeats})")

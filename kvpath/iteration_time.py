@@ -60,15 +60,28 @@ class IterationTimeModel:
     def iteration_time(self, prefill_tokens: list[int] | np.ndarray, decode_contexts: list[int] | np.ndarray) -> float:
         """One iteration with whole prompts of ``prefill_tokens`` (each from position 0)
         and one new token for each decode sequence of context ``decode_contexts``."""
-        m = self.model
         p = np.asarray(prefill_tokens, dtype=float)
         c = np.asarray(decode_contexts, dtype=float)
-        q_dim = m.heads * m.head_dim
-        tokens = p.sum() + c.size
-        flops = 2 * m.params * tokens + 4 * m.layers * q_dim * (0.5 * (p * p).sum() + c.sum())
-        kv = kv_bytes_per_token(m)
-        bytes_read = m.params * m.dtype_bytes + kv * (p.sum() + c.sum())
-        return self._time(flops, bytes_read) if tokens else 0.0
+        return self._sums(float(p.sum()), float((p * p).sum()), c.size, float(c.sum()))
+
+    def _sums(self, p_sum: float, p_sq: float, n_decode: int, c_sum: float) -> float:
+        """The roofline of an iteration from its sums: prompt tokens, their squares, decode
+        sequences and their contexts (every form of the model goes through here)."""
+        m = self.model
+        tokens = p_sum + n_decode
+        if not tokens:
+            return 0.0
+        flops = 2 * m.params * tokens + 4 * m.layers * m.heads * m.head_dim * (0.5 * p_sq + c_sum)
+        bytes_read = m.params * m.dtype_bytes + kv_bytes_per_token(m) * (p_sum + c_sum)
+        return self._time(flops, bytes_read)
+
+    def one_prefill_time(self, tokens: int) -> float:
+        """``prefill_time([tokens])`` without numpy (a placement costs many)."""
+        return self._sums(float(tokens), float(tokens) * tokens, 0, 0.0)
+
+    def uniform_decode_time(self, n: int, context: int) -> float:
+        """``decode_time([context] * n)`` without numpy."""
+        return self._sums(0.0, 0.0, n, float(n) * context)
 
     def prefill_time(self, tokens: list[int] | np.ndarray) -> float:
         return self.iteration_time(tokens, [])

@@ -294,20 +294,37 @@ class ReservationService:
         if scope is not None and not isinstance(scope, FlowScope):
             raise ReservationError(f"scope must be a FlowScope, got {type(scope).__name__}")
         scope = scope or _UNSCOPED
-        # a sequence number for logs, and a random part so that one client cannot end
-        # another's reservations by guessing their ids (every client holds the one token)
-        lease_id = f"r{next(self._ids)}-{secrets.token_hex(6)}"
+        lease_id = self.new_lease_id()
         tid = transfer_id or lease_id
         cands = self._candidates(src, dst, lanes, scope)
         if not cands:  # no pair registered in scope, or pairs with no lane id in common
             self.counters["fallback_no_lanes"] += 1
             return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
+        return self.grant(src, dst, nbytes, tid, lease_id, cands, self.choose(src, cands, tid, now), now)
+
+    def choose(self, src: str, cands: Sequence[_Candidate], tid: str, now: float) -> _Candidate:
+        """The lane this mode takes among ``cands`` (not empty) for transfer ``tid`` from P host ``src``."""
         if self.mode == "ecmp":
             # exactly the lane the connector takes by itself (crc32 of the transfer id)
             want = default_lane(tid, max(c.lane.lane for c in cands) + 1)
-            chosen = next((c for c in cands if c.lane.lane == want), cands[0])
-        else:
-            chosen = self._least_loaded(cands, self.loads if self.mode == "cc" else self._view(src, now))
+            return next((c for c in cands if c.lane.lane == want), cands[0])
+        return self._least_loaded(cands, self.view(src, now))
+
+    def new_lease_id(self) -> str:
+        # a sequence number for logs, and a random part so that one client cannot end
+        # another's reservations by guessing their ids (every client holds the one token)
+        return f"r{next(self._ids)}-{secrets.token_hex(6)}"
+
+    def view(self, src: str, now: float) -> "LinkLoads | DelayedView":
+        """The loads a decision for P host ``src`` sees: the truth (cc, ecmp), or what
+        ``src``'s agent has heard (dc)."""
+        return self._view(src, now) if self.mode == "dc" else self.loads
+
+    def grant(self, src: str, dst: str, nbytes: int, tid: str, lease_id: str, cands: Sequence[_Candidate],
+              chosen: _Candidate, now: float, extra: dict | None = None) -> Reservation:
+        """Reserve ``chosen`` (one of ``cands``, the lanes of the pair it chose among) for
+        a flow of ``nbytes``: its load on its links, its lease, its decision record
+        (with ``extra`` fields: a placement's inputs and predictions)."""
         lane, paths = chosen.lane, chosen.paths
         r = Reservation(lease_id, tid, src, dst, nbytes, lane.lane, lane.src_port, paths[0], now + self.lease_s,
                         self.mode, paths=paths, workers=chosen.workers)
@@ -325,6 +342,8 @@ class ReservationService:
                     # collector stops tracking tuples of scalars, but rescans lists on every pass.
                     "candidates": tuple((c.lane.lane, c.lane.src_port, c.lane.dst_port, c.paths[0].spine)
                                         for c in cands) if all(len(c.paths) == 1 for c in cands) else None}
+        if extra:
+            decision.update(extra)
         self.decisions.append(decision)
         self._open_decisions[lease_id] = decision
         return r
@@ -434,6 +453,11 @@ class ReservationService:
                 best = (key, c)
         assert best is not None
         return best[1]
+
+    def candidates(self, src: str, dst: str, scope: FlowScope | None = None) -> list[_Candidate]:
+        """The registered lanes of host pair (``src``, ``dst``) in ``scope``, each with its
+        path on every worker pair that carries it (canonical host names)."""
+        return self._candidates(src, dst, None, scope or _UNSCOPED)
 
     def _candidates(self, src: str, dst: str, lanes: Sequence[LaneInfo] | None, scope: FlowScope) -> list[_Candidate]:
         """Per lane id: its lane (on the first carrying pair) and its path on every worker

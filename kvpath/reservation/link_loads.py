@@ -52,6 +52,10 @@ class LinkLoads:
             worst_b = max(worst_b, b)
         return worst, total, worst_b
 
+    def link(self, ln: Link) -> tuple[int, int]:
+        """(reserved flows, reserved bytes) on one link."""
+        return self.flows.get(ln, 0), self.bytes.get(ln, 0)
+
     def total_flows(self) -> int:
         return sum(self.flows.values())
 
@@ -98,6 +102,12 @@ class DelayedView:
 
     def __init__(self, truth: LinkLoads, unheard: Unheard, host: str):
         self.truth, self.all, self.mine = truth, unheard.all, unheard.by_host.get(host)
+
+    def link(self, ln: Link) -> tuple[int, int]:
+        """(flows, bytes) this agent believes are reserved on one link."""
+        mf, mb = (self.mine.flows, self.mine.bytes) if self.mine else ({}, {})
+        return (self.truth.flows.get(ln, 0) - self.all.flows.get(ln, 0) + mf.get(ln, 0),
+                self.truth.bytes.get(ln, 0) - self.all.bytes.get(ln, 0) + mb.get(ln, 0))
 
     def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
         tf, tb, af, ab = self.truth.flows, self.truth.bytes, self.all.flows, self.all.bytes

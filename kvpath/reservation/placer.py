@@ -1,0 +1,215 @@
+"""Joint placement: P, D and the lane chosen together, in one decision that reserves.
+
+:func:`place` runs in the reservation service, where the link state is, so the choice
+and the lane's reservation are one atomic step (the service is single-threaded):
+concurrent admissions never both take the same "free" link. Every candidate (P, D,
+lane) is costed by the shared model (:class:`kvpath.placement.CostModel`): P's queue,
+the prefill, the push beside the load already reserved on each link of the lane's path,
+D's admission. Policies (``kvpath.placement.PLACEMENTS``):
+
+- ``joint``: the least predicted TTFT over every (P, D, lane);
+- ``network``: P by least outstanding, then D and the lane by the push and D's
+  admission only (D by network cost: NetKV's idea, with the lane);
+- ``load``: P and D by least outstanding, the lane by the service's own rule (ecmp, cc
+  or dc): the baseline, decided in the same place.
+
+``joint`` and ``network`` choose the lane by its cost whatever the service's mode (a dc
+service costs it on what the P host's agent has heard).
+
+A guard keeps every policy off an instance with more than ``guard`` requests above the
+least loaded of its pool, so a cheap-looking instance is not piled on while its own
+counts catch up. Equal predictions go to the lane whose spine links carry the fewest
+reserved flows, then bytes (cc's rule), then the lower P index, D index, lane id:
+deterministic.
+
+Pruning: pairs are visited in order of their lower bound (P's wait and prefill, D's
+admission, the push alone on an idle path); the first pair whose bound is not below the
+best found ends the search, so a large pool costs a few pairs, not all of them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvpath.placement import PLACEMENTS, CostModel, EngineState, PlacementError, Prediction
+from kvpath.reservation.decisions import Reservation, ReservationService
+from kvpath.reservation.link_loads import core_links
+from kvpath.reservation.wire import MAX_TRANSFER_BYTES, FlowScope
+
+__all__ = ["GUARD", "MAX_ENGINES", "Placement", "place"]
+
+GUARD = 4  # requests above the least loaded of its pool an instance may have and stay a candidate
+MAX_ENGINES = 1024  # per pool in one request
+LOG_ENGINES = 64  # a decision's record keeps the engines' states (for replay) up to this many in all
+
+
+@dataclass
+class Placement:
+    p: int  # index into the P candidates
+    d: int  # index into the D candidates
+    reservation: Reservation  # its lane and lease (fallback "no_lanes": none known for the pair)
+    prediction: Prediction
+    considered: int  # (P, D, lane) candidates costed
+
+
+def _scope(p: EngineState, d: EngineState) -> FlowScope | None:
+    if p.engine_id or d.engine_id:
+        return FlowScope(p_engine=p.engine_id, d_engine=d.engine_id)
+    return None
+
+
+def _eligible(states: Sequence[EngineState], guard: int) -> list[int]:
+    low = min(s.outstanding for s in states)
+    return [i for i, s in enumerate(states) if s.outstanding <= low + guard]
+
+
+def _least_outstanding(states: Sequence[EngineState], eligible: list[int]) -> int:
+    return min(eligible, key=lambda i: (states[i].outstanding, i))
+
+
+def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], ds: Sequence[EngineState],
+          prompt_tokens: int, nbytes: int, transfer_id: str = "", policy: str = "joint",
+          guard: int = GUARD) -> Placement:
+    """Choose P, D and the lane for one request and reserve the lane (see the module)."""
+    if policy not in PLACEMENTS:
+        raise PlacementError(f"policy must be one of {PLACEMENTS}, got {policy!r}")
+    if not ps or not ds or len(ps) > MAX_ENGINES or len(ds) > MAX_ENGINES:
+        raise PlacementError(f"prefill and decode: 1 to {MAX_ENGINES} candidates each, got {len(ps)} and {len(ds)}")
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        raise PlacementError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
+        raise PlacementError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
+    if guard < 0:
+        raise PlacementError(f"guard must be >= 0, got {guard!r}")
+    now = svc.clock()
+    svc.expire(now)
+    p_hosts = [svc._host(p.host, f"prefill.{i}.host") for i, p in enumerate(ps)]
+    d_hosts = [svc._host(d.host, f"decode.{i}.host") for i, d in enumerate(ds)]
+    p_ok, d_ok = _eligible(ps, guard), _eligible(ds, guard)
+    if policy != "joint":
+        p_ok = [_least_outstanding(ps, p_ok)]
+    if policy == "load":
+        d_ok = [_least_outstanding(ds, d_ok)]
+    pre = cost.prefill_s(prompt_tokens)
+    wait = {i: cost.wait_s(ps[i]) for i in p_ok}
+    admit = {j: cost.admit_s(ds[j], prompt_tokens) for j in d_ok}
+    spec = cost.spec
+    host_bps, spine_bps = spec.host_link_gbps * 1e9, spec.spine_link_gbps * 1e9
+    dc = svc.mode == "dc"  # each P host's agent sees its own view: per-host caches
+    views: dict[str, object] = {}
+    times: dict[tuple, float] = {}
+
+    def view_of(src: str):
+        v = views.get(src)
+        if v is None:
+            v = views[src] = svc.view(src, now)
+        return v
+
+    def link_t(src: str, ln: tuple[str, str], nb: int, rate: float) -> float:
+        """The push's time on one link beside its reserved load (cached per decision)."""
+        k = (src if dc else "", ln, nb)
+        t = times.get(k)
+        if t is None:
+            t = times[k] = cost.link_s(rate, nb, *view_of(src).link(ln))
+        return t
+
+    up = {i: (p_hosts[i], spec.leaf_name(spec.locate(p_hosts[i])[0])) for i in p_ok}  # P's uplink
+    down = {j: (spec.leaf_name(spec.locate(d_hosts[j])[0]), d_hosts[j]) for j in d_ok}  # D's downlink
+
+    def hosts_t(i: int, j: int, nb: int) -> float:
+        """The push on P's uplink and D's downlink: every path of the pair has both."""
+        src = p_hosts[i]
+        return max(link_t(src, up[i], nb, host_bps), link_t(src, down[j], nb, host_bps))
+
+    def bounds() -> list[tuple[float, int, int]]:
+        if dc:  # D's downlink as each P host's agent sees it
+            return [(wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j, nbytes), pre), i, j)
+                    for i in p_ok for j in d_ok]
+        up_t = {i: link_t("", up[i], nbytes, host_bps) for i in p_ok}
+        down_t = {j: link_t("", down[j], nbytes, host_bps) for j in d_ok}
+        after = cost.after_prefill
+        return [(wait[i] + admit[j] + after(u if u > dt else dt, pre), i, j)
+                for i, u in up_t.items() for j, dt in down_t.items()]
+
+    # A bound on each pair: its queue, prefill and admission, and the push on its two host
+    # links alone (split over the most worker pairs seen carrying a transfer so far)
+    fan = 1
+    pairs = bounds()
+    heapq.heapify(pairs)  # visited in order of their bound, as far as needed
+    best: tuple | None = None  # (ttft, i, j, candidate or None, push, cands, its cc key or None)
+    considered = 0
+    while pairs:
+        bound, i, j = heapq.heappop(pairs)
+        if fan > 1:  # (the bound assumed the whole bytes on one pair's links)
+            bound = wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j, max(1, nbytes // fan)), pre)
+        if best is not None and bound + pre >= best[0]:
+            break  # no later pair can beat it
+        src = p_hosts[i]
+        cands = svc.candidates(src, d_hosts[j], _scope(ps[i], ds[j]))
+        if policy == "load":  # the lane by the service's own rule, the prediction for the log
+            cands_costed = [svc.choose(src, cands, transfer_id, now)] if cands else []
+        else:
+            cands_costed = cands
+        for c in cands:
+            fan = max(fan, len(c.paths))
+        if not cands_costed:  # no lane known for the pair: its push alone on an idle path
+            push = cost.push_alone_s(nbytes, pre)
+            ttft = wait[i] + pre + push + admit[j]
+            considered += 1
+            if best is None or (ttft, 0, 0, i, j, -1) < (best[0], *_cc_key(best), best[1], best[2], _lane(best)):
+                best = (ttft, i, j, None, push, cands, (0, 0))
+            continue
+        for c in cands_costed:
+            nb = max(1, nbytes // len(c.paths))
+            tt = 0.0
+            for path in c.paths:
+                links = path.links
+                last = len(links) - 1
+                for k, ln in enumerate(links):
+                    t = link_t(src, ln, nb, host_bps if k in (0, last) else spine_bps)
+                    if t > tt:
+                        tt = t
+            push = cost.after_prefill(tt, pre)
+            ttft = wait[i] + pre + push + admit[j]
+            considered += 1
+            if best is not None and ttft > best[0]:
+                continue
+            cc = view_of(src).cost(core_links(c.paths))[:2]  # equal TTFT: the less loaded spine (cc)
+            if best is None or (ttft, *cc, i, j, c.lane.lane) < (best[0], *_cc_key(best), best[1], best[2],
+                                                                     _lane(best)):
+                best = (ttft, i, j, c, push, cands, cc)
+    assert best is not None
+    _, i, j, chosen, push, cands, _ = best
+    pred = Prediction(i, j, chosen.lane.lane if chosen is not None else None, wait[i], pre, push, admit[j])
+    lease_id = svc.new_lease_id()
+    tid = transfer_id or lease_id
+    extra = {"placement": {"policy": policy, "p": ps[i].name, "d": ds[j].name, "prompt_tokens": prompt_tokens,
+                           "predicted": pred.to_dict(), "considered": considered,
+                           "engines": _logged(ps, ds)}}
+    if chosen is None:
+        svc.counters["fallback_no_lanes"] += 1
+        r = Reservation(lease_id, tid, p_hosts[i], d_hosts[j], nbytes, None, None, None, 0.0, svc.mode, "no_lanes")
+    else:
+        r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
+    svc.counters[f"placements_{policy}"] += 1
+    return Placement(i, j, r, pred, considered)
+
+
+def _cc_key(best: tuple) -> tuple[int, int]:
+    return best[6]
+
+
+def _lane(best: tuple) -> int:
+    return best[3].lane.lane if best[3] is not None else -1
+
+
+def _logged(ps: Sequence[EngineState], ds: Sequence[EngineState]) -> tuple | None:
+    """The engines' states as the decision saw them (what a replay needs), or None past
+    LOG_ENGINES (the log keeps up to 100,000 decisions)."""
+    if len(ps) + len(ds) > LOG_ENGINES:
+        return None
+    return tuple((s.name, s.host, s.outstanding, s.queued_tokens, s.free_kv_tokens, s.engine_id)
+                 for s in (*ps, *ds))
+

@@ -1,0 +1,140 @@
+"""Joint placement (kvpath/placement.py, kvpath/reservation/placer.py): P, D and the lane
+chosen together by predicted TTFT, reserved in the same step; its ablations; the guard;
+pruning that never changes the choice; bad input refused naming the field."""
+
+import itertools
+import random
+
+import pytest
+
+from kvpath.iteration_time import IterationTimeModel
+from kvpath.placement import CostModel, EngineState, PlacementError
+from kvpath.reservation.decisions import ReservationError, ReservationService
+from kvpath.reservation.placer import place
+from tests.kvpath.test_reservation import SPEC, Clock, lanes_covering_spines
+
+ITM = IterationTimeModel.preset("llama-3-8b", "h100")
+MB = 1 << 20
+
+
+def _service(mode="cc", ps=("l0h0", "l0h1"), ds=("l1h0", "l1h1"), lanes=4):
+    clock = Clock()
+    svc = ReservationService(SPEC, mode, clock=clock)
+    for k, (p, d) in enumerate(itertools.product(ps, ds)):
+        svc.register_lanes(p, d, lanes_covering_spines(p, d, n=lanes, first_port=41000 + 100 * k))
+    return svc
+
+
+def _cost(**kw):
+    return CostModel(SPEC, ITM, **kw)
+
+
+def test_joint_takes_the_idle_p_the_light_d_and_a_free_spine_and_reserves_it():
+    svc = _service()
+    ps = [EngineState("p0", "l0h0", outstanding=1, queued_tokens=30_000), EngineState("p1", "l0h1")]
+    ds = [EngineState("d0", "l1h0", outstanding=30), EngineState("d1", "l1h1", outstanding=29)]
+    pl = place(svc, _cost(), ps, ds, 2000, 200 * MB, transfer_id="t1")
+    assert (pl.p, pl.d) == (1, 1)
+    r = pl.reservation
+    assert r.lane is not None and r.src_host == "l0h1" and r.dst_host == "l1h1" and r.lease_id in svc.active
+    rec = svc.decisions[-1]["placement"]
+    assert (rec["p"], rec["d"], rec["policy"]) == ("p1", "d1", "joint")
+    assert rec["predicted"]["ttft_s"] == pytest.approx(pl.prediction.ttft_s)
+    # the next identical request does not take the spine just reserved: the two are one decision each
+    pl2 = place(svc, _cost(), ps, ds, 2000, 200 * MB, transfer_id="t2")
+    assert pl2.reservation.path.spine != r.path.spine
+
+
+def test_a_busy_uplink_moves_the_push_to_another_p():
+    """Equal queues: P0's host uplink already carries a large push, so P1 is faster."""
+    svc = _service()
+    ps = [EngineState("p0", "l0h0"), EngineState("p1", "l0h1")]
+    ds = [EngineState("d0", "l1h0")]
+    svc.reserve("l0h0", "l1h1", 2000 * MB)  # on l0h0's uplink, whichever spine
+    pl = place(svc, _cost(), ps, ds, 1000, 500 * MB)
+    assert pl.p == 1
+
+
+def test_the_guard_keeps_a_piled_on_instance_out_even_when_it_looks_cheapest():
+    svc = _service()
+    ps = [EngineState("p0", "l0h0", outstanding=10), EngineState("p1", "l0h1", outstanding=0, queued_tokens=80_000)]
+    ds = [EngineState("d0", "l1h0")]
+    assert place(svc, _cost(), ps, ds, 1000, MB, guard=4).p == 1  # p0 is 10 above the least: not a candidate
+    assert place(svc, _cost(), ps, ds, 1000, MB, guard=20).p == 0  # allowed: its empty queue wins
+
+
+def test_the_ablations_choose_by_their_own_parts():
+    svc = _service()
+    ps = [EngineState("p0", "l0h0", outstanding=0, queued_tokens=60_000), EngineState("p1", "l0h1", outstanding=1)]
+    ds = [EngineState("d0", "l1h0", outstanding=2), EngineState("d1", "l1h1", outstanding=1)]
+    assert (place(svc, _cost(), ps, ds, 1000, MB, policy="load").p,) == (0,)  # least outstanding, blind to its queue
+    pl = place(svc, _cost(), ps, ds, 1000, MB, policy="network")
+    assert pl.p == 0 and pl.d == 1  # P by load; D by admission and push
+    assert place(svc, _cost(), ps, ds, 1000, MB, policy="joint").p == 1  # the queue counts
+
+
+def test_load_takes_the_services_own_lane():
+    a, b = _service("cc"), _service("cc")
+    ps, ds = [EngineState("p0", "l0h0")], [EngineState("d0", "l1h0")]
+    for k in range(6):
+        pl = place(a, _cost(), ps, ds, 100, MB, transfer_id=f"t{k}", policy="load")
+        r = b.reserve("l0h0", "l1h0", MB, transfer_id=f"t{k}")
+        assert pl.reservation.lane == r.lane
+
+
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_pruning_never_changes_the_choice(granularity):
+    """16 x 16 engines on 4 x 4 hosts x 4 lanes with random queues and loads: the pruned
+    search takes the candidate a brute-force search over every (P, D, lane) takes."""
+    hosts_p, hosts_d = [f"l0h{i}" for i in range(4)], [f"l1h{i}" for i in range(4)]
+    svc = _service(ps=hosts_p, ds=hosts_d)
+    rng = random.Random(5)
+    for _ in range(40):  # load on the links
+        svc.reserve(rng.choice(hosts_p), rng.choice(hosts_d), rng.randint(1, 400) * MB)
+    cost = _cost(granularity=granularity)
+    pruned_any = False
+    for trial in range(20):
+        ps = [EngineState(f"p{i}", hosts_p[i % 4], rng.randint(0, 3), rng.randint(0, 40_000)) for i in range(16)]
+        ds = [EngineState(f"d{i}", hosts_d[i % 4], rng.randint(0, 3)) for i in range(16)]
+        nbytes, tokens = rng.randint(1, 300) * MB, rng.randint(100, 6000)
+        want = min(
+            (cost.predict(i, p, j, d, c.lane.lane, c.paths[0], tokens, nbytes, svc.loads.link).ttft_s, i, j, c.lane.lane)
+            for i, p in enumerate(ps) if p.outstanding <= min(x.outstanding for x in ps) + 4
+            for j, d in enumerate(ds) if d.outstanding <= min(x.outstanding for x in ds) + 4
+            for c in svc.candidates(p.host, d.host))
+        pl = place(svc, cost, ps, ds, tokens, nbytes, transfer_id=f"x{trial}")
+        assert pl.prediction.ttft_s == pytest.approx(want[0], rel=1e-12)
+        pruned_any |= pl.considered < 16 * 16 * 4
+        svc.release(pl.reservation.lease_id)
+    assert pruned_any
+
+
+def test_layer_wise_push_leaves_less_after_the_prefill():
+    svc = _service()
+    ps, ds = [EngineState("p0", "l0h0")], [EngineState("d0", "l1h0")]
+    whole = place(svc, _cost(), ps, ds, 4000, 500 * MB).prediction
+    layered = place(svc, _cost(granularity="layer"), ps, ds, 4000, 500 * MB).prediction
+    assert 0 < layered.push_s < whole.push_s
+
+
+def test_a_pair_without_lanes_is_placed_without_a_lane():
+    svc = ReservationService(SPEC, "cc", clock=Clock())
+    pl = place(svc, _cost(), [EngineState("p0", "l0h0")], [EngineState("d0", "l1h0")], 100, MB)
+    assert pl.reservation.fallback == "no_lanes" and pl.reservation.lane is None and pl.prediction.push_s > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(ps=[]), "prefill and decode"),
+    (dict(prompt_tokens=0), "prompt_tokens"),
+    (dict(nbytes=-1), "bytes"),
+    (dict(policy="fastest"), "policy"),
+    (dict(ps=[EngineState("p0", "nowhere")]), "prefill.0.host"),
+])
+def test_bad_input_is_refused_naming_the_field(kw, match):
+    svc = _service()
+    args = dict(ps=[EngineState("p0", "l0h0")], ds=[EngineState("d0", "l1h0")], prompt_tokens=100, nbytes=MB)
+    args.update(kw)
+    with pytest.raises((PlacementError, ReservationError), match=match):
+        place(svc, _cost(), args["ps"], args["ds"], args["prompt_tokens"], args["nbytes"],
+              policy=args.get("policy", "joint"))
+    assert not svc.active

@@ -31,17 +31,13 @@ from typing import Callable
 
 from kvpath.fabric import FabricSpec, Path
 from kvpath.iteration_time import IterationTimeModel
+from kvpath.reservation.wire import PLACEMENTS
 
 # (flows, bytes) reserved on a link: LinkLoads.link, or a dc agent's DelayedView.link
 Load = Callable[[tuple[str, str]], tuple[int, int]]
 
 __all__ = ["CostModel", "Load", "EngineState", "Prediction", "PLACEMENTS", "PlacementError"]
 
-# The joint policy and its ablations (the flags that switch parts of the cost off):
-# ``joint``: P, D and lane by least predicted TTFT; ``network``: D and lane by the
-# push and D's admission only (P by least outstanding: NetKV's idea); ``load``: P and D
-# by least outstanding, the lane by cc (today's baseline with cc).
-PLACEMENTS = ("joint", "network", "load")
 
 
 class PlacementError(ValueError):

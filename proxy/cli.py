@@ -8,7 +8,7 @@ import logging
 from kvpath.credentials import CredentialError, header_safe, load_secret, secret_arg
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
-from kvpath.reservation.cli import add_reservation_args, build_service
+from kvpath.reservation.cli import add_reservation_args, build_cost, build_service
 from kvpath.reservation.wire import RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
@@ -107,8 +107,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         elif args.reservation == "inproc":
             svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
-            reserver = InProcessReserver(svc)
-            res_app = create_reservation_app(svc, token=res_token)
+            cost = build_cost(args, svc.spec)
+            reserver = InProcessReserver(svc, cost)
+            res_app = create_reservation_app(svc, token=res_token, cost=cost)
         if args.reserve_at == "push":
             reserver = None  # P's connectors reserve when their pushes start (reserve_at=push)
     engine_api_key = load_engine_api_key(args.engine_api_key_file)
@@ -148,8 +149,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "kv_transfer_config.engine_id); reservations then charge only the "
                         "worker pairs of the two engines (not every engine on the two hosts)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin",
-                   help="how P and D instances are chosen: in turn, or fewest requests in flight "
-                        "(default %(default)s)")
+                   help="how P and D instances are chosen: in turn, or fewest requests in flight, or (push mode "
+                        "with a reservation service) P, D and the lane together by predicted TTFT (joint) or D and "
+                        "the lane by the network with P by load (network); docs/placement.md (default %(default)s)")
     p.add_argument("--admin-token-file", metavar="PATH",
                    help=f"a file holding the admin token (else the {ADMIN_TOKEN_ENV} environment variable): enables "
                         "/admin/instances with 'Authorization: Bearer TOKEN' (without one they answer 403)")

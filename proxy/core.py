@@ -28,11 +28,12 @@ from kvpath.proxy.aio import cancel_and_wait
 from kvpath.proxy.config import TRANSFER_ID_HEADER, ProxyConfig
 from kvpath.proxy.engine_client import EngineClient, check_decode_answer
 from kvpath.proxy.health import HealthChecker
-from kvpath.proxy.instances import Instance, InstancePool, NoInstance
+from kvpath.proxy.instances import PLACED_POLICIES, Instance, InstancePool, NoInstance
 from kvpath.proxy.metrics import ProxyMetrics
 from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
 from kvpath.proxy.upstream import UpstreamError, exc_text
+from kvpath.reservation import wire
 from kvpath.reservation.wire import AsyncReserver, FlowScope, LaneGrant
 from kvpath.web.auth import bearer_ok
 from kvpath.web.errors import describe_validation_errors, error_response
@@ -101,13 +102,17 @@ class Proxy:
         if refused:
             return self._count(endpoint, error_response(400, refused[1], fields=[refused[0]]), "unsupported")
         body.pop("kv_transfer_params", None)  # the proxy owns the transfer parameters
-        try:
-            p, d = self.pools["prefill"].pick(), self.pools["decode"].pick()
-        except NoInstance as e:
-            return self._count(endpoint, error_response(503, str(e)), "no_instance")
         tid = uuid.uuid4().hex  # the transfer id: both legs' X-Request-Id, and the answer's TRANSFER_ID_HEADER
         try:
-            resp = await self._run(request, endpoint, body, p, d, t0, tid)
+            placed = await self._place(body, tid)
+            if placed is None:
+                p, d, grant = self.pools["prefill"].pick(), self.pools["decode"].pick(), None
+            else:
+                p, d, grant = placed
+        except NoInstance as e:
+            return self._count(endpoint, error_response(503, str(e)), "no_instance")
+        try:
+            resp = await self._run(request, endpoint, body, p, d, t0, tid, grant)
         except UpstreamError as e:
             logger.warning("%s -> %d %s: %s", endpoint, e.status, e.kind, e.message)
             return self._count(endpoint, error_response(e.status, self.for_client(e.message),
@@ -125,7 +130,7 @@ class Proxy:
         return resp
 
     async def _run(self, request: Request, endpoint: str, body: dict, p: Instance, d: Instance, t0: float,
-                   tid: str) -> Response:
+                   tid: str, placed: LaneGrant | None = None) -> Response:
         assert self.engines.session is not None
         stream = bool(body.get("stream"))
         # built here, never copied from the client's request: its own Authorization (a
@@ -133,12 +138,13 @@ class Proxy:
         headers = {"X-Request-Id": tid, **self.engine_headers}
         answer_headers = {TRANSFER_ID_HEADER: tid}
         grant = LaneGrant()
-        self._enter(p, d)
+        tokens = legs.estimate_prompt_tokens(body)
+        self._enter(p, d, tokens)
         p_task: asyncio.Task | None = None
         handed_over = ok = False
         try:
             if self.cfg.mode == "push":
-                grant = await self._reserve(p, d, body, tid)
+                grant = placed if placed is not None else await self._reserve(p, d, body, tid)
                 p_body: dict | None
                 p_body, d_body = legs.push_legs(body, p, tid, grant.lane, grant.lease_id)
                 if not p.tp_size:
@@ -167,10 +173,10 @@ class Proxy:
                     d_resp.close()
                     self.metrics.requests.labels(endpoint, "499").inc()
                     self.metrics.errors.labels("client_disconnect").inc()
-                    await self._finish(p, d, p_task, grant, False)
+                    await self._finish(p, d, p_task, grant, False, tokens)
 
                 return RelayResponse(
-                    self._relay(d_resp, first, p, d, p_task, grant, endpoint, t0),
+                    self._relay(d_resp, first, p, d, p_task, grant, endpoint, t0, tokens),
                     status_code=d_resp.status, media_type=d_resp.headers.get("content-type", "text/event-stream"),
                     on_unstarted=never_relayed, headers=answer_headers,
                 )
@@ -187,10 +193,11 @@ class Proxy:
             raise
         finally:
             if not handed_over:
-                await self._finish(p, d, p_task, grant, ok)
+                await self._finish(p, d, p_task, grant, ok, tokens)
 
     async def _relay(self, d_resp: aiohttp.ClientResponse, first: bytes, p: Instance, d: Instance,
-                     p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float) -> AsyncIterator[bytes]:
+                     p_task: asyncio.Task | None, grant: LaneGrant, endpoint: str, t0: float,
+                     tokens: int) -> AsyncIterator[bytes]:
         status = str(d_resp.status)
         ok = False
         framer = EventFramer()
@@ -235,7 +242,7 @@ class Proxy:
                 d_resp.release()
             else:
                 d_resp.close()  # drop the connection: the engine sees the client leave and aborts
-            await self._finish(p, d, p_task, grant, ok)
+            await self._finish(p, d, p_task, grant, ok, tokens)
 
     async def _watch(self, request: Request, coro: Awaitable[Any], p_task: asyncio.Task | None = None,
                      timeout_s: float | None = None, on_timeout: Callable[[], BaseException] | None = None):
@@ -269,6 +276,39 @@ class Proxy:
         finally:
             await cancel_and_wait(*(t for t in (main, gone) if not t.done()))
 
+    async def _place(self, body: dict, tid: str) -> tuple[Instance, Instance, LaneGrant] | None:
+        """Policies joint and network (push mode, with a reservation service): P, D and the
+        lane chosen together by the service (docs/placement.md). None: pick as the pools
+        do (another policy, no service, an instance without a fabric host, or the service
+        could not place: counted in the fallbacks)."""
+        if self.cfg.policy not in PLACED_POLICIES or self.cfg.mode != "push" or self.reserver is None:
+            return None
+        ps = [i for i in self.pools["prefill"].all() if i.healthy]
+        ds = [i for i in self.pools["decode"].all() if i.healthy]
+        if not ps or not ds:
+            return None  # the pools' pick says why (503)
+        if any(not i.fabric_host for i in (*ps, *ds)):
+            self.metrics.fallbacks.labels("no_fabric_host").inc()
+            return None
+        tokens = legs.estimate_prompt_tokens(body)
+        req = wire.PlaceRequest(
+            prefill=[wire.EngineInfo(name=i.url, host=i.fabric_host, outstanding=i.inflight,
+                                     queued_tokens=max(i.queued_tokens, 0), engine_id=i.engine_id) for i in ps],
+            decode=[wire.EngineInfo(name=i.url, host=i.fabric_host, outstanding=i.inflight, engine_id=i.engine_id)
+                    for i in ds],
+            prompt_tokens=tokens, bytes=tokens * self.cfg.kv_bytes_per_token, transfer_id=tid, policy=self.cfg.policy)
+        t = time.perf_counter()
+        ans = await self.reserver.place(req)
+        self.metrics.reservation.observe(time.perf_counter() - t)
+        by_url = {i.url: i for i in (*ps, *ds)}
+        if ans is None or ans.prefill not in by_url or ans.decode not in by_url:
+            self.metrics.fallbacks.labels("place_failed").inc()
+            return None
+        if ans.fallback:
+            self.metrics.fallbacks.labels(ans.fallback).inc()
+        grant = LaneGrant(ans.lane, ans.lease_id or None, ans.spine, ans.fallback)
+        return by_url[ans.prefill], by_url[ans.decode], grant
+
     async def _reserve(self, p: Instance, d: Instance, body: dict, tid: str) -> LaneGrant:
         if self.reserver is None:
             return LaneGrant()
@@ -286,16 +326,19 @@ class Proxy:
             self.metrics.fallbacks.labels(grant.fallback.split(":")[0]).inc()
         return grant
 
-    def _enter(self, p: Instance, d: Instance) -> None:
+    def _enter(self, p: Instance, d: Instance, tokens: int) -> None:
+        p.queued_tokens += tokens  # P's leg answers after its prefill: queued or computing until then
         for i in (p, d):
             i.inflight += 1
             self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
 
-    def _leave(self, i: Instance) -> None:
+    def _leave(self, i: Instance, tokens: int = 0) -> None:
         i.inflight -= 1
+        i.queued_tokens -= tokens
         self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
 
-    async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool) -> None:
+    async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool,
+                      tokens: int) -> None:
         self._leave(d)
         p_left = False
         try:
@@ -304,19 +347,19 @@ class Proxy:
                     # D answered, so P pushed; let P's own answer arrive without holding the
                     # client. P stays in flight until it does (least_outstanding counts it).
                     self._background.add(p_task)
-                    p_task.add_done_callback(lambda t: self._p_leg_done(t, p))
+                    p_task.add_done_callback(lambda t: self._p_leg_done(t, p, tokens))
                     p_left = True
                 else:
                     await cancel_and_wait(p_task)  # failed or abandoned request: abort the prefill too
         finally:
             if not p_left:
-                self._leave(p)
+                self._leave(p, tokens)
             if grant.lease_id and self.reserver is not None:
                 await self.reserver.release(grant.lease_id)  # idempotent; the connector releases it too
 
-    def _p_leg_done(self, task: asyncio.Task, p: Instance) -> None:
+    def _p_leg_done(self, task: asyncio.Task, p: Instance, tokens: int) -> None:
         self._background.discard(task)
-        self._leave(p)
+        self._leave(p, tokens)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("prefill leg failed after decode answered: %s", task.exception())
 

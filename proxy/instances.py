@@ -6,7 +6,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("round_robin", "least_outstanding")
+# round robin and least outstanding pick each pool alone; joint and network ask the
+# reservation service for P, D and the lane together (docs/placement.md), least
+# outstanding when it cannot
+POLICIES = ("round_robin", "least_outstanding", "joint", "network")
+PLACED_POLICIES = ("joint", "network")
 
 
 class NoInstance(RuntimeError):
@@ -28,6 +32,7 @@ class Instance:
     tp_learned: bool = False  # tp_size came from P's answers, not from the operator
     tp_unnamed_warned: bool = field(default=False, compare=False)  # said once: P's answers name no TP size
     inflight: int = 0
+    queued_tokens: int = 0  # P: prompt tokens of its legs in flight (their prefills are queued or computing)
     served: int = 0
     errors: int = 0
     healthy: bool = True  # False: out of rotation (proxy/health.py)
@@ -86,6 +91,7 @@ class InstancePool:
         n = next(self._rr)
         if self.policy == "round_robin":
             return items[n % len(items)]
+        # least outstanding (and joint or network when the service could not place)
         low = min(i.inflight for i in items)
         ties = [i for i in items if i.inflight == low]
         return ties[n % len(ties)]

@@ -6,6 +6,8 @@
   callers' protocols (msgspec only: P's connector imports it inside vLLM);
 - :mod:`~kvpath.reservation.link_loads`: what each mode counts on a link, and ``dc``'s
   delayed view of it;
+- :mod:`~kvpath.reservation.placer`: joint placement, P, D and the lane in one decision
+  by the shared cost model (``kvpath.placement``);
 - :mod:`~kvpath.reservation.replay`: a stored decision log replayed, lane for lane;
 - :mod:`~kvpath.reservation.app`: the HTTP service (FastAPI; the only module here that
   imports a web framework), run by ``kvpath reservation`` or mounted in the proxy;

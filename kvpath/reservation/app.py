@@ -4,6 +4,8 @@ POST /v1/reserve   {src_host, dst_host, bytes, lanes?, transfer_id?, scope?} -> 
 POST /v1/release   {lease_id} -> {released}   (idempotent)
 POST /v1/lease     {lease_id, bytes, expected_end_s?} -> {updated, bytes, expires_in_s}
                    (a live reservation's flow, better known: its bytes, when it expects to end)
+POST /v1/place     {prefill: [...], decode: [...], prompt_tokens, bytes, transfer_id?, policy?, guard?}
+                   -> prefill, decode, lane, lease, predicted (P, D and the lane at once: docs/placement.md)
 POST /v1/lanes     {src_host, dst_host, pair?, worker?, lanes} (P connectors register the lanes
                    they opened: per (P worker, D worker) pair, each lane's full 5-tuple)
 POST /v1/lanes/unregister {src_host, dst_host, pair?, worker?} (forget one pair's lanes)
@@ -37,7 +39,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpath.reservation import wire
+from kvpath.placement import CostModel, PlacementError
 from kvpath.reservation.decisions import ReservationError, ReservationService, UnregisteredLanes
+from kvpath.reservation.placer import place_request
 from kvpath.web.auth import bearer_ok
 from kvpath.web.body_limit import BodyLimit
 from kvpath.web.errors import describe_msgspec_error, describe_validation_errors, is_invalid_json
@@ -47,9 +51,10 @@ logger = logging.getLogger(__name__)
 # The largest body any call needs: a lane registration of a few thousand lanes.
 MAX_BODY_BYTES = 1024 * 1024
 
-_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.LanesRequest, wire.LanesRemoval)
-Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.LanesRequest,
-               wire.LanesRemoval)
+_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.PlaceRequest, wire.LanesRequest,
+           wire.LanesRemoval)
+Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.PlaceRequest,
+               wire.LanesRequest, wire.LanesRemoval)
 # strict=False: numbers written as strings ("5") are read as numbers, as the service always did
 _DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in _BODIES}
 
@@ -103,12 +108,18 @@ def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"error": msg, "fields": fields}, status_code=422)
 
 
-def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str | None = None) -> FastAPI:
+def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str | None = None,
+               cost: CostModel | None = None) -> FastAPI:
     """``token``: what every call but /health and /metrics needs (see above); without
-    one those calls answer 403."""
+    one those calls answer 403. ``cost``: the placement's cost model (None: /v1/place
+    answers 501)."""
     reg = CollectorRegistry()
     m_dec = Counter("kvpath_reservations_total", "reservation decisions", ["mode", "outcome"], registry=reg)
     m_rel = Counter("kvpath_releases_total", "releases", ["known"], registry=reg)
+    m_place = Counter("kvpath_placements_total", "joint placements (P, D and lane)", ["policy", "outcome"],
+                      registry=reg)
+    m_place_lat = Histogram("kvpath_place_seconds", "time to decide one placement", registry=reg,
+                            buckets=[1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05])
     m_upd = Counter("kvpath_lease_updates_total", "lease updates (known: the lease was live)", ["known"], registry=reg)
     m_lat = Histogram("kvpath_reserve_seconds", "time to decide one reservation", registry=reg,
                       buckets=[1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.02])
@@ -198,6 +209,24 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
         now = svc.clock()
         return _json(wire.LeaseAnswer(lease_id=r.lease_id, updated=True, bytes=r.bytes,
                                       expires_in_s=round(r.expires_at - now, 3) if r.expires_at else None))
+
+    @app.post(wire.PLACE_PATH)
+    async def place_route(request: Request) -> Response:
+        try:
+            body = await authorized_body(request, wire.PlaceRequest)
+        except BadBody as e:
+            return e.response
+        if cost is None:
+            raise HTTPException(501, "placement is not configured on this service (docs/placement.md)")
+        t0 = time.perf_counter()
+        try:
+            pl = place_request(svc, cost, body)
+        except (PlacementError, ReservationError) as e:
+            m_place.labels(body.policy, "rejected").inc()
+            raise HTTPException(422, str(e)) from None
+        m_place_lat.observe(time.perf_counter() - t0)
+        m_place.labels(body.policy, pl.fallback or "decided").inc()
+        return _json(pl)
 
     @app.post(wire.LANES_PATH)
     async def lanes(request: Request) -> Response:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from kvpath.credentials import secret_arg
 from kvpath.fabric import FabricSpec, FabricSpecError
 from kvpath.reservation.decisions import ReservationError, ReservationService
 from kvpath.reservation.wire import METRICS, MODES as RES_MODES, TOKEN_ENV as RESERVATION_TOKEN_ENV
+
+if TYPE_CHECKING:
+    from kvpath.placement import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,30 @@ def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") 
                    help="cc/dc: least reserved flows on a path's busiest link, or least reserved bytes")
     p.add_argument("--lanes-ttl-s", type=float, default=900.0,
                    help="forget a worker pair's lanes not registered again for this long (P re-registers each minute)")
+    p.add_argument("--placement-model", default="llama-3-8b",
+                   help="joint placement (/v1/place): the model whose iteration times cost P's queue, the prefill and "
+                        "D's admission (a preset of kvpath/models.py)")
+    p.add_argument("--placement-accelerator", default="h100", help="joint placement: the accelerator preset")
+    p.add_argument("--placement-time-scale", type=float, default=1.0,
+                   help="joint placement: compute times multiplied by this (the testbed's B/S)")
+    p.add_argument("--placement-max-batch-tokens", type=int, default=8192,
+                   help="joint placement: P's prefill tokens per iteration")
+
+
+def build_cost(args: argparse.Namespace, spec: FabricSpec) -> "CostModel":
+    """The placement's cost model from the options above; a bad one stops with the flag's name."""
+    from kvpath.iteration_time import IterationTimeModel, ModelSpecError
+    from kvpath.placement import CostModel, PlacementError
+
+    try:
+        itm = IterationTimeModel.preset(args.placement_model, args.placement_accelerator)
+    except (ModelSpecError, KeyError, ValueError) as e:
+        raise SystemExit(f"kvpath: error: --placement-model/--placement-accelerator: {e}") from None
+    try:
+        return CostModel(spec, itm, max_batch_tokens=args.placement_max_batch_tokens,
+                         time_scale=args.placement_time_scale)
+    except PlacementError as e:
+        raise SystemExit(f"kvpath: error: --placement-time-scale/--placement-max-batch-tokens: {e}") from None
 
 
 def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,
@@ -64,7 +92,8 @@ def cmd_reservation(args: argparse.Namespace) -> int:
     svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
-    uvicorn.run(create_app(svc, token=token), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(svc, token=token, cost=build_cost(args, svc.spec)), host=args.host, port=args.port,
+                log_level="warning")
     return 0
 
 

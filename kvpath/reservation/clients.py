@@ -14,17 +14,31 @@ import httpx
 import msgspec
 
 from kvpath.reservation import wire
-from kvpath.reservation.decisions import ReservationError, SyncReserver
+from kvpath.placement import CostModel, PlacementError
+from kvpath.reservation.decisions import ReservationError, ReservationService, SyncReserver
+from kvpath.reservation.placer import place_request
 from kvpath.reservation.wire import FlowScope, LaneGrant, LaneInfo
 
 _JSON = {"content-type": "application/json"}
 
 
 class InProcessReserver:
-    """The service in the proxy's own process (``--reservation inproc``)."""
+    """The service in the proxy's own process (``--reservation inproc``). ``cost``: the
+    placement's cost model (None: ``place`` answers None, as a service without one)."""
 
-    def __init__(self, svc: SyncReserver):
+    def __init__(self, svc: SyncReserver, cost: CostModel | None = None):
         self.svc = svc
+        self.cost = cost
+
+    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | None:
+        """P, D and the lane at once; None when the service cannot place (not configured,
+        or a host it does not know: the caller picks as it would without)."""
+        if self.cost is None or not isinstance(self.svc, ReservationService):
+            return None
+        try:
+            return place_request(self.svc, self.cost, req)
+        except (PlacementError, ReservationError):
+            return None
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                       transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant:
@@ -95,6 +109,14 @@ class HttpReserver:
             return r.status_code == 200 and wire.decode_lease(r.content).updated
         except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return False
+
+    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | None:
+        """P, D and the lane at once; None for every fault (the caller picks as it would without)."""
+        try:
+            r = await self.client.post(self.url + wire.PLACE_PATH, content=wire.encode(req), headers=_JSON)
+            return wire.decode_place(r.content) if r.status_code == 200 else None
+        except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return None
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -36,9 +36,9 @@ from typing import Sequence
 from kvpath.placement import PLACEMENTS, CostModel, EngineState, PlacementError, Prediction
 from kvpath.reservation.decisions import Reservation, ReservationService
 from kvpath.reservation.link_loads import core_links
-from kvpath.reservation.wire import MAX_TRANSFER_BYTES, FlowScope
+from kvpath.reservation.wire import MAX_TRANSFER_BYTES, EngineInfo, FlowScope, PlaceAnswer, PlaceRequest
 
-__all__ = ["GUARD", "MAX_ENGINES", "Placement", "place"]
+__all__ = ["GUARD", "MAX_ENGINES", "Placement", "place", "place_request"]
 
 GUARD = 4  # requests above the least loaded of its pool an instance may have and stay a candidate
 MAX_ENGINES = 1024  # per pool in one request
@@ -195,6 +195,22 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
     svc.counters[f"placements_{policy}"] += 1
     return Placement(i, j, r, pred, considered)
+
+
+def _state(e: EngineInfo) -> EngineState:
+    return EngineState(e.name, e.host, e.outstanding, e.queued_tokens, e.free_kv_tokens, e.engine_id)
+
+
+def place_request(svc: ReservationService, cost: CostModel, req: PlaceRequest) -> PlaceAnswer:
+    """The wire's form of :func:`place` (the service's /v1/place, the proxy's in-process
+    reserver): the chosen engines by the request's names."""
+    pl = place(svc, cost, [_state(e) for e in req.prefill], [_state(e) for e in req.decode], req.prompt_tokens,
+               req.bytes, req.transfer_id, req.policy, req.guard)
+    r = pl.reservation
+    return PlaceAnswer(prefill=req.prefill[pl.p].name, decode=req.decode[pl.d].name, lease_id=r.lease_id if not
+                       r.fallback else "", lane=r.lane, spine=r.path.spine if r.path else None,
+                       expires_in_s=round(r.expires_at - svc.clock(), 3) if r.expires_at else None,
+                       fallback=r.fallback, predicted=pl.prediction.to_dict(), considered=pl.considered)
 
 
 def _cc_key(best: tuple) -> tuple[int, int]:

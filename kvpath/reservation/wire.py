@@ -26,6 +26,9 @@ from msgspec import Meta
 
 # ---- vocabularies ---------------------------------------------------------
 MODES: Final = ("ecmp", "cc", "dc")  # hash-chosen lane, central decision, distributed decision
+# joint placement (kvpath/placement.py): P, D and lane by predicted TTFT; D and lane by the
+# network (P by load); P and D by load with the mode's lane
+PLACEMENTS: Final = ("joint", "network", "load")
 METRICS: Final = ("flows", "bytes")  # what cc/dc count on a link when they compare lanes
 RESERVE_AT: Final = ("admission", "push")  # the proxy reserves at admission, or P's connector at push start
 
@@ -39,6 +42,7 @@ TOKEN_ENV: Final = "KVPATH_RESERVATION_TOKEN"
 RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer (token)
 RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent; token)
 LEASE_PATH: Final = "/v1/lease"  # POST LeaseUpdate -> LeaseAnswer (a flow's bytes and expected end; token)
+PLACE_PATH: Final = "/v1/place"  # POST PlaceRequest -> PlaceAnswer (P, D and the lane at once; token)
 LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (token)
 UNREGISTER_PATH: Final = "/v1/lanes/unregister"  # POST LanesRemoval -> LanesAnswer (token)
 STATE_PATH: Final = "/v1/state"  # GET: active leases, loads per link, known lanes, counters (token)
@@ -192,6 +196,47 @@ class LeaseAnswer(msgspec.Struct, kw_only=True):
     expires_in_s: float | None = None
 
 
+class EngineInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One candidate engine as the caller sees it now: ``name`` is the caller's (the
+    proxy's URL), ``host`` its fabric host, ``engine_id`` which registered worker pairs
+    carry its flows ("" for any)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    host: Host
+    outstanding: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    queued_tokens: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+    free_kv_tokens: Annotated[int, Meta(ge=0, le=1 << 40)] | None = None
+    engine_id: Annotated[str, Meta(max_length=128)] = ""
+
+
+class PlaceRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Choose P, D and the lane of one request together and reserve the lane
+    (docs/placement.md)."""
+
+    prefill: Annotated[list[EngineInfo], Meta(min_length=1, max_length=1024)]
+    decode: Annotated[list[EngineInfo], Meta(min_length=1, max_length=1024)]
+    prompt_tokens: Annotated[int, Meta(ge=1, le=100_000_000)]
+    bytes: Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
+    transfer_id: Annotated[str, Meta(max_length=256)] = ""
+    policy: Literal["joint", "network", "load"] = "joint"
+    guard: Annotated[int, Meta(ge=0, le=1_000_000)] = 4
+
+
+class PlaceAnswer(msgspec.Struct, kw_only=True):
+    """The chosen engines (by the request's names), the lane's reservation as
+    :class:`ReserveAnswer` has it, and the prediction's parts (seconds)."""
+
+    prefill: str = ""
+    decode: str = ""
+    lease_id: str = ""
+    lane: int | None = None
+    spine: str | None = None
+    expires_in_s: float | None = None
+    fallback: str = ""
+    predicted: dict[str, float | int | None] = {}
+    considered: int = 0
+
+
 class LanesRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The lanes of one (P worker, D worker) pair of a host pair, so pairs never
     overwrite each other. ``pair`` names it by engines and ranks (what a scoped
@@ -243,6 +288,7 @@ class LaneGrant(msgspec.Struct, frozen=True):
 encode = msgspec.json.Encoder().encode
 decode_answer = msgspec.json.Decoder(ReserveAnswer).decode
 decode_lease = msgspec.json.Decoder(LeaseAnswer).decode
+decode_place = msgspec.json.Decoder(PlaceAnswer).decode
 
 
 # ---- the shapes of caller (the in-process service's is kvpath.reservation.SyncReserver) ----
@@ -257,6 +303,8 @@ class AsyncReserver(Protocol):
     async def release(self, lease_id: str) -> None: ...
 
     async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool: ...
+
+    async def place(self, req: "PlaceRequest") -> "PlaceAnswer | None": ...
 
     async def close(self) -> None: ...
 

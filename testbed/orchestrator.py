@@ -257,6 +257,11 @@ def proxy_argv(site: RunSite, engines: Engines) -> list[str]:
                  "--kv-bytes-per-token", str(engines.kv_bytes_per_token()), "--lease-s", "60",
                  "--reserve-at", cfg.reserve_at, "--cc-metric", cfg.cc_metric,
                  "--reservation-token-file", str(site.token_file)]  # the file's path: the token never in argv
+        if cfg.engine == "emulated":  # the placement's cost model on the emulated engines' own clock and sizes
+            argv += ["--placement-model", cfg.model, "--placement-accelerator", cfg.accelerator,
+                     "--placement-time-scale", repr(cfg.scale_b / cfg.scale_s),
+                     "--placement-push-granularity", cfg.push_granularity,
+                     "--placement-layer-group", str(cfg.layer_group)]
     else:  # vLLM's in-tree connectors: D pulls (NixlConnector), or P writes (NixlPushConnector)
         argv += ["--mode", "inproc-push" if cfg.connector == "nixl-push" else "pull"]
     key_file = getattr(engines, "api_key_file", None)  # real vLLM engines run with an API key

@@ -46,6 +46,10 @@ def add_reservation_args(p: argparse.ArgumentParser, mode_flag: str = "--mode") 
                    help="joint placement: compute times multiplied by this (the testbed's B/S)")
     p.add_argument("--placement-max-batch-tokens", type=int, default=8192,
                    help="joint placement: P's prefill tokens per iteration")
+    p.add_argument("--placement-push-granularity", choices=("request", "layer"), default="request",
+                   help="joint placement: P's connectors push after the prefill, or layer by layer (only what the "
+                        "overlap leaves is costed)")
+    p.add_argument("--placement-layer-group", type=int, default=4, help="joint placement: layers per layer-wise WRITE")
 
 
 def build_cost(args: argparse.Namespace, spec: FabricSpec) -> "CostModel":
@@ -59,9 +63,10 @@ def build_cost(args: argparse.Namespace, spec: FabricSpec) -> "CostModel":
         raise SystemExit(f"kvpath: error: --placement-model/--placement-accelerator: {e}") from None
     try:
         return CostModel(spec, itm, max_batch_tokens=args.placement_max_batch_tokens,
-                         time_scale=args.placement_time_scale)
+                         time_scale=args.placement_time_scale, granularity=args.placement_push_granularity,
+                         layer_group=args.placement_layer_group)
     except PlacementError as e:
-        raise SystemExit(f"kvpath: error: --placement-time-scale/--placement-max-batch-tokens: {e}") from None
+        raise SystemExit(f"kvpath: error: --placement-*: {e}") from None
 
 
 def build_service(fabric: str | None, mode: str, lease_s: float, dc_delay_s: float,

@@ -140,3 +140,25 @@ def test_place_over_http_refuses_bad_input_naming_the_field(placed):
                        ({"bytes": -1}, "bytes")):
         r = httpx.post(c.url + "/v1/place", json={**good, **bad}, headers=h)
         assert r.status_code == 422 and field in r.text, (bad, r.text)
+
+
+def test_the_testbeds_proxy_costs_placements_on_the_emulated_engines_clock(tmp_path):
+    """The testbed hands the proxy the emulated engines' model, accelerator, time scale
+    (B/S) and push granularity: the placement's cost model is theirs."""
+    import dataclasses
+
+    from kvpath.cli import build_parser
+    from kvpath.reservation.cli import build_cost
+    from kvpath.testbed.engine_kinds import engines_for
+    from kvpath.testbed.orchestrator import proxy_argv
+    from tests.kvpath.test_reservation_auth import _site
+
+    site = _site(tmp_path)
+    site = dataclasses.replace(site, cfg=dataclasses.replace(site.cfg, policy="joint", push_granularity="layer",
+                                                             layer_group=2))
+    argv = proxy_argv(site, engines_for(site))
+    args = build_parser().parse_args(argv[argv.index("proxy"):])
+    assert args.policy == "joint"
+    cost = build_cost(args, SPEC)
+    assert cost.time_scale == site.cfg.scale_b / site.cfg.scale_s
+    assert (cost.itm.model.name, cost.granularity, cost.layer_group) == (site.cfg.model, "layer", 2)

@@ -82,6 +82,10 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
                    help="when P's KV leaves: request (one flow after the prefill), layer (one flow per layer "
                         "group as the prefill computes it), or both comma-separated (rows <mode>+layer)")
     s.add_argument("--layer-group", type=int, default=4, help="layer-wise: layers per flow (default %(default)s)")
+    s.add_argument("--placement", default="round_robin",
+                   help="who chooses P, D and the lane: round_robin (P and D in turn, the lane by --mode), or the "
+                        "reservation service's placement at each arrival: joint, network, load (docs/placement.md); "
+                        "several comma-separated (rows <mode>/<placement>)")
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     add_ns3_args(s)

@@ -167,18 +167,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise fail("simulate", f"--workload: {e}") from None
     rows = []
     grans = [g for g in args.push_granularity.split(",") if g]
+    places = [p for p in args.placement.split(",") if p]
     for backend in [b for b in args.backend.split(",") if b]:
-        for mode, gran in [(x, g) for x in args.mode.split(",") if x for g in grans]:
+        for mode, gran, plc in [(x, g, p) for x in args.mode.split(",") if x for g in grans for p in places]:
             cfg = ServingConfig(pools=pools, mode=mode, backend=backend, lanes=args.lanes, reserve_at=args.reserve_at,
                                 dc_delay_s=args.dc_delay_s, scale_s=args.scale_s, ns3=ns3_params(args, "simulate"),
-                                push_granularity=gran, layer_group=args.layer_group)
+                                push_granularity=gran, layer_group=args.layer_group,
+                                placement="" if plc == "round_robin" else plc)
             try:
                 trace, info = simulate(spec, list(w.requests), cfg, itm)
             except (ValueError, Ns3Error) as e:
                 raise fail("simulate", str(e)) from None
             rows.append(summarize(trace, info["wall_s"]))
             if args.out:
-                out = Path(args.out) / f"{backend}-{variant_label(mode, gran)}.jsonl"
+                name = variant_label(mode, gran) + ("" if plc == "round_robin" else f"-{plc}")
+                out = Path(args.out) / f"{backend}-{name}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with TraceWriter(out, trace.header) as tw:
                     tw.write_all([*trace.requests, *trace.flows])

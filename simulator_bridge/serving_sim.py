@@ -38,7 +38,7 @@ from kvpath.layer_push import GRANULARITIES, piece_starts, variant_label
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
 from kvpath.reservation.decisions import LaneInfo, ReservationService, default_lane
-from kvpath.reservation.wire import MODES, RESERVE_AT
+from kvpath.reservation.wire import MODES, PLACEMENTS, RESERVE_AT
 from kvpath.trace import FiveTuple, FlowRecord, Header, RequestRecord, Trace
 from kvpath.trace.header import (META_BACKEND, META_ITERATION_TIME, META_NET, META_POOLS, META_RESERVE_AT,
                                  META_SOURCE)
@@ -74,6 +74,10 @@ class ServingConfig:
     # one flow per group of layer_group layers as the prefill computes them (same lane)
     push_granularity: str = "request"
     layer_group: int = 4
+    # who chooses P, D and the lane: "" (round robin, as the proxy's default; the lane by
+    # the mode at reserve_at), or a placement of the reservation service
+    # (kvpath/reservation/placer.py: joint, network, load) at each request's arrival
+    placement: str = ""
 
     def validate(self, spec: FabricSpec) -> None:
         check_pools_fit(spec, *self.pools)
@@ -88,6 +92,8 @@ class ServingConfig:
             raise ValueError(f"push_granularity must be one of {', '.join(GRANULARITIES)}, got {self.push_granularity!r}")
         if self.layer_group < 1:
             raise ValueError(f"layer_group must be >= 1, got {self.layer_group}")
+        if self.placement not in ("", *PLACEMENTS):
+            raise ValueError(f"placement must be one of round_robin, {', '.join(PLACEMENTS)}, got {self.placement!r}")
 
 
 def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: IterationTimeModel,
@@ -166,7 +172,14 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     n_p, n_d = cfg.pools
     p_hosts, d_hosts = pd_placement(spec, n_p, n_d)
     n = len(reqs)
-    p_of, d_of = [i % n_p for i in range(n)], [i % n_d for i in range(n)]  # round robin, as the proxy's default
+    lanes = _Lanes(spec, cfg.lanes)
+    placed: list[int | None] | None = None
+    if cfg.placement:  # P, D and lane at each arrival, by the service's placement (simulator_bridge/placement_sim.py)
+        from kvpath.bridge.placement_sim import place_requests
+
+        p_of, d_of, placed, _ = place_requests(spec, reqs, cfg, itm, p_hosts, d_hosts, lanes)
+    else:
+        p_of, d_of = [i % n_p for i in range(n)], [i % n_d for i in range(n)]  # round robin, as the proxy's default
     pre_start, pre_end = prefill_drain(reqs, p_of, n_p, itm, cfg)
     kvb = kv_bytes_per_token(itm.model)
     tids = [f"{r.request_id}" for r in reqs]
@@ -181,7 +194,6 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
             if b > 0:
                 pieces.append(dataclasses.replace(f, bytes=b, start_s=start))
                 owner.append(i)
-    lanes = _Lanes(spec, cfg.lanes)
     clock = [0.0]
     # the lanes are registered once and never expire: simulated time may run past any TTL
     svc = ReservationService(spec, "ecmp" if cfg.mode == "ecmp" else cfg.mode, oracle=lanes.oracle, lease_s=1e12,
@@ -196,6 +208,8 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
 
     def decide(j: int, now: float) -> int | None:
         i = owner[j]
+        if i not in lane_of and placed is not None:  # the placement chose (and reserved) it already
+            lane_of[i] = placed[i] if placed[i] is not None else default_lane(tids[i], cfg.lanes)
         if i not in lane_of:  # a request's first piece reserves its lane; the others follow it
             clock[0] = now
             r = svc.reserve(flows[i].src, flows[i].dst, flows[i].bytes, transfer_id=tids[i])
@@ -206,7 +220,7 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
     def on_end(j: int, now: float) -> None:
         i = owner[j]
         left[i] -= 1
-        if left[i] == 0:  # released at the push's end (its last piece)
+        if left[i] == 0 and i in leases:  # released at the push's end (its last piece)
             clock[0] = now
             svc.release(leases.pop(i))
 
@@ -237,6 +251,7 @@ def _trace(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig, p_hosts: l
                     meta={META_SOURCE: SOURCE, META_BACKEND: cfg.backend, META_POOLS: format_pools(*cfg.pools),
                           META_RESERVE_AT: cfg.reserve_at, "dc_delay_s": cfg.dc_delay_s,
                           "push_granularity": cfg.push_granularity, "layer_group": cfg.layer_group,
+                          "placement": cfg.placement or "round_robin",
                           META_ITERATION_TIME: itm.to_dict(), META_NET: dataclasses.asdict(cfg.net)})
     requests, flow_recs = [], []
     alone = trivial_fct(spec, [FlowSpec(f.src, f.dst, f.bytes, 0.0, lane_of.get(i, 0) % spec.spines)
@@ -268,7 +283,9 @@ SUMMARY_METRICS = ("requests", "fct_mean_s", "fct_p99_s", "slowdown_mean", "ttft
 def summarize(trace: Trace, wall_s: float) -> dict[str, Any]:
     """One simulation's row: mode, backend, SUMMARY_METRICS of ``TraceMetrics`` and the wall time."""
     m = TraceMetrics.of(trace).to_dict()
-    return {"mode": variant_label(trace.header.mode, trace.header.meta.get("push_granularity", "request")),
+    label = variant_label(trace.header.mode, trace.header.meta.get("push_granularity", "request"))
+    placement = trace.header.meta.get("placement", "round_robin")
+    return {"mode": label if placement == "round_robin" else f"{label}/{placement}",
             "backend": trace.header.meta.get(META_BACKEND),
             **{k: m[k] for k in SUMMARY_METRICS}, "wall_s": wall_s}
 

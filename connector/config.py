@@ -24,6 +24,8 @@ RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
 # when P's KV leaves: the emulated engines' and simulator's (kvpath.layer_push), and "chunk"
 # (a chunked prefill's finished chunks while the next computes, the last layer-wise)
 PUSH_GRANULARITIES = (GRANULARITIES[0], "chunk", *GRANULARITIES[1:])
+# in what order pushes waiting for an uplink slot start (connector/push_order.py)
+PUSH_ORDERS = ("fifo", "srpt")
 
 
 class ConfigError(ValueError):
@@ -137,6 +139,15 @@ class KVPathConfig:
     # (docs/connector-layer-push.md).
     push_granularity: str = "request"
     push_layer_group: int = 4
+    # P's pushes at the sending NIC (connector/push_order.py): at most uplink_pushes whole
+    # pushes in flight on this host's uplink, over every TP rank and engine of the host
+    # (lock files in uplink_slots_dir, one set per fabric_host; 0: no cap); the others
+    # start in push_order ("fifo", or "srpt": the fewest bytes first), each after
+    # push_queue_max_wait_s at most and never later than 1 s before D's post_by.
+    uplink_pushes: int = 0
+    push_order: str = "fifo"
+    push_queue_max_wait_s: float = 0.2
+    uplink_slots_dir: str = "/dev/shm"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -206,6 +217,14 @@ class KVPathConfig:
         if self.push_granularity not in PUSH_GRANULARITIES:
             raise ConfigError(f"kv_connector_extra_config.push_granularity must be {' or '.join(PUSH_GRANULARITIES)}, "
                               f"got {self.push_granularity!r}")
+        if not 0 <= self.uplink_pushes <= 64:
+            raise ConfigError(f"kv_connector_extra_config.uplink_pushes must be in [0, 64], got {self.uplink_pushes}")
+        if self.push_order not in PUSH_ORDERS:
+            raise ConfigError(f"kv_connector_extra_config.push_order must be {' or '.join(PUSH_ORDERS)}, "
+                              f"got {self.push_order!r}")
+        if not 0 <= self.push_queue_max_wait_s <= 10:
+            raise ConfigError(f"kv_connector_extra_config.push_queue_max_wait_s must be in [0, 10], "
+                              f"got {self.push_queue_max_wait_s}")
         if not 1 <= self.push_layer_group <= 1024:
             raise ConfigError(f"kv_connector_extra_config.push_layer_group must be in [1, 1024], "
                               f"got {self.push_layer_group}")

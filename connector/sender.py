@@ -212,11 +212,13 @@ class PushSender(EngineThread):
         # a lane set-up's probe is polled every millisecond, between the other work
         spinning = writes.spinning()
         timeout_ms = (0 if spinning else 1 if (writes.posting() or setting_up or self.forwards.live())
-                      else 5 if writes.asking
+                      else 5 if writes.asking or len(writes.queue)
                       else int(self.cfg.idle_poll_s * 1000) if now < self.active_until else DORMANT_POLL_MS)
         events = self.poll_events(timeout_ms)
         if writes.asking:
             writes.stop_asking()
+        if len(writes.queue):
+            writes.pump_queue()
         if events is None:
             return
         if self.channel.router in events:

@@ -52,6 +52,8 @@ COUNTERS = (
     "lanes_reserved_at_push",
     "lanes_reserve_fallback",
     "leases_updated",  # a layer-wise push's own lease told its whole bytes and expected end
+    "pushes_queued",  # uplink_pushes: a push waited for an uplink slot
+    "pushes_queue_overdue",  # ... and started without one when its wait reached its bound
     "peers_forgotten",
     "peers_over_limit",
     "lane_registrations_skipped",

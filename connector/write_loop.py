@@ -22,6 +22,7 @@ from kvpath.connector.layer_writes import InFlight, LayerWrites, final_times
 from kvpath.connector.lane_setup import MAX_QUEUED_SETUPS, LaneSetup, Peer
 from kvpath.connector.parked_pushes import ParkedPushes
 from kvpath.connector.push_descs import PushDescs
+from kvpath.connector.push_order import PushQueue, UplinkSlots
 from kvpath.connector.push_state import Match, SenderState
 from kvpath.connector.telemetry import Stats
 from kvpath.reservation.decisions import default_lane
@@ -52,6 +53,16 @@ class WriteLoop:
         self.parked = ParkedPushes()
         self.in_flight: dict[str, InFlight] = {}  # flow key -> its posted WRITE
         self.asking: dict[str, tuple[Match, float]] = {}  # reserve_at=push: pushes waiting for their lane
+        self.queue = PushQueue(cfg.push_order, self._uplink_slots(), cfg.push_queue_max_wait_s)
+
+    def _uplink_slots(self) -> UplinkSlots | None:
+        if not self.cfg.uplink_pushes:
+            return None
+        try:
+            return UplinkSlots(self.cfg.fabric_host or "local", self.cfg.uplink_pushes, self.cfg.uplink_slots_dir)
+        except OSError as e:  # (a directory we cannot write: pushes go uncapped, as before the knob)
+            logger.warning("uplink_pushes: no slot files in %s (%s): pushes are not capped", self.cfg.uplink_slots_dir, e)
+            return None
 
     def spinning(self) -> bool:
         """A WRITE in flight is progressed in a busy loop (none is past transfer_timeout_s)."""
@@ -63,16 +74,17 @@ class WriteLoop:
         return any(f.handles for f in self.in_flight.values())
 
     def busy(self) -> bool:
-        return bool(self.in_flight) or bool(self.asking)
+        return bool(self.in_flight) or bool(self.asking) or bool(len(self.queue))
 
     def holds(self, key: str) -> bool:
         """Flow ``key`` is in flight, asking for its lane or waiting for one."""
-        return key in self.in_flight or key in self.asking or self.parked.holds(key)
+        return key in self.in_flight or key in self.asking or self.parked.holds(key) or self.queue.holds(key)
 
     def busy_peers(self) -> set[str]:
         """D agent names a push is in flight, asking or waiting for."""
         busy = {f.match.registration.reg.agent_name for f in self.in_flight.values()}
         busy |= {m.registration.reg.agent_name for m, _ in self.asking.values()}
+        busy |= {m.registration.reg.agent_name for m in self.queue.waiting()}
         return busy | set(self.parked.names())
 
     def _ask_lane(self, m: Match) -> bool:
@@ -119,8 +131,34 @@ class WriteLoop:
                 self.stats.inc("lanes_reserve_fallback")
                 self.start(m)
 
+    def pump_queue(self) -> None:
+        """Start the pushes whose turn at the uplink came (a slot, or their wait's bound)."""
+        for m, overdue in self.queue.ready(time.monotonic()):
+            if overdue:
+                self.stats.inc("pushes_queue_overdue")
+            try:
+                self.start(m)
+            except Exception as e:  # one that raises must not strand the others
+                logger.exception("push %s could not start", m.prefill.transfer_id)
+                self.fail(m, f"starting the push failed: {e}")
+
+    def _admitted(self, m: Match) -> bool:
+        """A whole push may post now (uplink_pushes: it holds a slot, or its wait ended);
+        a layer-wise one always (its WRITEs follow the forward)."""
+        fp = m.prefill
+        if not self.queue.active or (fp.progress is not None and not fp.progress.final):
+            return True
+        reg = m.registration.reg
+        nbytes = (reg.skip_blocks + len(reg.block_ids)) * self.layout.bytes_per_block()  # (the order's estimate)
+        waiting = self.queue.holds(fp.key)
+        if self.queue.admit(m, nbytes, time.monotonic()):
+            return True
+        if not waiting:
+            self.stats.inc("pushes_queued")
+        return False
+
     def start(self, m: Match) -> None:
-        if self._ask_lane(m):
+        if self._ask_lane(m) or not self._admitted(m):
             return
         fp, pr = m.prefill, m.registration
         reg = pr.reg
@@ -270,6 +308,7 @@ class WriteLoop:
         if self.kv_dump is not None and (share is None or share.left == 1):  # once, before the blocks are freed
             self.kv_dump.write(m.prefill.transfer_id, self.layout, self.compat, m.prefill.block_ids)
         self.state.complete(m.prefill.key, "ok")
+        self.queue.done(m.prefill.key)
         self.freed.release(m.prefill)
         self.stats.inc("pushes_ok")
         self.stats.observe_transfer(rec)
@@ -280,6 +319,7 @@ class WriteLoop:
         tid = m.prefill.transfer_id
         self.state.active.setdefault(m.prefill.key, m)
         self.state.complete(m.prefill.key, "failed", posted)  # what a later Cancel is answered with
+        self.queue.done(m.prefill.key)
         self.freed.release(m.prefill)
         self.stats.inc("pushes_failed")
         rec = rec or TransferRecord(tid, m.prefill.request_id)
@@ -357,13 +397,16 @@ class WriteLoop:
                     logger.exception("failing push %s failed", m.prefill.transfer_id)
 
     def cancel_parked(self, key: str) -> bool:
-        """D's Cancel of a push (flow ``key``) waiting for a lane, or of a layer-wise one
-        that has posted nothing yet: it ends "cancelled", not posted, its blocks freed
-        (for a request still computing: when it ends). False when neither."""
+        """D's Cancel of a push (flow ``key``) waiting for a lane or for its uplink slot, or
+        of a layer-wise one that has posted nothing yet: it ends "cancelled", not posted,
+        its blocks freed (for a request still computing: when it ends). False when none."""
         f = self.in_flight.get(key)
+        queued = self.queue.take(key)
         if f is not None and f.layered and f.record.writes == 0 and not f.handles:
             del self.in_flight[key]
             got = (f.match, f.record)
+        elif queued is not None:
+            got = (queued, TransferRecord(queued.prefill.transfer_id, queued.prefill.request_id))
         else:
             got = self.parked.take(key)
         if got is None:
@@ -371,6 +414,7 @@ class WriteLoop:
         m, rec = got
         tid = m.prefill.transfer_id
         self.state.complete(key, "cancelled", posted=False)
+        self.queue.done(key)
         self.freed.release(m.prefill)
         self.stats.inc("pushes_cancelled")
         why = "cancelled before its WRITE was posted"
@@ -388,3 +432,8 @@ class WriteLoop:
         self.in_flight.clear()
         for name in self.parked.names():
             self._unpark(name, "P is shutting down")
+        for m in self.queue.drop_all():
+            try:
+                self.fail(m, "P is shutting down")
+            except Exception:
+                logger.exception("failing push %s failed", m.prefill.transfer_id)

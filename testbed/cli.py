@@ -5,13 +5,15 @@ fabrics; whole P/D runs on them). ``kvpath connector demo`` is beside its featur
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import json
 import logging
 import signal
 import sys
 
 from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
-from kvpath.layer_push import GRANULARITIES, variant_label
+from kvpath.layer_push import GRANULARITIES
 from kvpath.testbed.run_config import CONNECTORS, ENGINES
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,27 @@ def _cmd_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_variant(text: str, policy: str, order: str) -> tuple[str, str, str, str, int]:
+    """``MODE[+layer][/POLICY][/ORDER N]`` (``cc+layer/joint/srpt1``) -> (mode, granularity,
+    policy, push order, uplink pushes); unnamed parts are --policy's and no uplink cap."""
+    from kvpath.proxy.instances import POLICIES
+    from kvpath.testbed.run_config import RunConfigError
+
+    head, *rest = text.strip().split("/")
+    mode, _, gran = head.partition("+")
+    uplink = 0
+    for part in rest:
+        m = re.fullmatch(r"(fifo|srpt)(\d+)", part)
+        if part in POLICIES:
+            policy = part
+        elif m:
+            order, uplink = m.group(1), int(m.group(2))
+        else:
+            raise RunConfigError(f"--variants: {text!r}: {part!r} is neither a policy ({', '.join(POLICIES)}) nor "
+                                 f"a push order with its uplink cap (srpt1, fifo2)")
+    return mode, gran or "request", policy, order, uplink
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -80,17 +103,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     grans = [g for g in args.push_granularity.split(",") if g]
     cfgs = []
     try:
-        for m, g in [(m, g) for m in modes for g in grans]:
-            cfg = RunConfig(out=f"{args.out}/{variant_label(m, g)}", fabric=args.fabric, pools=args.pools,
+        if args.variants:
+            combos = [parse_variant(v, args.policy, args.push_order) for v in args.variants.split(",") if v]
+        else:
+            combos = [(m, g, args.policy, args.push_order, args.uplink_pushes) for m in modes for g in grans]
+        for m, g, policy, order, uplink in combos:
+            cfg = RunConfig(out="", fabric=args.fabric, pools=args.pools,
                             engine=args.engine, push_granularity=g, layer_group=args.layer_group,
                             connector=args.connector,
                             workload=args.workload, qps=args.qps, requests=args.requests, mode=m, seed=args.seed,
                             scale_b=args.scale_b, scale_s=args.scale_s, lanes=args.lanes, tp=args.tp, model=args.model,
                             accelerator=args.accelerator, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                             pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s,
-                            policy=args.policy, reserve_at=args.reserve_at, cc_metric=args.cc_metric)
+                            policy=policy, reserve_at=args.reserve_at, cc_metric=args.cc_metric,
+                            uplink_pushes=uplink, push_order=order)
+            cfg = dataclasses.replace(cfg, out=f"{args.out}/{cfg.label}")
             cfg.validate()
             cfgs.append(cfg)
+        labels = [c.label for c in cfgs]
+        if len(set(labels)) != len(labels):
+            raise RunConfigError(f"--variants: two variants share a name ({', '.join(labels)}): the policy is in a "
+                                 f"name only when the service places (joint, network)")
     except RunConfigError as e:
         raise SystemExit(f"kvpath testbed run: error: {e}") from None
     if not cfgs:
@@ -167,8 +200,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "comma-separated list: every mode runs with each, as its own variant (<mode>+layer)")
     rn.add_argument("--layer-group", type=int, default=4,
                     help="layer-wise push: layers per WRITE (default %(default)s)")
-    rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin or "
-                    "least_outstanding (with equal pools, round_robin pairs P i with D i)")
+    rn.add_argument("--policy", default="round_robin", help="the proxy's instance choice: round_robin, "
+                    "least_outstanding (with equal pools, round_robin pairs P i with D i), or the reservation "
+                    "service's placement: joint, network (docs/placement.md)")
+    rn.add_argument("--uplink-pushes", type=int, default=0,
+                    help="emulated engines: at most this many whole pushes in flight per host uplink (0: no cap)")
+    rn.add_argument("--push-order", default="fifo", help="with --uplink-pushes: fifo or srpt (fewest bytes first)")
+    rn.add_argument("--variants", default="",
+                    help="instead of every --mode x --push-granularity: these runs, comma-separated, each "
+                    "MODE[+layer][/POLICY][/ORDER N], e.g. ecmp/least_outstanding,cc,cc/joint,cc/joint/srpt1 "
+                    "(interleaved with --repeats)")
     rn.add_argument("--repeats", type=int, default=1,
                     help="run every mode N times, rotating the order per repeat (A B C, B C A, ...); each run in "
                     "<out>/<mode>/r<k>; the table gives medians and min..max over the valid runs (default %(default)s)")

@@ -52,6 +52,8 @@ class EmulatedEngines:
             "--control-key", keys["control_key"], "--control-trusted-keys", keys["control_trusted_keys"],
             "--reservation-token-file", str(site.token_file),  # the file's path: the token never in argv
             "--push-granularity", cfg.push_granularity, "--layer-group", str(cfg.layer_group),
+            "--uplink-pushes", str(cfg.uplink_pushes), "--push-order", cfg.push_order,
+            "--uplink-slots-dir", str(site.out),  # one set of slot files per emulated host, named for it
         ])
 
     def start(self, proxy_url: str) -> None:

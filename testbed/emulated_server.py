@@ -200,7 +200,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                        control_plaintext=args.control_plaintext,
                        reservation_token_file=args.reservation_token_file or None,
                        idle_poll_s=0.05, registration_timeout_s=30.0, max_wait_s=300.0,
-                       push_granularity=args.push_granularity, push_layer_group=args.layer_group)
+                       push_granularity=args.push_granularity, push_layer_group=args.layer_group,
+                       uplink_pushes=args.uplink_pushes, push_order=args.push_order,
+                       uplink_slots_dir=args.uplink_slots_dir)
     cfg.validate()
     if args.role == "prefill":
         from kvpath.connector.sender import PushSender
@@ -237,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fabric-host", default="")
     ap.add_argument("--kernel-oracle", default="")
     ap.add_argument("--reservation-url", default="")
+    ap.add_argument("--uplink-pushes", type=int, default=0, help="the connector's uplink_pushes (0: no cap)")
+    ap.add_argument("--push-order", default="fifo", help="the connector's push_order: fifo or srpt")
+    ap.add_argument("--uplink-slots-dir", default="/dev/shm", help="the connector's uplink_slots_dir")
     ap.add_argument("--reserve-at", choices=RESERVE_AT, default="admission")
     ap.add_argument("--ucx-dev", default="")
     ap.add_argument("--trace", default="")

@@ -58,12 +58,25 @@ class RunConfig:
     # groups of layer_group while P computes (the connector's push_granularity, push_layer_group)
     push_granularity: str = "request"
     layer_group: int = 4
+    # P's pushes at the sending NIC (the connector's uplink_pushes and push_order): at most
+    # this many whole pushes in flight per host uplink (0: no cap), the others in this order
+    uplink_pushes: int = 0
+    push_order: str = "fifo"
     timeout_s: float = 600.0
 
     @property
     def label(self) -> str:
-        """The run's name among its variants: the mode, with the granularity when layer-wise."""
-        return variant_label(self.mode, self.push_granularity)
+        """The run's name among its variants: the mode, with the granularity when
+        layer-wise, the placement policy when the service places (joint, network), and the
+        push order with the uplink cap when there is one: "cc", "cc+layer/joint/srpt1"."""
+        from kvpath.proxy.instances import PLACED_POLICIES
+
+        label = variant_label(self.mode, self.push_granularity)
+        if self.policy in PLACED_POLICIES:
+            label += f"/{self.policy}"
+        if self.uplink_pushes:
+            label += f"/{self.push_order}{self.uplink_pushes}"
+        return label
 
     @property
     def pushes(self) -> bool:
@@ -121,6 +134,15 @@ class RunConfig:
             raise RunConfigError("--push-granularity layer needs --connector kvpath (vLLM's connectors push whole)")
         if not 1 <= self.layer_group <= 1024:
             raise RunConfigError(f"--layer-group must be in [1, 1024], got {self.layer_group}")
+        from kvpath.connector.config import PUSH_ORDERS
+
+        if self.push_order not in PUSH_ORDERS:
+            raise RunConfigError(f"--push-order must be one of {', '.join(PUSH_ORDERS)}, got {self.push_order!r}")
+        if not 0 <= self.uplink_pushes <= 64:
+            raise RunConfigError(f"--uplink-pushes must be in [0, 64], got {self.uplink_pushes}")
+        if self.uplink_pushes and self.engine != "emulated":
+            raise RunConfigError("--uplink-pushes applies to --engine emulated here (vLLM engines: the connector's "
+                                 "uplink_pushes knob)")
         for name in ("qps", "scale_b", "scale_s", "pd_ratio"):
             if getattr(self, name) <= 0:
                 raise RunConfigError(f"--{name.replace('_', '-')} must be > 0")

@@ -5,7 +5,6 @@ the wait's bounds, a Cancel, and every slot given back when pushes end."""
 import subprocess
 import sys
 import textwrap
-import time
 from types import SimpleNamespace
 
 import pytest

@@ -76,3 +76,33 @@ def test_kvpath_takes_unequal_tp_sizes_either_way(tmp_path, tp):
     cfg = RunConfig(out=str(tmp_path), engine="vllm", tp=tp)
     cfg.validate()
     assert cfg.tp_sizes == tuple(int(x) for x in tp.split(":"))
+
+
+def test_variants_name_their_policy_and_push_order_and_reach_the_engines(tmp_path):
+    """--variants: each MODE[+layer][/POLICY][/ORDER N] is one run; its name (and folder)
+    says the placement and the uplink cap; the emulated engines get the cap and order."""
+    import dataclasses
+
+    import pytest
+
+    from kvpath.testbed.cli import parse_variant
+    from kvpath.testbed.engine_kinds import engines_for
+    from kvpath.testbed.run_config import RunConfig, RunConfigError
+    from tests.kvpath.test_reservation_auth import _site
+
+    assert parse_variant("ecmp/least_outstanding", "round_robin", "fifo") == (
+        "ecmp", "request", "least_outstanding", "fifo", 0)
+    assert parse_variant("cc+layer/joint/srpt1", "round_robin", "fifo") == ("cc", "layer", "joint", "srpt", 1)
+    with pytest.raises(RunConfigError, match="--variants"):
+        parse_variant("cc/fastest", "round_robin", "fifo")
+    labels = [RunConfig(out="x", mode=m, push_granularity=g, policy=p, push_order=o, uplink_pushes=u).label
+              for m, g, p, o, u in (parse_variant(v, "round_robin", "fifo")
+                                    for v in ("ecmp/least_outstanding", "cc", "cc/joint", "cc/joint/srpt1"))]
+    assert labels == ["ecmp", "cc", "cc/joint", "cc/joint/srpt1"]
+    with pytest.raises(RunConfigError, match="push-order"):
+        RunConfig(out=str(tmp_path), push_order="lifo").validate()
+    site = _site(tmp_path)
+    site = dataclasses.replace(site, cfg=dataclasses.replace(site.cfg, uplink_pushes=2, push_order="srpt"))
+    argv = engines_for(site)._argv("prefill", "l0h0", "http://10.255.0.1:18000")
+    assert argv[argv.index("--uplink-pushes") + 1] == "2" and argv[argv.index("--push-order") + 1] == "srpt"
+    assert argv[argv.index("--uplink-slots-dir") + 1] == str(site.out)

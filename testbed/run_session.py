@@ -133,6 +133,8 @@ def run_rotated(cfgs: Sequence[tuple[str, RunConfig]], repeats: int, console: Co
     envelope.apply([x.summary for x in runs])
     for x in runs:
         x.summary["repeat"] = x.repeat
+        x.summary["label"] = x.label  # the variant: mode, granularity, placement, push order
+        x.summary.setdefault("policy", x.cfg.policy)
         (Path(x.cfg.out) / "summary.json").write_text(json.dumps(x.summary, indent=1))
     return runs
 

@@ -42,6 +42,7 @@ __all__ = ["GUARD", "MAX_ENGINES", "Placement", "place", "place_request"]
 
 GUARD = 4  # requests above the least loaded of its pool an instance may have and stay a candidate
 MAX_ENGINES = 1024  # per pool in one request
+MAX_PAIRS = 65536  # P x D candidates in one request: each pair's bound is computed (a caller must not cost seconds)
 LOG_ENGINES = 64  # a decision's record keeps the engines' states (for replay) up to this many in all
 
 
@@ -75,8 +76,9 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
     """Choose P, D and the lane for one request and reserve the lane (see the module)."""
     if policy not in PLACEMENTS:
         raise PlacementError(f"policy must be one of {PLACEMENTS}, got {policy!r}")
-    if not ps or not ds or len(ps) > MAX_ENGINES or len(ds) > MAX_ENGINES:
-        raise PlacementError(f"prefill and decode: 1 to {MAX_ENGINES} candidates each, got {len(ps)} and {len(ds)}")
+    if not ps or not ds or len(ps) > MAX_ENGINES or len(ds) > MAX_ENGINES or len(ps) * len(ds) > MAX_PAIRS:
+        raise PlacementError(f"prefill and decode: 1 to {MAX_ENGINES} candidates each and at most {MAX_PAIRS} "
+                             f"pairs, got {len(ps)} and {len(ds)}")
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
         raise PlacementError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:

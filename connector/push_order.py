@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 from kvpath.connector.config import PUSH_ORDERS
@@ -35,19 +36,26 @@ MAX_UPLINK_PUSHES = 64
 
 
 class UplinkSlots:
-    """``n`` host-wide slots: one lock file each, under ``directory``, named for ``host``."""
+    """``n`` host-wide slots: one lock file each, in this user's own 0700 folder under
+    ``directory``, named for ``host``. Another user can neither hold our slots (the folder
+    is ours) nor point us elsewhere (no symlink is followed); anything else raises OSError."""
 
     def __init__(self, host: str, n: int, directory: str):
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", host or "local")[:64]
         self._fds: list[int] = []
+        self._held: set[int] = set()
+        folder = _own_folder(os.path.join(directory, f"kvpath-uplink-{os.getuid()}"))
         try:
             for k in range(n):
-                fd = os.open(os.path.join(directory, f"kvpath-uplink-{name}-{k}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(os.path.join(folder, f"{name}-{k}.lock"),
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 self._fds.append(fd)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    raise PermissionError(f"{folder}: {name}-{k}.lock is not a file of ours")
         except OSError:
             self.close()
             raise
-        self._held: set[int] = set()
 
     def take(self) -> int | None:
         """A free slot, now held (None: every slot is held, here or by another process)."""
@@ -77,6 +85,18 @@ class UplinkSlots:
             except OSError:
                 pass
         self._fds, self._held = [], set()
+
+
+def _own_folder(path: str) -> str:
+    """``path``, a folder of this user's with no access for others (made if missing)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a folder of this user's alone")
+    return path
 
 
 @dataclass
@@ -113,7 +133,7 @@ class PushQueue:
         key = m.prefill.key
         if self.slots is None:
             return True
-        if key in self._cleared:
+        if key in self._cleared or key in self._slot_of:  # cleared by ready(), or holds its slot already
             self._cleared.discard(key)
             return True
         if key in self._waiting:
@@ -133,9 +153,11 @@ class PushQueue:
             return []
         out: list[tuple[Match, bool]] = []
         key_of = (lambda w: (w.nbytes, w.seq)) if self.order == "srpt" else (lambda w: w.seq)
+        free = True  # after the first miss, no slot is tried again this time (each try is a syscall)
         for w in sorted(self._waiting.values(), key=key_of):
             key = w.m.prefill.key
-            k = self.slots.take() if self.slots is not None else None
+            k = self.slots.take() if free and self.slots is not None else None
+            free = k is not None
             overdue = k is None and (now - w.since >= self.max_wait_s
                                      or now >= w.m.registration.post_by - QUEUE_MARGIN_S)
             if k is None and not overdue:

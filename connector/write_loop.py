@@ -148,8 +148,7 @@ class WriteLoop:
         fp = m.prefill
         if not self.queue.active or (fp.progress is not None and not fp.progress.final):
             return True
-        reg = m.registration.reg
-        nbytes = (reg.skip_blocks + len(reg.block_ids)) * self.layout.bytes_per_block()  # (the order's estimate)
+        nbytes = len(m.registration.reg.block_ids) * self.layout.bytes_per_block()  # (the order's estimate)
         waiting = self.queue.holds(fp.key)
         if self.queue.admit(m, nbytes, time.monotonic()):
             return True
@@ -362,6 +361,7 @@ class WriteLoop:
     def _park(self, peer: Peer, lane: int, m: Match, rec: TransferRecord) -> None:
         """A push to a D with no lane open: queue lane ``lane``'s reopen and wait for it."""
         name = peer.hello.agent_name
+        self.queue.done(m.prefill.key)  # its uplink slot goes to another push while the lane reopens
         if not self.lanes.queue_reopen(peer, lane) and name not in self.parked:
             self.fail(m, f"no lane to D is open and {MAX_QUEUED_SETUPS} lane set-ups are queued", rec)
             return

@@ -278,9 +278,11 @@ class Proxy:
 
     async def _place(self, body: dict, tid: str) -> tuple[Instance, Instance, LaneGrant] | None:
         """Policies joint and network (push mode, with a reservation service): P, D and the
-        lane chosen together by the service (docs/placement.md). None: pick as the pools
-        do (another policy, no service, an instance without a fabric host, or the service
-        could not place: counted in the fallbacks)."""
+        lane chosen together by the service (docs/placement.md). None: pick and reserve as
+        the pools do (another policy, no service, an instance without a fabric host, a
+        service that cannot place). A service that timed out or is unreachable may have
+        placed: the pools pick, and nothing more is reserved (no double load; its lease
+        ends what it reserved). Every fallback is counted with its reason."""
         if self.cfg.policy not in PLACED_POLICIES or self.cfg.mode != "push" or self.reserver is None:
             return None
         ps = [i for i in self.pools["prefill"].all() if i.healthy]
@@ -300,9 +302,17 @@ class Proxy:
         t = time.perf_counter()
         ans = await self.reserver.place(req)
         self.metrics.reservation.observe(time.perf_counter() - t)
+        if isinstance(ans, str):
+            reason = ans.split(":")[0]
+            self.metrics.fallbacks.labels(f"place_{reason}").inc()
+            if reason in ("timeout", "unreachable"):
+                return self.pools["prefill"].pick(), self.pools["decode"].pick(), LaneGrant(fallback=reason)
+            return None
         by_url = {i.url: i for i in (*ps, *ds)}
-        if ans is None or ans.prefill not in by_url or ans.decode not in by_url:
-            self.metrics.fallbacks.labels("place_failed").inc()
+        if ans.prefill not in by_url or ans.decode not in by_url:  # not ours: give its lane back
+            self.metrics.fallbacks.labels("place_bad_answer").inc()
+            if ans.lease_id:
+                await self.reserver.release(ans.lease_id)
             return None
         if ans.fallback:
             self.metrics.fallbacks.labels(ans.fallback).inc()

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvpath.iteration_time import IterationTimeModel
 from kvpath.models import kv_bytes_per_token
 from kvpath.placement import CostModel, EngineState
 from kvpath.reservation.decisions import ReservationService
 from kvpath.reservation.placer import place
+from kvpath.fabric import FabricSpec
 from kvpath.workloads import Request
-
-if TYPE_CHECKING:
-    from kvpath.bridge.serving_sim import ServingConfig, _Lanes
-    from kvpath.fabric import FabricSpec
 
 __all__ = ["place_requests"]
 
@@ -52,11 +49,13 @@ class _InFlight:
             self.tokens -= t
 
 
-def place_requests(spec: "FabricSpec", reqs: list[Request], cfg: "ServingConfig", itm: IterationTimeModel,
-                   p_hosts: list[str], d_hosts: list[str], lanes: "_Lanes"
+def place_requests(spec: FabricSpec, reqs: list[Request], cfg: Any, itm: IterationTimeModel,
+                   p_hosts: list[str], d_hosts: list[str], lanes: Any
                    ) -> tuple[list[int], list[int], list[int | None], list[dict]]:
     """Per request (in ``reqs``' order): its P index, D index and lane (None: none known),
-    and the decision records (the service's log of each placement)."""
+    and the decision records (the service's log of each placement). ``cfg``: the
+    simulation's ServingConfig; ``lanes``: its lanes (``oracle`` and ``infos(src, dst)``)
+    (both of kvpath.bridge.serving_sim, which imports this module)."""
     clock = [0.0]
     svc = ReservationService(spec, cfg.mode, oracle=lanes.oracle, lease_s=1e12, dc_delay_s=cfg.dc_delay_s,
                              clock=lambda: clock[0], metric=cfg.cc_metric, lanes_ttl_s=math.inf)

@@ -30,15 +30,15 @@ class InProcessReserver:
         self.svc = svc
         self.cost = cost
 
-    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | None:
-        """P, D and the lane at once; None when the service cannot place (not configured,
-        or a host it does not know: the caller picks as it would without)."""
+    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | str:
+        """P, D and the lane at once, or why not (``not_configured``, ``rejected: ...``:
+        nothing was reserved; the caller picks and reserves as it would without)."""
         if self.cost is None or not isinstance(self.svc, ReservationService):
-            return None
+            return "not_configured"
         try:
             return place_request(self.svc, self.cost, req)
-        except (PlacementError, ReservationError):
-            return None
+        except (PlacementError, ReservationError) as e:
+            return f"rejected: {e}"
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                       transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant:
@@ -110,13 +110,22 @@ class HttpReserver:
         except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return False
 
-    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | None:
-        """P, D and the lane at once; None for every fault (the caller picks as it would without)."""
+    async def place(self, req: wire.PlaceRequest) -> wire.PlaceAnswer | str:
+        """P, D and the lane at once, or why not: ``timeout`` and ``unreachable`` (the
+        service may have placed and reserved: its lease ends it), ``http_<status>`` and
+        ``bad_answer``."""
         try:
             r = await self.client.post(self.url + wire.PLACE_PATH, content=wire.encode(req), headers=_JSON)
-            return wire.decode_place(r.content) if r.status_code == 200 else None
-        except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            return None
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.HTTPError:
+            return "unreachable"
+        if r.status_code != 200:
+            return f"http_{r.status_code}"
+        try:
+            return wire.decode_place(r.content)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return "bad_answer"
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -31,7 +31,7 @@ import itertools
 import secrets
 import time
 import zlib
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -72,11 +72,36 @@ class _Registered(NamedTuple):
 
 
 class _Candidate(NamedTuple):
-    """One lane id: its lane on the first carrying pair, and its path on every one."""
+    """One lane id: its lane on the first carrying pair, and its path on every one (and
+    their switch-to-switch links, each once: what cc compares)."""
 
     lane: LaneInfo
     paths: tuple[Path, ...]
     workers: tuple[str, ...]
+    core: tuple[tuple[str, str], ...]
+
+
+def _candidate(lane: LaneInfo, paths: tuple[Path, ...], workers: tuple[str, ...]) -> _Candidate:
+    return _Candidate(lane, paths, workers, core_links(paths))
+
+
+class _Cands(list):
+    """A host pair's candidates (cached), with their decision-log form made once."""
+
+    __slots__ = ("logged",)
+
+    def log_form(self) -> tuple | None:
+        """(lane, source port, destination port, spine) of each, as the decision log keeps
+        them (None with several worker pairs: not replayable)."""
+        try:
+            return self.logged
+        except AttributeError:
+            self.logged = (tuple((c.lane.lane, c.lane.src_port, c.lane.dst_port, c.paths[0].spine) for c in self)
+                           if all(len(c.paths) == 1 for c in self) else None)
+            return self.logged
+
+
+MAX_GIVEN_CACHED = 4096  # candidates of lanes named with a reservation, by (hosts, lanes)
 
 
 @dataclass
@@ -169,6 +194,7 @@ class ReservationService:
         self._unheard = Unheard()  # dc: changes younger than the broadcast delay
         # per (src, dst) and set of worker pairs in scope: the candidates (lanes are long-lived)
         self._cands: dict[tuple[str, str], dict[tuple[str, ...], list[_Candidate]]] = {}
+        self._given: OrderedDict[tuple, _Cands] = OrderedDict()
         self._canon: dict[str, str] = {}
         self.counters: dict[str, int] = defaultdict(int)
         # the last decisions (transfer id, lane, spine...), for the testbed's trace
@@ -340,8 +366,7 @@ class ReservationService:
                     # what it chose among (the first worker pair's lanes): enough to replay it.
                     # Tuples, not lists: the log keeps up to 100,000 records and the garbage
                     # collector stops tracking tuples of scalars, but rescans lists on every pass.
-                    "candidates": tuple((c.lane.lane, c.lane.src_port, c.lane.dst_port, c.paths[0].spine)
-                                        for c in cands) if all(len(c.paths) == 1 for c in cands) else None}
+                    "candidates": cands.log_form() if isinstance(cands, _Cands) else _Cands(cands).log_form()}
         if extra:
             decision.update(extra)
         self.decisions.append(decision)
@@ -447,7 +472,7 @@ class ReservationService:
         this rule over the candidates of every (P, D) pair it may take.)"""
         best: tuple[tuple[int, int, int], _Candidate] | None = None
         for c in cands:
-            worst, total, worst_b = view.cost(core_links(c.paths))
+            worst, total, worst_b = view.cost(c.core)
             key = (worst, total, c.lane.lane) if self.metric == "flows" else (worst_b, worst, c.lane.lane)
             if best is None or key < best[0]:
                 best = (key, c)
@@ -462,9 +487,18 @@ class ReservationService:
     def _candidates(self, src: str, dst: str, lanes: Sequence[LaneInfo] | None, scope: FlowScope) -> list[_Candidate]:
         """Per lane id: its lane (on the first carrying pair) and its path on every worker
         pair in ``scope``. Only lane ids that every such pair has are candidates."""
-        if lanes:  # given with the request: one worker pair, not cached
-            return [_Candidate(c, (self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto),), ())
-                    for c in sorted(lanes, key=lambda x: x.lane)]
+        if lanes:  # given with the request: one worker pair (cached by the lanes, LRU)
+            key = (src, dst, tuple(lanes))
+            got = self._given.get(key)
+            if got is None:
+                got = self._given[key] = _Cands(
+                    _candidate(c, (self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto),), ())
+                    for c in sorted(lanes, key=lambda x: x.lane))
+                if len(self._given) > MAX_GIVEN_CACHED:
+                    self._given.popitem(last=False)
+            else:
+                self._given.move_to_end(key)
+            return got
         registered = self._lanes.get((src, dst))
         if not registered:
             return []
@@ -478,10 +512,10 @@ class ReservationService:
         if got is None:
             pairs = [registered[name].lanes for name in names]
             common = set.intersection(*({c.lane for c in ls} for ls in pairs))
-            got = []
+            got = _Cands()
             for lane_id in sorted(common):
                 per = [next(c for c in ls if c.lane == lane_id) for ls in pairs]
-                got.append(_Candidate(per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto)
+                got.append(_candidate(per[0], tuple(self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto)
                                                     for c in per), names))
             if len(cache) >= MAX_SCOPES_CACHED:  # keep the cache bounded
                 cache.clear()

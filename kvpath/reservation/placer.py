@@ -19,12 +19,18 @@ service costs it on what the P host's agent has heard).
 A guard keeps every policy off an instance with more than ``guard`` requests above the
 least loaded of its pool, so a cheap-looking instance is not piled on while its own
 counts catch up. Equal predictions go to the lane whose spine links carry the fewest
-reserved flows, then bytes (cc's rule), then the lower P index, D index, lane id:
-deterministic.
+reserved flows, then bytes (cc's rule), then the lower P index, D index, lane id; a pair
+with no lane known loses every tie: deterministic.
 
-Pruning: pairs are visited in order of their lower bound (P's wait and prefill, D's
-admission, the push alone on an idle path); the first pair whose bound is not below the
-best found ends the search, so a large pool costs a few pairs, not all of them.
+A candidate's push: every link of its paths carries this flow's bytes on it (a transfer
+over several worker pairs splits its bytes evenly among them, as the service charges
+them; P's uplink and D's downlink carry all of it) beside the load reserved there.
+
+Pruning: pairs are visited in order of a lower bound (P's wait and prefill, D's
+admission, and the push on the pair's two host links, which every candidate of the pair
+crosses with the whole bytes; 0 within one host); the first pair whose bound is above the
+best found ends the search, so a large pool costs a few pairs, not all of them. At most
+MAX_PAIRS_VISITED pairs are costed in one decision (the best of them wins).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from typing import Sequence
 
 from kvpath.placement import PLACEMENTS, CostModel, EngineState, PlacementError, Prediction
 from kvpath.reservation.decisions import Reservation, ReservationService
-from kvpath.reservation.link_loads import core_links
 from kvpath.reservation.wire import MAX_TRANSFER_BYTES, EngineInfo, FlowScope, PlaceAnswer, PlaceRequest
 
 __all__ = ["GUARD", "MAX_ENGINES", "Placement", "place", "place_request"]
@@ -43,6 +48,9 @@ __all__ = ["GUARD", "MAX_ENGINES", "Placement", "place", "place_request"]
 GUARD = 4  # requests above the least loaded of its pool an instance may have and stay a candidate
 MAX_ENGINES = 1024  # per pool in one request
 MAX_PAIRS = 65536  # P x D candidates in one request: each pair's bound is computed (a caller must not cost seconds)
+MAX_PAIRS_VISITED = 1024  # pairs whose lanes are costed in one decision, at most (in order of their bound)
+MAX_GUARD = 1024
+NO_LANE = 1 << 62  # a pair without a lane loses every tie
 LOG_ENGINES = 64  # a decision's record keeps the engines' states (for replay) up to this many in all
 
 
@@ -72,8 +80,9 @@ def _least_outstanding(states: Sequence[EngineState], eligible: list[int]) -> in
 
 def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], ds: Sequence[EngineState],
           prompt_tokens: int, nbytes: int, transfer_id: str = "", policy: str = "joint",
-          guard: int = GUARD) -> Placement:
-    """Choose P, D and the lane for one request and reserve the lane (see the module)."""
+          guard: int = GUARD, exhaustive: bool = False) -> Placement:
+    """Choose P, D and the lane for one request and reserve the lane (see the module).
+    ``exhaustive``: cost every pair, no pruning (tests and audits: the same choice)."""
     if policy not in PLACEMENTS:
         raise PlacementError(f"policy must be one of {PLACEMENTS}, got {policy!r}")
     if not ps or not ds or len(ps) > MAX_ENGINES or len(ds) > MAX_ENGINES or len(ps) * len(ds) > MAX_PAIRS:
@@ -83,8 +92,8 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         raise PlacementError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
         raise PlacementError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
-    if guard < 0:
-        raise PlacementError(f"guard must be >= 0, got {guard!r}")
+    if not 0 <= guard <= MAX_GUARD:
+        raise PlacementError(f"guard must be in [0, {MAX_GUARD}], got {guard!r}")
     now = svc.clock()
     svc.expire(now)
     p_hosts = [svc._host(p.host, f"prefill.{i}.host") for i, p in enumerate(ps)]
@@ -120,73 +129,78 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
     up = {i: (p_hosts[i], spec.leaf_name(spec.locate(p_hosts[i])[0])) for i in p_ok}  # P's uplink
     down = {j: (spec.leaf_name(spec.locate(d_hosts[j])[0]), d_hosts[j]) for j in d_ok}  # D's downlink
 
-    def hosts_t(i: int, j: int, nb: int) -> float:
-        """The push on P's uplink and D's downlink: every path of the pair has both."""
+    def hosts_t(i: int, j: int) -> float:
+        """The push on P's uplink and D's downlink (every path of the pair has both, and
+        every worker pair's share crosses them: the whole bytes); 0 within one host."""
         src = p_hosts[i]
-        return max(link_t(src, up[i], nb, host_bps), link_t(src, down[j], nb, host_bps))
+        if src == d_hosts[j]:
+            return 0.0
+        return max(link_t(src, up[i], nbytes, host_bps), link_t(src, down[j], nbytes, host_bps))
 
-    def bounds() -> list[tuple[float, int, int]]:
-        if dc:  # D's downlink as each P host's agent sees it
-            return [(wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j, nbytes), pre), i, j)
-                    for i in p_ok for j in d_ok]
+    def push_t(src: str, c) -> float:
+        """Candidate ``c``'s push: each link carries this flow's bytes on it (every worker
+        pair's share, split evenly as the service charges them) beside its reserved load."""
+        if len(c.paths) == 1:
+            links = c.paths[0].links
+            last = len(links) - 1
+            return max((link_t(src, ln, nbytes, host_bps if k in (0, last) else spine_bps)
+                        for k, ln in enumerate(links)), default=0.0)
+        share = nbytes // len(c.paths)
+        on: dict[tuple[str, str], tuple[int, float]] = {}
+        for n, path in enumerate(c.paths):
+            links = path.links
+            last = len(links) - 1
+            for k, ln in enumerate(links):
+                b, rate = on.get(ln, (0, host_bps if k in (0, last) else spine_bps))
+                on[ln] = (b + share + (nbytes % len(c.paths) if n == 0 else 0), rate)
+        return max((link_t(src, ln, b, rate) for ln, (b, rate) in on.items()), default=0.0)
+
+    # A bound on each pair (never above any of its candidates): its queue, prefill and
+    # admission, and the push on its two host links
+    if dc:  # D's downlink as each P host's agent sees it
+        pairs = [(wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j), pre), i, j) for i in p_ok for j in d_ok]
+    else:
         up_t = {i: link_t("", up[i], nbytes, host_bps) for i in p_ok}
         down_t = {j: link_t("", down[j], nbytes, host_bps) for j in d_ok}
         after = cost.after_prefill
-        return [(wait[i] + admit[j] + after(u if u > dt else dt, pre), i, j)
-                for i, u in up_t.items() for j, dt in down_t.items()]
-
-    # A bound on each pair: its queue, prefill and admission, and the push on its two host
-    # links alone (split over the most worker pairs seen carrying a transfer so far)
-    fan = 1
-    pairs = bounds()
+        pairs = [(wait[i] + admit[j] + (0.0 if p_hosts[i] == d_hosts[j] else after(u if u > dt else dt, pre)), i, j)
+                 for i, u in up_t.items() for j, dt in down_t.items()]
     heapq.heapify(pairs)  # visited in order of their bound, as far as needed
-    best: tuple | None = None  # (ttft, i, j, candidate or None, push, cands, its cc key or None)
-    considered = 0
-    while pairs:
+    best: tuple | None = None  # (ttft, i, j, candidate or None, push, cands, its cc key)
+    considered = visited = 0
+    lease_id = svc.new_lease_id()
+    tid = transfer_id or lease_id  # (ecmp's lane hashes it, as reserve does)
+    while pairs and (exhaustive or visited < MAX_PAIRS_VISITED):
         bound, i, j = heapq.heappop(pairs)
-        if fan > 1:  # (the bound assumed the whole bytes on one pair's links)
-            bound = wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j, max(1, nbytes // fan)), pre)
-        if best is not None and bound + pre >= best[0]:
-            break  # no later pair can beat it
+        if best is not None and bound + pre > best[0] and not exhaustive:
+            break  # no later pair can beat it (one that ties is visited: the cc key may decide)
+        visited += 1
         src = p_hosts[i]
         cands = svc.candidates(src, d_hosts[j], _scope(ps[i], ds[j]))
         if policy == "load":  # the lane by the service's own rule, the prediction for the log
-            cands_costed = [svc.choose(src, cands, transfer_id, now)] if cands else []
+            cands_costed = [svc.choose(src, cands, tid, now)] if cands else []
         else:
             cands_costed = cands
-        for c in cands:
-            fan = max(fan, len(c.paths))
-        if not cands_costed:  # no lane known for the pair: its push alone on an idle path
-            push = cost.push_alone_s(nbytes, pre)
+        if not cands_costed:  # no lane known for the pair: its host links, and it loses ties
+            push = cost.after_prefill(hosts_t(i, j), pre)
             ttft = wait[i] + pre + push + admit[j]
             considered += 1
-            if best is None or (ttft, 0, 0, i, j, -1) < (best[0], *_cc_key(best), best[1], best[2], _lane(best)):
-                best = (ttft, i, j, None, push, cands, (0, 0))
+            key = (ttft, NO_LANE, NO_LANE, i, j, -1)
+            if best is None or key < (best[0], *best[6], best[1], best[2], _lane(best)):
+                best = (ttft, i, j, None, push, cands, (NO_LANE, NO_LANE))
             continue
         for c in cands_costed:
-            nb = max(1, nbytes // len(c.paths))
-            tt = 0.0
-            for path in c.paths:
-                links = path.links
-                last = len(links) - 1
-                for k, ln in enumerate(links):
-                    t = link_t(src, ln, nb, host_bps if k in (0, last) else spine_bps)
-                    if t > tt:
-                        tt = t
-            push = cost.after_prefill(tt, pre)
+            push = cost.after_prefill(push_t(src, c), pre)
             ttft = wait[i] + pre + push + admit[j]
             considered += 1
             if best is not None and ttft > best[0]:
                 continue
-            cc = view_of(src).cost(core_links(c.paths))[:2]  # equal TTFT: the less loaded spine (cc)
-            if best is None or (ttft, *cc, i, j, c.lane.lane) < (best[0], *_cc_key(best), best[1], best[2],
-                                                                     _lane(best)):
+            cc = view_of(src).cost(c.core)[:2]  # equal TTFT: the less loaded spine (cc)
+            if best is None or (ttft, *cc, i, j, c.lane.lane) < (best[0], *best[6], best[1], best[2], _lane(best)):
                 best = (ttft, i, j, c, push, cands, cc)
     assert best is not None
     _, i, j, chosen, push, cands, _ = best
     pred = Prediction(i, j, chosen.lane.lane if chosen is not None else None, wait[i], pre, push, admit[j])
-    lease_id = svc.new_lease_id()
-    tid = transfer_id or lease_id
     extra = {"placement": {"policy": policy, "p": ps[i].name, "d": ds[j].name, "prompt_tokens": prompt_tokens,
                            "predicted": pred.to_dict(), "considered": considered,
                            "engines": _logged(ps, ds)}}
@@ -215,10 +229,6 @@ def place_request(svc: ReservationService, cost: CostModel, req: PlaceRequest) -
                        fallback=r.fallback, predicted=pl.prediction.to_dict(), considered=pl.considered)
 
 
-def _cc_key(best: tuple) -> tuple[int, int]:
-    return best[6]
-
-
 def _lane(best: tuple) -> int:
     return best[3].lane.lane if best[3] is not None else -1
 
@@ -226,7 +236,7 @@ def _lane(best: tuple) -> int:
 def _logged(ps: Sequence[EngineState], ds: Sequence[EngineState]) -> tuple | None:
     """The engines' states as the decision saw them (what a replay needs), or None past
     LOG_ENGINES (the log keeps up to 100,000 decisions)."""
-    if len(ps) + len(ds) > LOG_ENGINES:
+    if len(ps) + len(ds) > LOG_ENGINES or any(len(s.name) > 64 or len(s.engine_id) > 64 for s in (*ps, *ds)):
         return None
     return tuple((s.name, s.host, s.outstanding, s.queued_tokens, s.free_kv_tokens, s.engine_id)
                  for s in (*ps, *ds))

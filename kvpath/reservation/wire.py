@@ -219,7 +219,7 @@ class PlaceRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     bytes: Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
     transfer_id: Annotated[str, Meta(max_length=256)] = ""
     policy: Literal["joint", "network", "load"] = "joint"
-    guard: Annotated[int, Meta(ge=0, le=1_000_000)] = 4
+    guard: Annotated[int, Meta(ge=0, le=1024)] = 4
 
 
 class PlaceAnswer(msgspec.Struct, kw_only=True):
@@ -304,7 +304,7 @@ class AsyncReserver(Protocol):
 
     async def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> bool: ...
 
-    async def place(self, req: "PlaceRequest") -> "PlaceAnswer | None": ...
+    async def place(self, req: "PlaceRequest") -> "PlaceAnswer | str": ...
 
     async def close(self) -> None: ...
 

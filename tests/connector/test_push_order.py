@@ -94,3 +94,28 @@ def test_a_cancelled_push_leaves_the_queue_and_nothing_is_held_after(tmp_path):
 def test_without_a_cap_nothing_waits():
     q = PushQueue("srpt", None, max_wait_s=0.0)
     assert all(q.admit(_m(str(i)), i, 0.0) for i in range(5)) and len(q) == 0 and not q.active
+
+
+def test_a_slot_folder_others_can_reach_is_refused(tmp_path):
+    import os
+
+    folder = tmp_path / f"kvpath-uplink-{os.getuid()}"
+    folder.mkdir()
+    folder.chmod(0o777)  # another user could hold our slots, or swap the files
+    with pytest.raises(PermissionError):
+        UplinkSlots("h", 1, str(tmp_path))
+    folder.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    folder.symlink_to(tmp_path / "elsewhere")  # not followed
+    with pytest.raises(PermissionError):
+        UplinkSlots("h", 1, str(tmp_path))
+
+
+def test_a_push_holding_its_slot_is_admitted_again_without_a_second_slot(tmp_path):
+    slots = UplinkSlots("h", 2, str(tmp_path))
+    q = PushQueue("fifo", slots, max_wait_s=60)
+    a = _m("a")
+    assert q.admit(a, 1, 0.0) and slots.held() == 1
+    assert q.admit(a, 1, 0.0) and slots.held() == 1  # (start() again after a lane reopened)
+    q.done("a")
+    assert slots.held() == 0

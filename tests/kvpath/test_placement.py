@@ -138,3 +138,46 @@ def test_bad_input_is_refused_naming_the_field(kw, match):
         place(svc, _cost(), args["ps"], args["ds"], args["prompt_tokens"], args["nbytes"],
               policy=args.get("policy", "joint"))
     assert not svc.active
+
+
+@pytest.mark.parametrize("fan", [1, 2])
+def test_pruning_equals_the_exhaustive_search_with_worker_pairs_sharing_host_links(fan):
+    """Engines whose transfers go over ``fan`` worker pairs (TP ranks: every pair's share
+    crosses P's uplink and D's downlink), random loads: the pruned search takes what an
+    exhaustive one takes, and costs fewer candidates."""
+    from kvpath.reservation.wire import WorkerPair
+
+    hosts_p, hosts_d = [f"l0h{i}" for i in range(4)], [f"l1h{i}" for i in range(4)]
+    svc = ReservationService(SPEC, "cc", clock=Clock())
+    for a, ph in enumerate(hosts_p):
+        for b, dh in enumerate(hosts_d):
+            for r in range(fan):
+                svc.register_lanes(ph, dh, lanes_covering_spines(ph, dh, n=4, first_port=30000 + 1000 * r + 37 * a + b),
+                                   pair=WorkerPair(p_engine=f"pe{a}", d_engine=f"de{b}", p_rank=r, d_rank=r))
+    rng = random.Random(11)
+    for _ in range(30):
+        svc.reserve(rng.choice(hosts_p), rng.choice(hosts_d), rng.randint(1, 400) * MB)
+    cost = _cost()
+    fewer = False
+    for trial in range(15):
+        ps = [EngineState(f"p{i}", hosts_p[i], rng.randint(0, 3), rng.randint(0, 40_000), engine_id=f"pe{i}")
+              for i in range(4)]
+        ds = [EngineState(f"d{j}", hosts_d[j], rng.randint(0, 3), engine_id=f"de{j}") for j in range(4)]
+        nbytes, tokens = rng.randint(1, 300) * MB, rng.randint(100, 6000)
+        a = place(svc, cost, ps, ds, tokens, nbytes, transfer_id=f"a{trial}")
+        svc.release(a.reservation.lease_id)
+        b = place(svc, cost, ps, ds, tokens, nbytes, transfer_id=f"b{trial}", exhaustive=True)
+        svc.release(b.reservation.lease_id)
+        assert (a.p, a.d, a.reservation.lane, a.prediction.ttft_s) == (b.p, b.d, b.reservation.lane, b.prediction.ttft_s)
+        fewer |= a.considered < b.considered
+    assert fewer
+
+
+def test_a_pair_without_lanes_loses_a_tie_and_a_pair_on_one_host_pushes_nothing():
+    svc = ReservationService(SPEC, "cc", clock=Clock())
+    svc.register_lanes("l0h1", "l1h0", lanes_covering_spines("l0h1", "l1h0", n=4))
+    ps = [EngineState("p0", "l0h0"), EngineState("p1", "l0h1")]  # p0 -> d0: no lane registered
+    pl = place(svc, _cost(), ps, [EngineState("d0", "l1h0")], 100, 1)  # a push too small to tell them apart
+    assert pl.p == 1 and pl.reservation.lane is not None
+    same = place(svc, _cost(), [EngineState("p", "l1h0")], [EngineState("d", "l1h0")], 100, 100 * MB)
+    assert same.prediction.push_s == 0.0

@@ -122,7 +122,7 @@ def test_a_service_that_cannot_place_falls_back_to_least_outstanding_and_counts(
     assert not any("placement" in d for d in placed.svc.decisions)
     assert placed.svc.decisions[-1]["lane"] is not None  # the lane reserved as it would be without
     m = httpx.get(placed.url + "/metrics").text
-    assert 'kvpath_proxy_reservation_fallbacks_total{reason="place_failed"} 1.0' in m
+    assert 'kvpath_proxy_reservation_fallbacks_total{reason="place_not_configured"} 1.0' in m
 
 
 def test_place_over_http_refuses_bad_input_naming_the_field(placed):
@@ -162,3 +162,26 @@ def test_the_testbeds_proxy_costs_placements_on_the_emulated_engines_clock(tmp_p
     cost = build_cost(args, SPEC)
     assert cost.time_scale == site.cfg.scale_b / site.cfg.scale_s
     assert (cost.itm.model.name, cost.granularity, cost.layer_group) == (site.cfg.model, "layer", 2)
+
+
+def test_a_placement_that_timed_out_reserves_nothing_more(placed):
+    """The service may have placed (and reserved) an answer that never came: the proxy
+    picks by least outstanding and sends P no lane, never reserving a second time."""
+    class TimedOut:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def place(self, req):
+            return "timeout"
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    placed.proxy.reserver = TimedOut(placed.proxy.reserver)
+    n = len(placed.svc.decisions)
+    assert httpx.post(placed.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+    assert len(placed.svc.decisions) == n  # no reservation made
+    leg = next(r for b in placed.pb for r in b.received)
+    assert leg["body"]["kv_transfer_params"]["kvpath"].get("lane") is None
+    m = httpx.get(placed.url + "/metrics").text
+    assert 'kvpath_proxy_reservation_fallbacks_total{reason="place_timeout"} 1.0' in m

@@ -60,10 +60,27 @@ def workload(n: int, seed: int = 0):
     return pairs
 
 
-def run_once(mode: str, pairs: list) -> tuple[float, float]:
+def baseline_service(rev: str):
+    """The ReservationService class of commit ``rev`` (its decisions.py loaded beside
+    today's, on today's other modules): old and new code in one run."""
+    import importlib.util
+    import tempfile
+
+    src = subprocess.run(["git", "show", f"{rev}:kvpath/reservation/decisions.py"], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent).stdout
+    path = Path(tempfile.mkdtemp()) / "decisions_baseline.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("kvpath_reservation_decisions_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.ReservationService
+
+
+def run_once(mode: str, pairs: list, cls=ReservationService) -> tuple[float, float]:
     """One fresh service making len(pairs) decisions: (per CPU second, per wall second)."""
     n = len(pairs)
-    svc = ReservationService(SPEC, mode, dc_delay_s=0.001)
+    svc = cls(SPEC, mode, dc_delay_s=0.001)
     lanes = [LaneInfo(i, 40000 + 17 * i, 0) for i in range(8)]
     for s, d, _ in pairs[:2000]:
         svc.register_lanes(s, d, lanes)
@@ -80,16 +97,21 @@ def run_once(mode: str, pairs: list) -> tuple[float, float]:
     return n / cpu, n / wall
 
 
-def bench_inprocess(n: int, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Per mode, the decision rates of every repeat; the modes interleave (ecmp cc dc
-    ecmp cc dc ...) so that a burst of load elsewhere hits all of them alike."""
+def bench_inprocess(n: int, repeats: int, baseline: str = "") -> dict[str, dict[str, list[float]]]:
+    """Per mode (and per mode of ``baseline``'s code, as "<mode> @<rev>"), the decision
+    rates of every repeat; they interleave (ecmp cc dc ecmp@old cc@old ...) so that a burst
+    of load elsewhere hits all of them alike."""
     pairs = workload(n)
-    out: dict[str, dict[str, list[float]]] = {m: {"cpu": [], "wall": []} for m in MODES}
+    kinds = [(m, ReservationService) for m in MODES]
+    if baseline:
+        old = baseline_service(baseline)
+        kinds += [(f"{m} @{baseline}", old) for m in MODES]
+    out: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k, _ in kinds}
     for _ in range(repeats):
-        for mode in MODES:
-            cpu, wall = run_once(mode, pairs)
-            out[mode]["cpu"].append(cpu)
-            out[mode]["wall"].append(wall)
+        for name, cls in kinds:
+            cpu, wall = run_once(name.split()[0], pairs, cls)
+            out[name]["cpu"].append(cpu)
+            out[name]["wall"].append(wall)
     return out
 
 
@@ -188,6 +210,7 @@ def main() -> int:
     ap.add_argument("--http-requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--joint", type=int, default=2000, help="joint placement decisions to time (0: skip)")
+    ap.add_argument("--baseline", default="", help="a git commit: its decision code runs beside today's, interleaved")
     args = ap.parse_args()
     con = Console()
     if args.joint:
@@ -202,7 +225,7 @@ def main() -> int:
         con.print(t)
         ratio = np.percentile(jt["joint"], 99) / np.percentile(jt["cc"], 99)
         con.print(f"joint p99 / cc p99: {ratio:.1f}x (goal <= 3x: {'yes' if ratio <= 3 else 'NO'})")
-    ip = bench_inprocess(args.decisions, args.repeats)
+    ip = bench_inprocess(args.decisions, args.repeats, args.baseline)
     t = Table(title=f"in-process decisions/s ({SPEC.leaves}x{SPEC.spines}x{SPEC.hosts_per_leaf} fabric, 8 lanes, "
                     f"~256 active flows; median (min..max) of {args.repeats})")
     t.add_column("mode")
@@ -217,6 +240,9 @@ def main() -> int:
                   f"{h['rps']:,.0f} reserve+release pairs/s")
     cc = statistics.median(ip["cc"]["cpu"])
     con.print(f"[bold]summary[/bold]: in-process cc {cc:,.0f}/CPU s (>= 20,000: {'yes' if cc >= 20000 else 'NO'})")
+    if args.baseline:
+        old = statistics.median(ip[f"cc @{args.baseline}"]["cpu"])
+        con.print(f"cc today over cc @{args.baseline}: {cc / old:.2f}x per CPU second (goal >= 2x)")
     return 0
 
 

@@ -35,6 +35,7 @@ MAX_PAIRS_VISITED pairs are costed in one decision (the best of them wins).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -105,7 +106,14 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         d_ok = [_least_outstanding(ds, d_ok)]
     pre = cost.prefill_s(prompt_tokens)
     wait = {i: cost.wait_s(ps[i]) for i in p_ok}
-    admit = {j: cost.admit_s(ds[j], prompt_tokens) for j in d_ok}
+    by_load: dict[tuple[int, int | None], float] = {}  # D's admission depends on these two only
+    admit = {}
+    for j in d_ok:
+        k = (ds[j].outstanding, ds[j].free_kv_tokens)
+        a = by_load.get(k)
+        if a is None:
+            a = by_load[k] = cost.admit_s(ds[j], prompt_tokens)
+        admit[j] = a
     spec = cost.spec
     host_bps, spine_bps = spec.host_link_gbps * 1e9, spec.spine_link_gbps * 1e9
     dc = svc.mode == "dc"  # each P host's agent sees its own view: per-host caches
@@ -118,16 +126,23 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
             v = views[src] = svc.view(src, now)
         return v
 
+    whole: dict[tuple[str, str], float] = {}  # (not dc) link -> the whole push's time on it
+
     def link_t(src: str, ln: tuple[str, str], nb: int, rate: float) -> float:
         """The push's time on one link beside its reserved load (cached per decision)."""
+        if nb == nbytes and not dc:
+            t = whole.get(ln)
+            if t is None:
+                t = whole[ln] = cost.link_s(rate, nb, *svc.loads.link(ln))
+            return t
         k = (src if dc else "", ln, nb)
         t = times.get(k)
         if t is None:
             t = times[k] = cost.link_s(rate, nb, *view_of(src).link(ln))
         return t
 
-    up = {i: (p_hosts[i], spec.leaf_name(spec.locate(p_hosts[i])[0])) for i in p_ok}  # P's uplink
-    down = {j: (spec.leaf_name(spec.locate(d_hosts[j])[0]), d_hosts[j]) for j in d_ok}  # D's downlink
+    up = {i: _uplink(spec, p_hosts[i]) for i in p_ok}  # P's uplink
+    down = {j: _downlink(spec, d_hosts[j]) for j in d_ok}  # D's downlink
 
     def hosts_t(i: int, j: int) -> float:
         """The push on P's uplink and D's downlink (every path of the pair has both, and
@@ -160,11 +175,15 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
     if dc:  # D's downlink as each P host's agent sees it
         pairs = [(wait[i] + admit[j] + cost.after_prefill(hosts_t(i, j), pre), i, j) for i in p_ok for j in d_ok]
     else:
-        up_t = {i: link_t("", up[i], nbytes, host_bps) for i in p_ok}
-        down_t = {j: link_t("", down[j], nbytes, host_bps) for j in d_ok}
-        after = cost.after_prefill
-        pairs = [(wait[i] + admit[j] + (0.0 if p_hosts[i] == d_hosts[j] else after(u if u > dt else dt, pre)), i, j)
-                 for i, u in up_t.items() for j, dt in down_t.items()]
+        up_t = [(i, wait[i], p_hosts[i], link_t("", up[i], nbytes, host_bps)) for i in p_ok]
+        down_t = [(j, admit[j], d_hosts[j], link_t("", down[j], nbytes, host_bps)) for j in d_ok]
+        if cost.granularity == "request":  # (the whole push is after the prefill: no transform)
+            pairs = [(w + a + (0.0 if ph == dh else u if u > dt else dt), i, j)
+                     for i, w, ph, u in up_t for j, a, dh, dt in down_t]
+        else:
+            after = cost.after_prefill
+            pairs = [(w + a + (0.0 if ph == dh else after(u if u > dt else dt, pre)), i, j)
+                     for i, w, ph, u in up_t for j, a, dh, dt in down_t]
     heapq.heapify(pairs)  # visited in order of their bound, as far as needed
     best: tuple | None = None  # (ttft, i, j, candidate or None, push, cands, its cc key)
     considered = visited = 0
@@ -211,6 +230,16 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
     svc.counters[f"placements_{policy}"] += 1
     return Placement(i, j, r, pred, considered)
+
+
+@functools.lru_cache(maxsize=65536)
+def _uplink(spec, host: str) -> tuple[str, str]:
+    return host, spec.leaf_name(spec.locate(host)[0])
+
+
+@functools.lru_cache(maxsize=65536)
+def _downlink(spec, host: str) -> tuple[str, str]:
+    return spec.leaf_name(spec.locate(host)[0]), host
 
 
 def _state(e: EngineInfo) -> EngineState:

@@ -14,6 +14,7 @@ import sys
 
 from kvpath.reservation.wire import METRICS, MODES, RESERVE_AT
 from kvpath.layer_push import GRANULARITIES
+from kvpath.testbed.repeats import folder_of
 from kvpath.testbed.run_config import CONNECTORS, ENGINES
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             pd_ratio=args.pd_ratio, max_output=args.max_output, dc_delay_s=args.dc_delay_s,
                             policy=policy, reserve_at=args.reserve_at, cc_metric=args.cc_metric,
                             uplink_pushes=uplink, push_order=order)
-            cfg = dataclasses.replace(cfg, out=f"{args.out}/{cfg.label}")
+            cfg = dataclasses.replace(cfg, out=f"{args.out}/{folder_of(cfg.label)}")
             cfg.validate()
             cfgs.append(cfg)
         labels = [c.label for c in cfgs]

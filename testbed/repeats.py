@@ -24,10 +24,16 @@ def rotation(items: Sequence[T], repeats: int) -> list[tuple[int, T]]:
     return [(r + 1, items[(r + k) % n]) for r in range(repeats) for k in range(n)] if n else []
 
 
+def folder_of(label: str) -> str:
+    """A variant's folder: its label, a placement or push order joined by "-", not "/"
+    (``cc/joint/srpt1`` -> ``cc-joint-srpt1``)."""
+    return label.replace("/", "-")
+
+
 def run_dir(out: str | Path, label: str, repeat: int, repeats: int) -> Path:
     """``<out>/<label>`` for a single run (the layout before repeats existed, which the
-    docs and tests keep), ``<out>/<label>/r<k>`` for each of several."""
-    base = Path(out) / label
+    docs and tests keep), ``<out>/<label>/r<k>`` for each of several (``folder_of``)."""
+    base = Path(out) / folder_of(label)
     return base if repeats == 1 else base / f"r{repeat}"
 
 

@@ -28,20 +28,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bridge_suite import write_azure
+from testbed_bench import KVPATH, run, setup, span
 
 logger = logging.getLogger(__name__)
 
-KVPATH = str(Path(sys.executable).with_name("kvpath"))
-FABRIC = {"leaves": 3, "spines": 3, "hosts_per_leaf": 3, "ecmp_seed": 7}  # link rates: --gbps
 VARIANTS = ("request", "layer")
 
 
-def _run(cmd: list[str], what: str) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode not in (0, 1):  # 1: a run the fidelity check marked (its summary says which)
-        raise SystemExit(f"{what} failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
-    return r.stdout
 
 
 def _row(s: dict) -> dict:
@@ -55,12 +48,6 @@ def _row(s: dict) -> dict:
             "push_after_prefill_mean": parts.get("push")}
 
 
-def _span(vals: list[float], scale: float = 1e3, fmt: str = "{:.1f}") -> str:
-    v = [x for x in vals if x is not None]
-    if not v:
-        return "-"
-    lo, hi = min(v) * scale, max(v) * scale
-    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}..{fmt.format(hi)}"
 
 
 def main() -> int:
@@ -82,16 +69,13 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     console = Console(width=160)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fabric.json").write_text(json.dumps({**FABRIC, "host_link_gbps": args.gbps, "spine_link_gbps": args.gbps}))
-    trace = out / "azure.csv"
-    write_azure(trace, args.requests, args.seed, ctx=(1050, 0.75, 136, 6000), gen=(50, 1.1, 2, 800))
-    common = ["--fabric", str(out / "fabric.json"), "--pools", "3P6D", "--workload", str(trace),
+    fabric, trace = setup(out, args.gbps, args.requests, args.seed)
+    common = ["--fabric", str(fabric), "--pools", "3P6D", "--workload", str(trace),
               "--requests", str(args.requests), "--qps", str(args.qps), "--mode", "cc",
               "--push-granularity", ",".join(VARIANTS), "--layer-group", str(args.layer_group)]
     console.rule(f"testbed: {args.repeats} repeats of {', '.join(VARIANTS)}, rotated")
     if not args.skip_runs:
-        _run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--policy", args.policy, "--seed", str(args.seed),
+        run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--policy", args.policy, "--seed", str(args.seed),
               "--scale-b", str(args.scale_b), "--scale-s", str(args.scale_s), "--repeats", str(args.repeats),
               "--out", str(out / "testbed")], "kvpath testbed run")
     summary = json.loads((out / "testbed" / "summary.json").read_text())
@@ -99,7 +83,7 @@ def main() -> int:
     for s in summary["runs"]:
         rows[s.get("push_granularity", "request")].append(_row(s))
     console.rule("the serving simulation (flow backend), same trace and fabric")
-    sim = json.loads(_run([KVPATH, "bridge", "simulate", *common, "--backend", "flow", "--json"],
+    sim = json.loads(run([KVPATH, "bridge", "simulate", *common, "--backend", "flow", "--json"],
                           "kvpath bridge simulate").strip().splitlines()[-1])
     predicted = {("layer" if "+layer" in r["mode"] else "request"): r for r in sim}
 
@@ -110,16 +94,16 @@ def main() -> int:
         t.add_column(c, justify="left" if c == "variant" else "right")
     for v in VARIANTS:
         rs = [r for r in rows[v] if r["valid"]]
-        t.add_row(v, f"{len(rs)}/{len(rows[v])}", _span([r["ttft_mean"] for r in rs]),
-                  _span([r["ttft_p99"] for r in rs]), _span([r["tpot_mean"] for r in rs], fmt="{:.2f}"),
-                  _span([r["push_share"] for r in rs], 100, "{:.0f}%"), _span([r["prefill_p50"] for r in rs]),
-                  _span([r["push_after_prefill_mean"] for r in rs]), f"{predicted[v]['ttft_mean_s'] * 1e3:.1f}")
+        t.add_row(v, f"{len(rs)}/{len(rows[v])}", span([r["ttft_mean"] for r in rs]),
+                  span([r["ttft_p99"] for r in rs]), span([r["tpot_mean"] for r in rs], fmt="{:.2f}"),
+                  span([r["push_share"] for r in rs], 100, "{:.0f}%"), span([r["prefill_p50"] for r in rs]),
+                  span([r["push_after_prefill_mean"] for r in rs]), f"{predicted[v]['ttft_mean_s'] * 1e3:.1f}")
     console.print(t)
     pairs = [(a, b) for a in rows["request"] for b in rows["layer"] if a["repeat"] == b["repeat"]
              and a["valid"] and b["valid"]]
     gain = {k: [b[k] / a[k] - 1 for a, b in pairs] for k in ("ttft_mean", "ttft_p99", "tpot_mean", "prefill_p50")}
     for k, g in gain.items():
-        console.print(f"layer vs request, {k}: {_span(g, 100, '{:+.1f}%')} over {len(g)} repeat pairs")
+        console.print(f"layer vs request, {k}: {span(g, 100, '{:+.1f}%')} over {len(g)} repeat pairs")
     sim_gain = predicted["layer"]["ttft_mean_s"] / predicted["request"]["ttft_mean_s"] - 1
     console.print(f"the simulation predicts TTFT mean {sim_gain * 100:+.1f}% (uncalibrated)")
     across = _calibrated(out / "testbed", args.backends, console)

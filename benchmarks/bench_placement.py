@@ -27,27 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from bridge_suite import write_azure
+from testbed_bench import KVPATH, run, setup, span
 
-KVPATH = str(Path(sys.executable).with_name("kvpath"))
-FABRIC = {"leaves": 3, "spines": 3, "hosts_per_leaf": 3, "ecmp_seed": 7}  # link rates: --gbps
 VARIANTS = "ecmp/least_outstanding,cc/least_outstanding,cc/joint,cc/joint/srpt1"
 # the simulation's rows for the variants it models: (--mode, --placement)
 SIM = {"ecmp": ("ecmp", "load"), "cc": ("cc", "load"), "cc/joint": ("cc", "joint")}
 
 
-def _run(cmd: list[str], what: str) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode not in (0, 1):  # 1: a run the fidelity check marked (its summary says which)
-        raise SystemExit(f"{what} failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
-    return r.stdout
 
 
 def _row(s: dict) -> dict:
@@ -59,12 +51,6 @@ def _row(s: dict) -> dict:
             "tpot_mean": dc["tpot_s"]["mean"], "push_share": (parts.get("push") or 0.0) / ttft if ttft else None}
 
 
-def _span(vals: list, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
-    v = [x for x in vals if x is not None]
-    if not v:
-        return "-"
-    lo, hi = min(v) * scale, max(v) * scale
-    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}..{fmt.format(hi)}"
 
 
 def main() -> int:
@@ -84,16 +70,12 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     console = Console(width=160)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    fabric = out / "fabric.json"
-    fabric.write_text(json.dumps({**FABRIC, "host_link_gbps": args.gbps, "spine_link_gbps": args.gbps}))
-    trace = out / "azure.csv"
-    write_azure(trace, args.requests, args.seed, ctx=(1050, 0.75, 136, 6000), gen=(50, 1.1, 2, 800))
+    fabric, trace = setup(out, args.gbps, args.requests, args.seed)
     common = ["--fabric", str(fabric), "--pools", "3P6D", "--workload", str(trace), "--requests", str(args.requests),
               "--qps", str(args.qps)]
     console.rule(f"testbed: {args.repeats} repeats of {args.variants}, rotated")
     if not args.skip_runs:
-        _run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--variants", args.variants,
+        run([KVPATH, "testbed", "run", "--engine", "emulated", *common, "--variants", args.variants,
               "--seed", str(args.seed), "--scale-b", str(args.scale_b), "--scale-s", str(args.scale_s),
               "--repeats", str(args.repeats), "--out", str(out / "testbed")], "kvpath testbed run")
     summary = json.loads((out / "testbed" / "summary.json").read_text())
@@ -104,7 +86,7 @@ def main() -> int:
         if label not in SIM:
             continue
         mode, placement = SIM[label]
-        got = _run([KVPATH, "bridge", "simulate", "--fabric", str(fabric), "--pools", "3P6D", "--workload", str(trace),
+        got = run([KVPATH, "bridge", "simulate", "--fabric", str(fabric), "--pools", "3P6D", "--workload", str(trace),
                     "--requests", str(args.requests), "--qps", str(args.qps), "--mode", mode, "--backend", "flow",
                     "--placement", placement, "--json"], "kvpath bridge simulate")
         sim_rows[label] = json.loads(got.strip().splitlines()[-1])[0]
@@ -115,10 +97,10 @@ def main() -> int:
     for label in labels:
         rs = [r for r in rows if r["label"] == label]
         sim = sim_rows.get(label)
-        t.add_row(label, f"{sum(r['valid'] for r in rs)}/{len(rs)}", _span([r["ttft_mean"] for r in rs]),
-                  _span([r["ttft_p99"] for r in rs]), _span([r["fct_mean"] for r in rs]),
-                  _span([r["fct_p99"] for r in rs]), _span([r["tpot_mean"] for r in rs], fmt="{:.2f}"),
-                  _span([r["push_share"] for r in rs], scale=100, fmt="{:.0f}%"),
+        t.add_row(label, f"{sum(r['valid'] for r in rs)}/{len(rs)}", span([r["ttft_mean"] for r in rs]),
+                  span([r["ttft_p99"] for r in rs]), span([r["fct_mean"] for r in rs]),
+                  span([r["fct_p99"] for r in rs]), span([r["tpot_mean"] for r in rs], fmt="{:.2f}"),
+                  span([r["push_share"] for r in rs], scale=100, fmt="{:.0f}%"),
                   f"{sim['ttft_mean_s'] * 1e3:.1f}" if sim else "-", f"{sim['fct_p99_s'] * 1e3:.1f}" if sim else "-")
     console.print(t)
     base = labels[0]

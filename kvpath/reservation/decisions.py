@@ -315,8 +315,6 @@ class ReservationService:
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
             raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
-        if lanes:
-            self._check_lanes(lanes)
         if scope is not None and not isinstance(scope, FlowScope):
             raise ReservationError(f"scope must be a FlowScope, got {type(scope).__name__}")
         scope = scope or _UNSCOPED
@@ -491,6 +489,7 @@ class ReservationService:
             key = (src, dst, tuple(lanes))
             got = self._given.get(key)
             if got is None:
+                self._check_lanes(lanes)  # (a cached set passed it)
                 got = self._given[key] = _Cands(
                     _candidate(c, (self.oracle.path(src, dst, c.src_port, c.dst_port, c.proto),), ())
                     for c in sorted(lanes, key=lambda x: x.lane))

@@ -123,18 +123,32 @@ class CostModel:
         ahead = min(max(reserved, 0), max(flows, 0) * nbytes)
         return (nbytes + ahead) * 8 / rate_bps
 
-    def push_s(self, links: tuple[tuple[str, str], ...], nbytes: int, prefill_s: float, load: Load) -> float:
-        """The push's time after P's prefill ends, on a path's ``links`` (its first and last
-        are the hosts' own links, at the host rate; the others at the spine rate)."""
+    def link_shares(self, paths: tuple[Path, ...], nbytes: int) -> list[tuple[tuple[str, str], int, float]]:
+        """(link, this flow's bytes on it, its rate in bit/s) for a flow over ``paths``, one
+        per worker pair that carries it: the bytes split evenly among them (the remainder on
+        the first, as the service charges them), so links the paths share (P's uplink, D's
+        downlink) carry the sum. A path's first and last links are the hosts' own, at the
+        host rate; the others at the spine rate."""
         host, spine = self.spec.host_link_gbps * 1e9, self.spec.spine_link_gbps * 1e9
-        last = len(links) - 1
-        tt = max((self.link_s(host if i in (0, last) else spine, nbytes, *load(ln))
-                  for i, ln in enumerate(links)), default=0.0)
-        return self.after_prefill(tt, prefill_s)
+        if len(paths) == 1:
+            links = paths[0].links
+            last = len(links) - 1
+            return [(ln, nbytes, host if k in (0, last) else spine) for k, ln in enumerate(links)]
+        n = len(paths)
+        on: dict[tuple[str, str], tuple[int, float]] = {}
+        for i, path in enumerate(paths):
+            share = nbytes // n + (nbytes % n if i == 0 else 0)
+            last = len(path.links) - 1
+            for k, ln in enumerate(path.links):
+                b, rate = on.get(ln, (0, host if k in (0, last) else spine))
+                on[ln] = (b + share, rate)
+        return [(ln, b, rate) for ln, (b, rate) in on.items()]
 
-    def push_alone_s(self, nbytes: int, prefill_s: float) -> float:
-        """The push on an idle path's host links: no candidate's push is shorter."""
-        return self.after_prefill(nbytes * 8 / (self.spec.host_link_gbps * 1e9), prefill_s)
+    def push_s(self, paths: tuple[Path, ...], nbytes: int, prefill_s: float, load: Load) -> float:
+        """The push's time after P's prefill ends, over ``paths`` (see :meth:`link_shares`):
+        as long as its slowest link takes."""
+        tt = max((self.link_s(rate, b, *load(ln)) for ln, b, rate in self.link_shares(paths, nbytes)), default=0.0)
+        return self.after_prefill(tt, prefill_s)
 
     def after_prefill(self, tt: float, prefill_s: float) -> float:
         """What is left after P's prefill ends of a push that takes ``tt`` on its path:
@@ -144,9 +158,9 @@ class CostModel:
         g = max(1, math.ceil(self.itm.model.layers / self.layer_group))
         return max(tt / g, tt + prefill_s / g - prefill_s)
 
-    def predict(self, p_i: int, p: EngineState, d_i: int, d: EngineState, lane: int | None, path: Path | None,
+    def predict(self, p_i: int, p: EngineState, d_i: int, d: EngineState, lane: int | None, paths: tuple[Path, ...],
                 prompt_tokens: int, nbytes: int, load: Load) -> Prediction:
-        """One candidate's prediction (``path`` None: no lane known; the push alone)."""
+        """One candidate's prediction: the lane ``lane`` over ``paths`` (one per worker pair)."""
         pre = self.prefill_s(prompt_tokens)
-        push = self.push_s(path.links if path is not None else (), nbytes, pre, load)
+        push = self.push_s(paths, nbytes, pre, load)
         return Prediction(p_i, d_i, lane, self.wait_s(p), pre, push, self.admit_s(d, prompt_tokens))

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvpath.placement import PLACEMENTS, CostModel, EngineState, PlacementError, Prediction
-from kvpath.reservation.decisions import Reservation, ReservationService
-from kvpath.reservation.wire import MAX_TRANSFER_BYTES, EngineInfo, FlowScope, PlaceAnswer, PlaceRequest
+from kvpath.reservation.decisions import Reservation, ReservationService, check_bytes
+from kvpath.reservation.wire import EngineInfo, FlowScope, PlaceAnswer, PlaceRequest
 
 __all__ = ["GUARD", "MAX_ENGINES", "Placement", "place", "place_request"]
 
@@ -91,8 +91,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
                              f"pairs, got {len(ps)} and {len(ds)}")
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
         raise PlacementError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
-        raise PlacementError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
+    check_bytes(nbytes)
     if not 0 <= guard <= MAX_GUARD:
         raise PlacementError(f"guard must be in [0, {MAX_GUARD}], got {guard!r}")
     now = svc.clock()
@@ -115,7 +114,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
             a = by_load[k] = cost.admit_s(ds[j], prompt_tokens)
         admit[j] = a
     spec = cost.spec
-    host_bps, spine_bps = spec.host_link_gbps * 1e9, spec.spine_link_gbps * 1e9
+    host_bps = spec.host_link_gbps * 1e9
     dc = svc.mode == "dc"  # each P host's agent sees its own view: per-host caches
     views: dict[str, object] = {}
     times: dict[tuple, float] = {}
@@ -153,22 +152,9 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         return max(link_t(src, up[i], nbytes, host_bps), link_t(src, down[j], nbytes, host_bps))
 
     def push_t(src: str, c) -> float:
-        """Candidate ``c``'s push: each link carries this flow's bytes on it (every worker
-        pair's share, split evenly as the service charges them) beside its reserved load."""
-        if len(c.paths) == 1:
-            links = c.paths[0].links
-            last = len(links) - 1
-            return max((link_t(src, ln, nbytes, host_bps if k in (0, last) else spine_bps)
-                        for k, ln in enumerate(links)), default=0.0)
-        share = nbytes // len(c.paths)
-        on: dict[tuple[str, str], tuple[int, float]] = {}
-        for n, path in enumerate(c.paths):
-            links = path.links
-            last = len(links) - 1
-            for k, ln in enumerate(links):
-                b, rate = on.get(ln, (0, host_bps if k in (0, last) else spine_bps))
-                on[ln] = (b + share + (nbytes % len(c.paths) if n == 0 else 0), rate)
-        return max((link_t(src, ln, b, rate) for ln, (b, rate) in on.items()), default=0.0)
+        """Candidate ``c``'s push on its slowest link (the cost model's shares per link),
+        each link's time cached for the decision."""
+        return max((link_t(src, ln, b, rate) for ln, b, rate in cost.link_shares(c.paths, nbytes)), default=0.0)
 
     # A bound on each pair (never above any of its candidates): its queue, prefill and
     # admission, and the push on its two host links
@@ -254,7 +240,7 @@ def place_request(svc: ReservationService, cost: CostModel, req: PlaceRequest) -
     r = pl.reservation
     return PlaceAnswer(prefill=req.prefill[pl.p].name, decode=req.decode[pl.d].name, lease_id=r.lease_id if not
                        r.fallback else "", lane=r.lane, spine=r.path.spine if r.path else None,
-                       expires_in_s=round(r.expires_at - svc.clock(), 3) if r.expires_at else None,
+                       expires_in_s=r.expires_in(svc.clock()),
                        fallback=r.fallback, predicted=pl.prediction.to_dict(), considered=pl.considered)
 
 

@@ -98,7 +98,7 @@ def test_pruning_never_changes_the_choice(granularity):
         ds = [EngineState(f"d{i}", hosts_d[i % 4], rng.randint(0, 3)) for i in range(16)]
         nbytes, tokens = rng.randint(1, 300) * MB, rng.randint(100, 6000)
         want = min(
-            (cost.predict(i, p, j, d, c.lane.lane, c.paths[0], tokens, nbytes, svc.loads.link).ttft_s, i, j, c.lane.lane)
+            (cost.predict(i, p, j, d, c.lane.lane, c.paths, tokens, nbytes, svc.loads.link).ttft_s, i, j, c.lane.lane)
             for i, p in enumerate(ps) if p.outstanding <= min(x.outstanding for x in ps) + 4
             for j, d in enumerate(ds) if d.outstanding <= min(x.outstanding for x in ds) + 4
             for c in svc.candidates(p.host, d.host))

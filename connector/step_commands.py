@@ -23,30 +23,32 @@ class RecvReq:
 
 
 @dataclass
-class SendReq:
+class PushReq:
+    """A P request whose KV is pushed: its blocks, the lane and lease it came with, its key."""
+
     request_id: str
     transfer_id: str
     block_ids: list[int]
     lane: int | None
     lease_id: str | None = None
     transfer_key: str = ""
+
+
+@dataclass
+class SendReq(PushReq):
+    """A P request that finished: its push goes whole, or commits a begun one."""
+
     # vLLM's own times of the P request (unix s; None without vLLM's stats): it reached
     # the engine, entered the queue, was first scheduled (kvpath.request_timeline)
     times: "VllmTimes | None" = None
 
 
 @dataclass
-class ComputeReq:
+class ComputeReq(PushReq):
     """A begun push's part in one forward: the request's blocks so far; the tokens whose
     KV was final before this forward (whole blocks) and will be after it (None: this
     forward completes the prompt, whose layers are pushed as they are computed)."""
 
-    request_id: str
-    transfer_id: str
-    block_ids: list[int]
-    lane: int | None
-    lease_id: str | None = None
-    transfer_key: str = ""
     final_before: int = 0
     final_after: int | None = None
     first: bool = True  # the push's first forward (it begins; later ones feed it)

@@ -206,9 +206,8 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
         m_upd.labels(str(r is not None).lower()).inc()
         if r is None:
             return _json(wire.LeaseAnswer(lease_id=body.lease_id))
-        now = svc.clock()
         return _json(wire.LeaseAnswer(lease_id=r.lease_id, updated=True, bytes=r.bytes,
-                                      expires_in_s=round(r.expires_at - now, 3) if r.expires_at else None))
+                                      expires_in_s=r.expires_in(svc.clock())))
 
     @app.post(wire.PLACE_PATH)
     async def place_route(request: Request) -> Response:

@@ -122,6 +122,10 @@ class Reservation:
     paths: tuple[Path, ...] = ()
     workers: tuple[str, ...] = ()
 
+    def expires_in(self, now: float) -> float | None:
+        """Seconds left of its lease at ``now`` (the service's clock); None without a lease."""
+        return round(self.expires_at - now, 3) if self.expires_at else None
+
     def answer(self, now: float) -> ReserveAnswer:
         """The wire's answer; ``now`` on the service's clock (the lease's expiry is on it too)."""
         return ReserveAnswer(
@@ -129,7 +133,7 @@ class Reservation:
             dst_host=self.dst_host, bytes=self.bytes, lane=self.lane, src_port=self.src_port,
             path=list(self.path.nodes) if self.path else None, spine=self.path.spine if self.path else None,
             spines=[p.spine for p in self.paths], workers=list(self.workers),
-            expires_in_s=round(self.expires_at - now, 3) if self.expires_at else None,
+            expires_in_s=self.expires_in(now),
             mode=self.mode, fallback=self.fallback,
         )
 
@@ -145,6 +149,12 @@ class SyncReserver(Protocol):
     def release(self, lease_id: str) -> bool: ...
 
     def update(self, lease_id: str, nbytes: int, expected_end_s: float | None = None) -> "Reservation | None": ...
+
+
+def check_bytes(nbytes: object) -> None:
+    """One flow's bytes, as every call that takes them checks them."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
+        raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
 
 
 class ReservationService:
@@ -313,8 +323,7 @@ class ReservationService:
         now = self.clock()
         self.expire(now)
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
-            raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
+        check_bytes(nbytes)
         if scope is not None and not isinstance(scope, FlowScope):
             raise ReservationError(f"scope must be a FlowScope, got {type(scope).__name__}")
         scope = scope or _UNSCOPED
@@ -396,8 +405,7 @@ class ReservationService:
         exist then, and learns its bytes when its request's prompt is computed."""
         now = self.clock()
         self.expire(now)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_TRANSFER_BYTES:
-            raise ReservationError(f"bytes must be an integer in [0, {MAX_TRANSFER_BYTES}] (1 TiB), got {nbytes!r}")
+        check_bytes(nbytes)
         if expected_end_s is not None and not 0 <= expected_end_s <= MAX_EXPECTED_END_S:
             raise ReservationError(f"expected_end_s must be in [0, {MAX_EXPECTED_END_S:g}], got {expected_end_s!r}")
         r = self.active.get(lease_id)

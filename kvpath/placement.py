@@ -95,6 +95,27 @@ class CostModel:
             raise PlacementError(f"granularity must be request or layer and layer_group >= 1, got "
                                  f"{self.granularity!r}, {self.layer_group!r}")
 
+    def to_dict(self) -> dict:
+        """Everything but the fabric (the decision log's record of the model it decided by)."""
+        return {"iteration_time": self.itm.to_dict(), "max_batch_tokens": self.max_batch_tokens,
+                "time_scale": self.time_scale, "kv_full_penalty_s": self.kv_full_penalty_s,
+                "granularity": self.granularity, "layer_group": self.layer_group}
+
+    @classmethod
+    def from_dict(cls, spec: FabricSpec, d: dict) -> "CostModel":
+        """The model :meth:`to_dict` wrote, on ``spec``; a PlacementError names a bad field."""
+        d = dict(d)
+        known = {"iteration_time", "max_batch_tokens", "time_scale", "kv_full_penalty_s", "granularity",
+                 "layer_group"}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise PlacementError(f"cost model: unknown field(s) {bad}; known: {sorted(known)}")
+        try:
+            itm = IterationTimeModel.from_dict(d.pop("iteration_time", {}))
+        except ValueError as e:
+            raise PlacementError(f"cost model: {e}") from None
+        return cls(spec, itm, **d)
+
     # -- the parts ------------------------------------------------------------------
     def wait_s(self, p: EngineState) -> float:
         """P's queued prefill work before a new prompt's iteration."""

@@ -73,6 +73,8 @@ class RunData:
     transfers: list[Push] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     lanes_known: dict[str, Any] = field(default_factory=dict)
+    lane_log: list[dict[str, Any]] = field(default_factory=list)  # the lane registry's changes (replay)
+    cost_model: dict[str, Any] | None = None  # the reservation service's placement cost model
     flow_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     link_bytes: dict[str, int] = field(default_factory=dict)
     port_drops: dict[str, int] = field(default_factory=dict)  # "node:ifname" -> packets its qdisc dropped
@@ -208,8 +210,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
         data.kv_loss = engines.kv_loss()
         if cfg.pushes:
             hdr = s.site.admin_headers()
-            data.decisions = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr,
-                                       timeout=30).json()["decisions"]
+            log = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr, timeout=30).json()
+            data.decisions, data.lane_log, data.cost_model = log["decisions"], log["lanes"], log["cost_model"]
             data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=hdr,
                                          timeout=30).json()["lanes_known"]
         s.count_since(data, base)

@@ -36,7 +36,7 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     j = join(data, ip_of)
     fid = fidelity(data, j, data.lone_flow_ratio)
     summary = summarize(data, j, fid, ip_of)
-    summary["decision_replay"] = replay_checks(data.decisions, spec, cfg)
+    summary["decision_replay"] = replay_checks(data, spec, cfg)
     out = Path(cfg.out)
     write_trace(out / "trace.jsonl", data, j, spec)
     trace = read_trace(out / "trace.jsonl")  # validated on read too
@@ -44,16 +44,17 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     to_fct_txt(trace, out / "fct.txt")
     to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    collected = ("decisions", "lanes_known", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
+    collected = ("decisions", "lanes_known", "lane_log", "cost_model", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
                  "lone_flow_ratio", "lone_flow_tries", "config")
     (out / "collected.json").write_text(json.dumps({k: getattr(data, k) for k in collected}, indent=1))
     return summary
 
 
-def replay_checks(decisions: list[dict[str, Any]], spec: FabricSpec, cfg: RunConfig) -> list[dict[str, Any]]:
+def replay_checks(data: RunData, spec: FabricSpec, cfg: RunConfig) -> list[dict[str, Any]]:
     """The run's decision log replayed through the reservation code: in the run's own
-    mode (it must reproduce every decision), and cc as dc with zero delay and back."""
-    if not decisions:
+    mode (it must reproduce every decision and placement), and cc as dc with zero delay
+    and back."""
+    if not data.decisions:
         return []
     modes = [(cfg.mode, cfg.dc_delay_s)]
     if cfg.mode == "cc":
@@ -61,7 +62,8 @@ def replay_checks(decisions: list[dict[str, Any]], spec: FabricSpec, cfg: RunCon
     elif cfg.mode == "dc" and cfg.dc_delay_s == 0:
         modes.append(("cc", 0.0))
     try:
-        return [replay(decisions, spec, m, delay, cfg.cc_metric).to_dict() for m, delay in modes]
+        return [replay(data.decisions, spec, m, delay, cfg.cc_metric, data.lane_log, data.cost_model).to_dict()
+                for m, delay in modes]
     except ReplayError as e:
         logger.warning("decision log not replayable: %s", e)
         return []
@@ -161,7 +163,9 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console, repeats: int = 
         for r in s.get("decision_replay", []):
             console.print(f"{name}: its {r['decisions']} reservations replayed as {r['mode']}"
                           f"{' (delay %g s)' % r['dc_delay_s'] if r['mode'] == 'dc' else ''}: "
-                          f"{r['same_lane']} same lane")
+                          f"{r['same_lane']} same lane"
+                          + (f", {r['same_placement']} of {r['placements']} placements the same P, D and lane"
+                             if r.get("placements") else ""))
         if s["decode_only"] is not None:
             dc = s["decode_only"]
             console.print(f"{name}: {dc['equal']} of {dc['checked']} completions equal the decode-only output"

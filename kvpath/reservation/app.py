@@ -259,9 +259,13 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
 
     @app.get(wire.DECISIONS_PATH)
     async def decisions(request: Request, since: float = 0.0) -> dict:
-        """The service's last decisions (up to 100,000), those made after ``since`` (unix s)."""
+        """The service's last decisions (up to 100,000) and changes of its lane registry (up
+        to 100,000), those after ``since`` (unix s), and the placement's cost model: a whole
+        log (``since`` 0) replays every decision and placement (kvpath/reservation/replay.py)."""
         check_token(request)
-        return {"decisions": [d for d in svc.decisions if d["at"] > since]}
+        return {"decisions": [d for d in svc.decisions if d["at"] > since],
+                "lanes": [e for e in svc.lane_log if e["at"] > since],
+                "cost_model": cost.to_dict() if cost is not None else None}
 
     @app.get(wire.HEALTH_PATH)
     async def health() -> dict:

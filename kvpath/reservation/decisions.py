@@ -35,6 +35,8 @@ from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
+import msgspec
+
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
 from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
@@ -47,6 +49,7 @@ __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "Reservat
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
 MAX_UPDATES_PER_LEASE = 16  # a lease's updates, each kept in its decision record for replay
 LEASE_EXTENSION_MAX = 10  # an update holds a lease at most this many lease times ahead
+MAX_LANE_EVENTS = 100_000  # the registry's changes the log keeps (for replaying placements)
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
@@ -213,6 +216,9 @@ class ReservationService:
         # in the order the service saw it (kvpath/reservation/replay.py)
         self._seq = itertools.count(1)
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
+        # the lane registry's changes, on the same sequence: a placement's replay needs the
+        # lanes of every pair it could have chosen, not only the chosen pair's
+        self.lane_log: deque[dict] = deque(maxlen=MAX_LANE_EVENTS)
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
     def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "",
@@ -235,8 +241,9 @@ class ReservationService:
                                    f"unregister the pairs of engines that went away")
         if key not in pairs:
             self._n_pairs += 1
-        self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane), now)
+        reg = self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane), now)
         self._cands.pop((src, dst), None)
+        self._log_lanes(src, dst, key, reg)
         self.counters["lane_registrations"] += 1
 
     def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "", pair: WorkerPair | None = None) -> int:
@@ -260,11 +267,22 @@ class ReservationService:
 
     def _drop_pair(self, key: tuple[str, str], name: str) -> None:
         pairs = self._lanes[key]
-        del pairs[name]
+        gone = pairs.pop(name)
         self._n_pairs -= 1
         if not pairs:
             del self._lanes[key]
         self._cands.pop(key, None)
+        self._log_lanes(*key, name, gone, removed=True)
+
+    def _log_lanes(self, src: str, dst: str, name: str, reg: _Registered, removed: bool = False) -> None:
+        """One change of the registry (``removed``: the pair is gone, its lanes null), with
+        each lane's spine as this service's oracle sees it: what a replay needs to rebuild it."""
+        lanes = None if removed else tuple(
+            (ln.lane, ln.src_port, ln.dst_port, ln.proto, self.oracle.path(src, dst, ln.src_port, ln.dst_port,
+                                                                            ln.proto).spine) for ln in reg.lanes)
+        self.lane_log.append({"seq": next(self._seq), "at": time.time(), "src_host": src, "dst_host": dst,
+                              "worker": name, "lanes": lanes,
+                              "pair": msgspec.to_builtins(reg.pair) if reg.pair else None})
 
     def _sweep_lanes(self, now: float) -> None:
         """Forget the worker pairs not registered again within lanes_ttl_s (looked at
@@ -379,6 +397,15 @@ class ReservationService:
         self.decisions.append(decision)
         self._open_decisions[lease_id] = decision
         return r
+
+    def log_fallback(self, src: str, dst: str, nbytes: int, tid: str, extra: dict) -> None:
+        """A decision that reserved nothing (no lane known for the pair it chose) in the
+        log all the same: a placement's P and D are still a choice to replay."""
+        decision = {"transfer_id": tid, "lease_id": "", "src_host": src, "dst_host": dst, "bytes": nbytes,
+                    "lane": None, "src_port": None, "spine": None, "spines": (), "workers": (), "at": time.time(),
+                    "mode": self.mode, "seq": next(self._seq), "candidates": (), "fallback": "no_lanes"}
+        decision.update(extra)
+        self.decisions.append(decision)
 
     def _ended(self, lease_id: str, how: str) -> None:
         d = self._open_decisions.pop(lease_id, None)

@@ -207,11 +207,12 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
     _, i, j, chosen, push, cands, _ = best
     pred = Prediction(i, j, chosen.lane.lane if chosen is not None else None, wait[i], pre, push, admit[j])
     extra = {"placement": {"policy": policy, "p": ps[i].name, "d": ds[j].name, "prompt_tokens": prompt_tokens,
-                           "predicted": pred.to_dict(), "considered": considered,
-                           "engines": _logged(ps, ds)}}
+                           "guard": guard, "predicted": pred.to_dict(), "considered": considered,
+                           "prefill_engines": len(ps), "engines": _logged(ps, ds)}}
     if chosen is None:
         svc.counters["fallback_no_lanes"] += 1
         r = Reservation(lease_id, tid, p_hosts[i], d_hosts[j], nbytes, None, None, None, 0.0, svc.mode, "no_lanes")
+        svc.log_fallback(p_hosts[i], d_hosts[j], nbytes, tid, extra)
     else:
         r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
     svc.counters[f"placements_{policy}"] += 1

@@ -88,3 +88,23 @@ def _bridge_reads_the_real_trace(trace) -> None:
         assert all(math.isfinite(v) for e in row.values() for v in (e.mean, e.p99))
     c = calibrate(trace, "flow", train_frac=0.5)
     assert (c.train_requests, c.held_requests) == (8, 8) and math.isfinite(c.fct.after.mean)
+
+
+def test_a_joint_run_places_every_request_and_its_log_replays_every_placement(tmp_path):
+    """``cc/joint``: the proxy asks the reservation service for P, D and the lane at once;
+    every push crosses its reserved spine, and the run's log (decisions, the lane
+    registry's changes, the cost model) replays every placement to the same P, D and lane."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "testbed", "run", "--fabric", "small", "--pools", "2P2D",
+                        "--requests", "16", "--qps", "4", "--variants", "cc/joint", "--max-output", "8",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, 1), r.stderr[-3000:]  # 1: the machine was too busy for a valid run
+    s = json.loads((out / "cc-joint" / "summary.json").read_text())
+    assert (s["requests"], s["ok"], s["failed"]) == (16, 16, 0)
+    assert s["pushes"] == 16 and s["path_agreement"] == 1.0
+    collected = json.loads((out / "cc-joint" / "collected.json").read_text())
+    assert len(collected["decisions"]) == 16
+    assert all(d["placement"]["policy"] == "joint" and d["lane"] is not None for d in collected["decisions"])
+    assert collected["lane_log"] and collected["cost_model"]["granularity"] == "request"
+    assert [(x["mode"], x["placements"], x["same_placement"], x["same_lane"]) for x in s["decision_replay"]] == \
+        [("cc", 16, 16, 16), ("dc", 16, 16, 16)]

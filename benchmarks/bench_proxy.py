@@ -1,7 +1,8 @@
 """Proxy overhead: latency added by `kvpath proxy` against stub engines.
 
     .venv/bin/python benchmarks/bench_proxy.py [--streams 1 64 512] [--rounds 3] [--pin] [--plot PNG]
-                                               [--reservation inproc|none]
+                                               [--reservation inproc|none] [--engines N]
+                                               [--policies least_outstanding joint]
 
 Stub P and D engines (testbed/stub_engine.py) and the proxy each run in their own
 process; an aiohttp client keeps N streaming requests open at once, their start times
@@ -12,7 +13,11 @@ service running inside the proxy (``--reservation inproc``; 8 lanes registered f
 the P->D host pair), so the overhead includes the reservation;
 the table gives time to first byte, what the proxy adds (the p99 gap per round, its
 median the headline; target < 5 ms at 64 streams) and the proxy's own CPU time per
-request, a number that does not depend on how busy the machine is. With ``--pin`` the
+request, a number that does not depend on how busy the machine is. With ``--policies A
+B`` one proxy per policy serves the same stubs (``--engines`` N P and N D, lanes
+registered for every host pair), rounds rotating direct, A, B; the summary gives B's p99
+over A's per round (joint against least outstanding: the cost of placing P, D and the lane
+at once, in the proxy's in-process service). With ``--pin`` the
 proxy runs alone on the last core. On 2 cores the client and the stubs share the CPU
 with the proxy, so at 512 streams the machine saturates and the direct path slows too."""
 
@@ -36,6 +41,7 @@ from rich.progress import track as progress
 from rich.table import Table
 
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.proxy.instances import PLACED_POLICIES, POLICIES
 from kvpath.reservation import wire
 from kvpath.testbed.readiness import free_port, wait_http
 
@@ -118,15 +124,18 @@ def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, ti
     plt.close(fig)
 
 
-async def register_lanes(px_url: str, token: str) -> None:
-    """Lanes for the bench's P->D pair, as P's connector registers them: without
-    them every reservation would be a quick 'no_lanes' fallback, not a decision."""
-    body = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(i, 41000 + i) for i in range(LANES)])
+async def register_lanes(px_url: str, token: str, p_hosts: list[str], d_hosts: list[str]) -> None:
+    """Lanes for every P->D host pair, as P's connectors register them: without them
+    every reservation would be a quick 'no_lanes' fallback, not a decision."""
     async with aiohttp.ClientSession() as c:
-        async with c.post(px_url + "/reservation" + wire.LANES_PATH, data=wire.encode(body),
-                          headers={"Authorization": f"Bearer {token}", "content-type": "application/json"}) as r:
-            if r.status != 200:
-                raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
+        for src in p_hosts:
+            for dst in d_hosts:
+                body = wire.LanesRequest(src_host=src, dst_host=dst,
+                                         lanes=[wire.LaneInfo(i, 41000 + i) for i in range(LANES)])
+                async with c.post(px_url + "/reservation" + wire.LANES_PATH, data=wire.encode(body),
+                                  headers={"Authorization": f"Bearer {token}", "content-type": "application/json"}) as r:
+                    if r.status != 200:
+                        raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
 
 
 async def reservation_counts(px_url: str, token: str) -> tuple[int, int]:
@@ -156,9 +165,17 @@ def main() -> int:
     ap.add_argument("--plot", default="runs/bench_proxy.png", help="where to save the TTFB CDFs ('' for none)")
     ap.add_argument("--reservation", choices=("inproc", "none"), default="inproc",
                     help="inproc: each proxied request reserves a lane in the proxy's reservation service")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["round_robin"],
+                    help="one proxy per policy over the same stubs, their rounds interleaved with the direct ones "
+                         "(joint and network place P, D and the lane in the proxy's reservation service)")
+    ap.add_argument("--engines", type=int, default=1, help="stub P engines and stub D engines, each")
     ap.add_argument("--pin", action="store_true",
                     help="give the proxy the last core to itself (on 2 cores this starves the client and stubs)")
     args = ap.parse_args()
+    if args.reservation == "none" and any(p in PLACED_POLICIES for p in args.policies):
+        ap.error("--policies joint/network place in the reservation service: they need --reservation inproc")
+    if not 1 <= args.engines <= 16:
+        ap.error("--engines must be in [1, 16]")
     cores = sorted(os.sched_getaffinity(0))
     pin = args.pin and len(cores) >= 2
     rest, mine = (set(cores[:-1]), {cores[-1]}) if pin else (set(cores), set(cores))
@@ -166,73 +183,105 @@ def main() -> int:
         os.sched_setaffinity(0, rest)  # the client and (inherited) the stubs
     env = dict(os.environ)
     procs = []
-    ports = {k: free_port() for k in ("p", "d", "proxy")}
     token = secrets.token_hex(8)
     res_args = ["--reservation", "inproc"] if args.reservation == "inproc" else []
     proxy_env = {**env, wire.TOKEN_ENV: token}  # the reservation service's token: never in argv
+    p_hosts, d_hosts = [f"l0h{i}" for i in range(args.engines)], [f"l1h{i}" for i in range(args.engines)]
     try:
-        for name, port in (("P", ports["p"]), ("D", ports["d"])):
-            code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=name, port=port)
-            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
-        procs.append(subprocess.Popen(
-            ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
-            [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(ports["proxy"]),
-             "--prefill", f"http://127.0.0.1:{ports['p']},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT},fabric_host=l0h0",
-             "--decode", f"http://127.0.0.1:{ports['d']},fabric_host=l1h0", *res_args], env=proxy_env))
-        proxy_proc = psutil.Process(procs[-1].pid)  # taskset execs, so the pid is the proxy's
-        d_url, px_url = f"http://127.0.0.1:{ports['d']}", f"http://127.0.0.1:{ports['proxy']}"
-        for u in (d_url, px_url + "/health"):
+        engines: dict[str, list[str]] = {"P": [], "D": []}
+        for role, hosts in (("P", p_hosts), ("D", d_hosts)):
+            for k, _ in enumerate(hosts):
+                port = free_port()
+                code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=f"{role}{k}", port=port)
+                procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
+                engines[role].append(f"http://127.0.0.1:{port}")
+        prefill = [f"{u},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT + k},fabric_host={h}"
+                   for k, (u, h) in enumerate(zip(engines["P"], p_hosts))]
+        decode = [f"{u},fabric_host={h}" for u, h in zip(engines["D"], d_hosts)]
+        proxies: dict[str, tuple[str, psutil.Process]] = {}
+        for policy in args.policies:
+            port = free_port()
+            procs.append(subprocess.Popen(
+                ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
+                [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
+                 "--policy", policy, *[a for u in prefill for a in ("--prefill", u)],
+                 *[a for u in decode for a in ("--decode", u)], *res_args], env=proxy_env))
+            # taskset execs, so the pid is the proxy's
+            proxies[policy] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+        d_url = engines["D"][0]
+        for u in [*engines["P"], *engines["D"], *(px + "/health" for px, _ in proxies.values())]:
             wait_http(u)
         if args.reservation == "inproc":
-            uvloop.run(register_lanes(px_url, token))
-        con = Console(width=150)
-        t = Table(title=f"proxy overhead{' (proxy on its own core)' if pin else ''}, stub engines "
-                        f"({args.engine_delay_s * 1e3:.0f} ms to first token, "
+            for px, _ in proxies.values():
+                uvloop.run(register_lanes(px, token, p_hosts, d_hosts))
+        con = Console(width=170)
+        t = Table(title=f"proxy overhead{' (proxy on its own core)' if pin else ''}, {args.engines}P{args.engines}D "
+                        f"stub engines ({args.engine_delay_s * 1e3:.0f} ms to first token, "
                         f"{args.tokens} tokens {args.token_delay_s * 1e3:.0f} ms apart), "
                         f"reservation: {args.reservation}, "
                         f"{args.requests_per_stream} requests per stream per round, {args.rounds} rounds")
-        for col in ("streams", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms", "added p99 ms: median (range) of rounds",
-                    "added e2e p99 ms", "proxy CPU ms/request", "errors direct/proxy"):
+        for col in ("streams", "policy", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms",
+                    "added p99 ms: median (range) of rounds", "added e2e p99 ms", "proxy CPU ms/request",
+                    "errors direct/proxy"):
             t.add_column(col)
-        results = {}
+        results: dict[tuple[int, str], float] = {}
+        gaps: dict[tuple[int, str], list[float]] = {}  # per round: p99 over the first policy's p99
         samples: dict[int, tuple[list[float], list[float]]] = {}
         for n in args.streams:
-            uvloop.run(run_streams(px_url, min(n, 8), 1, args.tokens))  # warm connections
+            for px, _ in proxies.values():
+                uvloop.run(run_streams(px, min(n, 8), 1, args.tokens))  # warm connections
             spread = args.engine_delay_s + args.tokens * args.token_delay_s
-            d_t, d_e, p_t, p_e, add99s = [], [], [], [], []
-            d_err = p_err = 0
-            cpu = 0.0
-            # Direct and proxied rounds alternate, so slow phases of this shared
-            # machine hit both; the headline is the median of the rounds' p99 gaps.
-            for _ in progress(range(args.rounds), f"{n} streams"):
+            d_t, d_e, d_err = [], [], 0
+            got = {pol: {"t": [], "e": [], "err": 0, "cpu": 0.0, "add99": []} for pol in proxies}
+            # Direct and proxied rounds alternate (the policies' order rotating), so slow
+            # phases of this shared machine hit all of them; the headline is the median
+            # of the rounds' p99 gaps.
+            for r in progress(range(args.rounds), f"{n} streams"):
                 dt, de, derr = uvloop.run(run_streams(d_url, n, args.requests_per_stream, args.tokens, spread))
-                c0 = cpu_s(proxy_proc)
-                pt, pe, perr = uvloop.run(run_streams(px_url, n, args.requests_per_stream, args.tokens, spread))
-                cpu += cpu_s(proxy_proc) - c0
-                add99s.append(pct(pt, 99) - pct(dt, 99))
                 d_t += dt
                 d_e += de
-                p_t += pt
-                p_e += pe
                 d_err += derr
-                p_err += perr
-            cpu_per_req = cpu * 1e3 / max(1, len(p_e))
-            add50, add99 = pct(p_t, 50) - pct(d_t, 50), float(np.median(add99s))
-            results[n] = add99
-            samples[n] = (d_t, p_t)
-            t.add_row(str(n), f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}", f"{pct(p_t, 50):.1f} / {pct(p_t, 99):.1f}",
-                      f"{add50:.1f}", f"{add99:.1f} ({min(add99s):.1f}..{max(add99s):.1f})",
-                      f"{pct(p_e, 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{p_err}")
+                order = list(proxies)[r % len(proxies):] + list(proxies)[:r % len(proxies)]
+                p99 = {}
+                for pol in order:
+                    px, proc = proxies[pol]
+                    c0 = cpu_s(proc)
+                    pt, pe, perr = uvloop.run(run_streams(px, n, args.requests_per_stream, args.tokens, spread))
+                    g = got[pol]
+                    g["cpu"] += cpu_s(proc) - c0
+                    g["add99"].append(pct(pt, 99) - pct(dt, 99))
+                    g["t"] += pt
+                    g["e"] += pe
+                    g["err"] += perr
+                    p99[pol] = pct(pt, 99)
+                for pol in proxies:
+                    gaps.setdefault((n, pol), []).append(p99[pol] - p99[args.policies[0]])
+            for pol, g in got.items():
+                cpu_per_req = g["cpu"] * 1e3 / max(1, len(g["e"]))
+                add50, add99 = pct(g["t"], 50) - pct(d_t, 50), float(np.median(g["add99"]))
+                results[(n, pol)] = add99
+                t.add_row(str(n), pol, f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}",
+                          f"{pct(g['t'], 50):.1f} / {pct(g['t'], 99):.1f}", f"{add50:.1f}",
+                          f"{add99:.1f} ({min(g['add99']):.1f}..{max(g['add99']):.1f})",
+                          f"{pct(g['e'], 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{g['err']}")
+            samples[n] = (d_t, got[args.policies[0]]["t"])
         con.print(t)
         if args.reservation == "inproc":
-            decided, fallbacks = uvloop.run(reservation_counts(px_url, token))
-            con.print(f"reservations decided in the proxied path: {decided}, fallbacks: {fallbacks}")
+            for pol, (px, _) in proxies.items():
+                decided, fallbacks = uvloop.run(reservation_counts(px, token))
+                con.print(f"{pol}: reservations decided in the proxied path: {decided}, fallbacks: {fallbacks}")
         if args.plot:
             plot_ttfb(samples, args.plot, t.title or "")
             con.print(f"plot: {args.plot}")
-        if 64 in results:
-            con.print(f"[bold]summary[/bold]: p99 added at 64 streams {results[64]:.1f} ms "
-                      f"(< 5 ms: {'yes' if results[64] < 5 else 'NO'})")
+        for pol in args.policies:
+            if (64, pol) in results:
+                con.print(f"[bold]summary[/bold] {pol}: p99 added at 64 streams {results[(64, pol)]:.1f} ms "
+                          f"(< 5 ms: {'yes' if results[(64, pol)] < 5 else 'NO'})")
+        for pol in args.policies[1:]:
+            if (64, pol) in gaps:
+                g = gaps[(64, pol)]
+                con.print(f"[bold]summary[/bold] {pol} against {args.policies[0]} at 64 streams, p99 per round: "
+                          f"median {np.median(g):+.2f} ms ({min(g):+.2f}..{max(g):+.2f})")
     finally:
         for p in procs:
             p.terminate()

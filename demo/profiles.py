@@ -16,10 +16,11 @@ class Variant:
     policy: str
 
 
-# ecmp: every push on its hash's lane; cc: the least-loaded path; cc+lo: the same with the
-# best placement policy there is today (least outstanding requests), not round robin
+# ecmp: every push on its hash's lane; cc: the least-loaded path; cc+lo: the same with
+# least outstanding requests, not round robin; cc+joint: P, D and the lane placed together
+# by predicted TTFT (docs/placement.md)
 VARIANTS = (Variant("ecmp", "ecmp", "round_robin"), Variant("cc", "cc", "round_robin"),
-            Variant("cc+lo", "cc", "least_outstanding"))
+            Variant("cc+lo", "cc", "least_outstanding"), Variant("cc+joint", "cc", "joint"))
 
 
 @dataclass(frozen=True)

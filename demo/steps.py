@@ -155,7 +155,8 @@ def _replay_one(m: Measured, backends: list[str], cal: object, res: Replays, con
 
 def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
     """No fabric here: the same workload in the serving simulation alone (flow backend,
-    datacenter time). Its policy is round robin, so only the round-robin variants run."""
+    datacenter time), each variant's policy by the simulation's own placement (least
+    outstanding: the reservation service's ``load``)."""
     from kvpath.bridge.serving_sim import ServingConfig, simulate
     from kvpath.deployment import parse_pools
     from kvpath.iteration_time import IterationTimeModel
@@ -165,10 +166,7 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
     from kvpath.workloads import load_workload
 
     res = Replays()
-    variants = [v for v in profile.variants if v.policy == "round_robin"]
-    skipped = [v.label for v in profile.variants if v.policy != "round_robin"]
-    if skipped:
-        res.notes.append(f"not simulated: {', '.join(skipped)} (the serving simulation places round robin only)")
+    variants = list(profile.variants)
     cfg = run_config(profile, variants[0], out)
     spec = FabricSpec.resolve(profile.fabric)
     itm = IterationTimeModel.preset(cfg.model, cfg.accelerator)
@@ -177,8 +175,9 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
                       pd_ratio=cfg.pd_ratio).limit_tokens(max_output=profile.max_output)
     for i, v in enumerate(variants, 1):
         console.rule(f"[{i}/{len(variants)}] simulation: {v.label} (mode {v.mode}, flow backend)")
+        placement = {"round_robin": "", "least_outstanding": "load"}.get(v.policy, v.policy)
         trace, _ = simulate(spec, list(w.requests), ServingConfig(pools=parse_pools(profile.pools), mode=v.mode,
-                                                                  backend="flow"), itm)
+                                                                  backend="flow", placement=placement), itm)
         path = out / v.label / "trace.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with TraceWriter(path, trace.header) as tw:

@@ -112,9 +112,9 @@ class CostModel:
             raise PlacementError(f"cost model: unknown field(s) {bad}; known: {sorted(known)}")
         try:
             itm = IterationTimeModel.from_dict(d.pop("iteration_time", {}))
-        except ValueError as e:
+            return cls(spec, itm, **d)
+        except (ValueError, TypeError, KeyError) as e:
             raise PlacementError(f"cost model: {e}") from None
-        return cls(spec, itm, **d)
 
     # -- the parts ------------------------------------------------------------------
     def wait_s(self, p: EngineState) -> float:

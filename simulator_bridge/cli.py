@@ -86,6 +86,13 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
                    help="who chooses P, D and the lane: round_robin (P and D in turn, the lane by --mode), or the "
                         "reservation service's placement at each arrival: joint, network, load (docs/placement.md); "
                         "several comma-separated (rows <mode>/<placement>)")
+    s.add_argument("--uplink-pushes", type=int, default=0,
+                   help="whole pushes in flight per P host's uplink, at most (the connector's uplink_pushes; 0: no "
+                        "cap; flow backend only) (default %(default)s)")
+    s.add_argument("--push-order", choices=("fifo", "srpt"), default="fifo",
+                   help="with --uplink-pushes: which waiting push takes a freed slot (default %(default)s)")
+    s.add_argument("--push-queue-max-wait-s", type=float, default=0.2,
+                   help="with --uplink-pushes: a push waits at most this long, simulated seconds (default %(default)s)")
     s.add_argument("--out", default=None, help="write each run's trace here as <backend>-<mode>.jsonl")
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     add_ns3_args(s)

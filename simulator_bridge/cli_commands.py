@@ -173,14 +173,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             cfg = ServingConfig(pools=pools, mode=mode, backend=backend, lanes=args.lanes, reserve_at=args.reserve_at,
                                 dc_delay_s=args.dc_delay_s, scale_s=args.scale_s, ns3=ns3_params(args, "simulate"),
                                 push_granularity=gran, layer_group=args.layer_group,
-                                placement="" if plc == "round_robin" else plc)
+                                placement="" if plc == "round_robin" else plc, uplink_pushes=args.uplink_pushes,
+                                push_order=args.push_order, push_queue_max_wait_s=args.push_queue_max_wait_s)
             try:
                 trace, info = simulate(spec, list(w.requests), cfg, itm)
             except (ValueError, Ns3Error) as e:
                 raise fail("simulate", str(e)) from None
             rows.append(summarize(trace, info["wall_s"]))
             if args.out:
-                name = variant_label(mode, gran) + ("" if plc == "round_robin" else f"-{plc}")
+                name = variant_label(mode, gran) + ("" if plc == "round_robin" else f"-{plc}") + (
+                    f"-{args.push_order}{args.uplink_pushes}" if args.uplink_pushes else "")
                 out = Path(args.out) / f"{backend}-{name}.jsonl"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with TraceWriter(out, trace.header) as tw:

@@ -23,6 +23,7 @@ order they started.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -50,6 +51,31 @@ class FlowSpec:
     # a layer-wise push (kvpath.layer_push): its pieces, (start_s, bytes) each, replayed as
     # flows of their own on its connection (compare.simulate_run); its FCT is their span
     pieces: tuple[tuple[float, int], ...] = ()
+
+
+PUSH_ORDERS = ("fifo", "srpt")
+
+
+@dataclass(frozen=True)
+class UplinkGate:
+    """P's pushes at its sending NIC (the connector's ``uplink_pushes``, ``push_order``
+    and ``push_queue_max_wait_s``): at most ``slots`` of the ``gated`` flows in flight per
+    ``group`` (a P host's uplink); one that starts with every slot taken waits, and the
+    waiting ones take the slots as they free in ``order`` (``fifo``: by start; ``srpt``:
+    the fewest bytes first), each at most ``max_wait_s`` (then it goes beyond the cap,
+    as the connector's bound lets it). Flows not ``gated`` (a layer-wise push's pieces)
+    never wait and take no slot."""
+
+    group: np.ndarray  # per flow: its uplink (any integer id)
+    gated: np.ndarray  # per flow: bool
+    slots: int
+    order: str = "fifo"
+    max_wait_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.order not in PUSH_ORDERS or not self.max_wait_s >= 0:
+            raise ValueError(f"uplink gate: slots >= 1, order in {PUSH_ORDERS}, max_wait_s >= 0; got {self.slots}, "
+                             f"{self.order!r}, {self.max_wait_s}")
 
 
 @dataclass(frozen=True)
@@ -165,14 +191,17 @@ class FlowModel:
         self.index = LinkIndex(spec)
 
     def run(self, flows: list[FlowSpec], decide: Callable[[int, float], int | None] | None = None,
-            decide_at: np.ndarray | None = None, on_end: Callable[[int, float], None] | None = None) -> np.ndarray:
+            decide_at: np.ndarray | None = None, on_end: Callable[[int, float], None] | None = None,
+            gate: UplinkGate | None = None, waited: np.ndarray | None = None) -> np.ndarray:
         """Completion time minus start, per flow, in seconds.
 
         With ``decide``, a flow's spine is chosen during the simulation: ``decide(i, now)``
         is called at ``decide_at[i]`` (default: the flow's start; never after it), in
         time order with the other events, and ``on_end(i, now)`` when its last byte
         arrives, so a decision sees exactly the flows that ended before it (a
-        reservation service on the simulated clock)."""
+        reservation service on the simulated clock). With ``gate``, a flow may wait for
+        a slot of its uplink (:class:`UplinkGate`): its time waiting is in its completion
+        time, and in ``waited`` (filled per flow, when given)."""
         n = len(flows)
         if n == 0:
             return np.zeros(0)
@@ -194,6 +223,43 @@ class FlowModel:
         ai, di = 0, (0 if decide else n)  # without decide every flow is decided already
         active = np.zeros(n, dtype=bool)
         now = min(start.min(), at.min())
+        began = np.zeros(n, dtype=bool)
+        in_flight: dict[int, int] = {}  # gate: per uplink, its gated flows in flight
+        queued: dict[int, list] = {}  # gate: per uplink, a heap of the flows waiting for a slot
+        overdue: list[tuple[float, int]] = []  # gate: (when its wait runs out, flow), lazily cleaned
+
+        def begin(i: int) -> None:
+            began[i] = True
+            if waited is not None:
+                waited[i] = now - start[i]
+            pending.setdefault(int(conn[i]), deque()).append(i)
+            active[i] = True
+            if gate is not None and gate.gated[i]:
+                g = int(gate.group[i])
+                in_flight[g] = in_flight.get(g, 0) + 1
+            if left[i] <= 0 or (links[i] < 0).all():
+                finish(np.array([i]))
+
+        def arrive(i: int) -> None:
+            if gate is None or not gate.gated[i]:
+                begin(i)
+                return
+            g = int(gate.group[i])
+            if in_flight.get(g, 0) < gate.slots:
+                begin(i)
+                return
+            key = (flows[i].bytes, start[i], i) if gate.order == "srpt" else (start[i], i)
+            heapq.heappush(queued.setdefault(g, []), (key, i))
+            if math.isfinite(gate.max_wait_s):
+                heapq.heappush(overdue, (start[i] + gate.max_wait_s, i))
+
+        def slot_freed(g: int) -> None:
+            in_flight[g] -= 1
+            q = queued.get(g)
+            while q and in_flight[g] < gate.slots:
+                _, i = heapq.heappop(q)
+                if not began[i]:  # (one that went at its bound is still in the heap)
+                    begin(i)
 
         def finish(ids: np.ndarray) -> None:
             """Their bytes are delivered; each completes once every flow that started
@@ -208,22 +274,26 @@ class FlowModel:
                     active[i] = False
                     if on_end is not None:
                         on_end(i, now)
+                    if gate is not None and gate.gated[i]:
+                        slot_freed(int(gate.group[i]))
 
-        while di < n or ai < n or active.any():
+        while di < n or ai < n or active.any() or overdue:
             while di < n and at[decisions[di]] <= now:
                 i = int(decisions[di])
                 assert decide is not None
                 links[i] = self.index.flow_links(flows[i].src, flows[i].dst, decide(i, now))
                 di += 1
+            while overdue and overdue[0][0] <= now:  # waited its bound: goes beyond the cap
+                _, i = heapq.heappop(overdue)
+                if not began[i]:
+                    begin(i)
             while ai < n and start[arrivals[ai]] <= now:
                 i = int(arrivals[ai])
-                pending.setdefault(int(conn[i]), deque()).append(i)
-                active[i] = True
-                if left[i] <= 0 or (links[i] < 0).all():
-                    finish(np.array([i]))
                 ai += 1
+                arrive(i)
             t_next = min(at[decisions[di]] - now if di < n else math.inf,
-                         start[arrivals[ai]] - now if ai < n else math.inf)
+                         start[arrivals[ai]] - now if ai < n else math.inf,
+                         overdue[0][0] - now if overdue else math.inf)
             act = np.flatnonzero(active & ~drained)  # the flows with bytes to send
             if act.size == 0:
                 if math.isinf(t_next):

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvpath.bridge.backends import LaneHooks, backend_type, make
-from kvpath.bridge.flow_model import FlowSpec, NetParams, trivial_fct
+from kvpath.bridge.flow_model import PUSH_ORDERS, FlowSpec, NetParams, UplinkGate, trivial_fct
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
 from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
@@ -78,6 +78,12 @@ class ServingConfig:
     # the mode at reserve_at), or a placement of the reservation service
     # (kvpath/reservation/placer.py: joint, network, load) at each request's arrival
     placement: str = ""
+    # P's whole pushes at its NIC (the connector's knobs): at most uplink_pushes in flight
+    # per P host (0: no cap), the waiting ones in push_order, each waiting at most
+    # push_queue_max_wait_s (on this simulation's clock); layer-wise pieces never wait
+    uplink_pushes: int = 0
+    push_order: str = "fifo"
+    push_queue_max_wait_s: float = 0.2
 
     def validate(self, spec: FabricSpec) -> None:
         check_pools_fit(spec, *self.pools)
@@ -92,6 +98,13 @@ class ServingConfig:
             raise ValueError(f"push_granularity must be one of {', '.join(GRANULARITIES)}, got {self.push_granularity!r}")
         if self.layer_group < 1:
             raise ValueError(f"layer_group must be >= 1, got {self.layer_group}")
+        if not 0 <= self.uplink_pushes <= 64 or self.push_order not in PUSH_ORDERS \
+                or not 0 <= self.push_queue_max_wait_s <= 10:
+            raise ValueError(f"uplink_pushes must be in [0, 64], push_order one of {', '.join(PUSH_ORDERS)}, "
+                             f"push_queue_max_wait_s in [0, 10]; got {self.uplink_pushes}, {self.push_order!r}, "
+                             f"{self.push_queue_max_wait_s}")
+        if self.uplink_pushes and not backend_type(self.backend).closed_loop:
+            raise ValueError(f"uplink_pushes needs a closed-loop backend (flow), not {self.backend!r}")
         if self.placement not in ("", *PLACEMENTS):
             raise ValueError(f"placement must be one of round_robin, {', '.join(PLACEMENTS)}, got {self.placement!r}")
 
@@ -228,11 +241,17 @@ def simulate(spec: FabricSpec, reqs: list[Request], cfg: ServingConfig,
                  else np.array([p.start_s for p in pieces]))
     # the backend decides when the lanes are decided: on its own clock (closed loop), or
     # first, on another's or each flow alone, then its run on them (backends/base.py)
-    net = make(cfg.backend, spec, cfg.net, cfg.ns3).serve(pieces, LaneHooks(decide, decide_at, on_end))
+    gate = None
+    if cfg.uplink_pushes:  # whole pushes wait for a slot of their P host's uplink; pieces never do
+        gate = UplinkGate(np.array([p_of[i] for i in owner]), np.full(len(pieces), cfg.push_granularity == "request"),
+                          cfg.uplink_pushes, cfg.push_order, cfg.push_queue_max_wait_s)
+    waited = np.zeros(len(pieces))
+    net = make(cfg.backend, spec, cfg.net, cfg.ns3).serve(pieces, LaneHooks(decide, decide_at, on_end, gate, waited))
     info = dict(net.info)
     push_start, push_end = np.full(n, np.inf), pre_end.copy()  # D has the KV at its last piece, never before P ends
     for j, i in enumerate(owner):
-        push_start[i] = min(push_start[i], pieces[j].start_s)
+        # a push starts when it leaves P (after its wait for a slot): its FCT is its time on the wire
+        push_start[i] = min(push_start[i], pieces[j].start_s + float(waited[j]))
         push_end[i] = max(push_end[i], pieces[j].start_s + float(net.fct_s[j]))
     fct = push_end - push_start
     ready = push_end

@@ -75,6 +75,7 @@ class RunData:
     lanes_known: dict[str, Any] = field(default_factory=dict)
     lane_log: list[dict[str, Any]] = field(default_factory=list)  # the lane registry's changes (replay)
     cost_model: dict[str, Any] | None = None  # the reservation service's placement cost model
+    lanes_complete_from_seq: int = 0  # the lane log rebuilds the registry from this decision on
     flow_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     link_bytes: dict[str, int] = field(default_factory=dict)
     port_drops: dict[str, int] = field(default_factory=dict)  # "node:ifname" -> packets its qdisc dropped
@@ -212,6 +213,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> RunData:
             hdr = s.site.admin_headers()
             log = httpx.get(f"{proxy_url}/reservation/v1/decisions", headers=hdr, timeout=30).json()
             data.decisions, data.lane_log, data.cost_model = log["decisions"], log["lanes"], log["cost_model"]
+            data.lanes_complete_from_seq = log["lanes_complete_from_seq"]
             data.lanes_known = httpx.get(f"{proxy_url}/reservation/v1/state", headers=hdr,
                                          timeout=30).json()["lanes_known"]
         s.count_since(data, base)

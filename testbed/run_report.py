@@ -67,7 +67,8 @@ def join(data: RunData, ip_of: Any) -> Joined:
     transfers: dict[str, list[Any]] = {}
     for t in data.transfers:
         transfers.setdefault(t.record.transfer_id, []).append(t)
-    decisions = {d["transfer_id"]: d for d in data.decisions}
+    # (a placement that found no lane reserved nothing: no reservation to use or leave unused)
+    decisions = {d["transfer_id"]: d for d in data.decisions if not d.get("fallback")}
     counts = {tuple(json.loads(k).values()): v for k, v in data.flow_bytes.items()}
     by_tuple_prefix: dict[tuple[str, str, int], dict[str, int]] = {}
     for (sip, dip, sport, _dport, _proto), per in counts.items():

@@ -44,7 +44,7 @@ def run_one(cfg: RunConfig, console: Console) -> dict[str, Any]:
     to_fct_txt(trace, out / "fct.txt")
     to_request_metrics_csv(trace, out / "request_metrics.csv")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    collected = ("decisions", "lanes_known", "lane_log", "cost_model", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
+    collected = ("decisions", "lanes_known", "lane_log", "lanes_complete_from_seq", "cost_model", "flow_bytes", "link_bytes", "port_drops", "tcp_retrans", "cpu_idle",
                  "lone_flow_ratio", "lone_flow_tries", "config")
     (out / "collected.json").write_text(json.dumps({k: getattr(data, k) for k in collected}, indent=1))
     return summary
@@ -62,7 +62,8 @@ def replay_checks(data: RunData, spec: FabricSpec, cfg: RunConfig) -> list[dict[
     elif cfg.mode == "dc" and cfg.dc_delay_s == 0:
         modes.append(("cc", 0.0))
     try:
-        return [replay(data.decisions, spec, m, delay, cfg.cc_metric, data.lane_log, data.cost_model).to_dict()
+        return [replay(data.decisions, spec, m, delay, cfg.cc_metric, data.lane_log, data.cost_model,
+                       data.lanes_complete_from_seq).to_dict()
                 for m, delay in modes]
     except ReplayError as e:
         logger.warning("decision log not replayable: %s", e)

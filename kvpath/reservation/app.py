@@ -258,14 +258,19 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
         return svc.state()
 
     @app.get(wire.DECISIONS_PATH)
-    async def decisions(request: Request, since: float = 0.0) -> dict:
-        """The service's last decisions (up to 100,000) and changes of its lane registry (up
-        to 100,000), those after ``since`` (unix s), and the placement's cost model: a whole
-        log (``since`` 0) replays every decision and placement (kvpath/reservation/replay.py)."""
+    async def decisions(request: Request, since: float = 0.0) -> Response:
+        """The service's last decisions (up to 100,000) made after ``since`` (unix s), its
+        lane registry's changes (all it keeps: the registry before its window as one
+        registration per pair, then the window; ``lanes_complete_from_seq``: from which
+        sequence number on they rebuild the registry) and the placement's cost model:
+        what replays every decision and placement (kvpath/reservation/replay.py).
+        Encoded by msgspec: a full log is tens of megabytes, and FastAPI's own encoder
+        would hold the event loop (every reservation) for seconds."""
         check_token(request)
-        return {"decisions": [d for d in svc.decisions if d["at"] > since],
-                "lanes": [e for e in svc.lane_log if e["at"] > since],
-                "cost_model": cost.to_dict() if cost is not None else None}
+        return Response(msgspec.json.encode({
+            "decisions": [d for d in svc.decisions if d["at"] > since], "lanes": svc.lane_log.events(),
+            "lanes_complete_from_seq": svc.lane_log.complete_from_seq,
+            "cost_model": cost.to_dict() if cost is not None else None}), media_type="application/json")
 
     @app.get(wire.HEALTH_PATH)
     async def health() -> dict:

@@ -39,6 +39,7 @@ import msgspec
 
 from kvpath.fabric import FabricSpec, FabricSpecError, Path
 from kvpath.oracle import ModelOracle, PathOracle
+from kvpath.reservation.lane_log import LaneLog
 from kvpath.reservation.link_loads import DelayedView, LinkLoads, LoadEvent, Unheard, core_links
 from kvpath.reservation.wire import (MAX_EXPECTED_END_S, MAX_TRANSFER_BYTES, METRICS, MODES, FlowScope, LaneInfo,
                                     ReserveAnswer, WorkerPair)
@@ -49,7 +50,6 @@ __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "Reservat
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
 MAX_UPDATES_PER_LEASE = 16  # a lease's updates, each kept in its decision record for replay
 LEASE_EXTENSION_MAX = 10  # an update holds a lease at most this many lease times ahead
-MAX_LANE_EVENTS = 100_000  # the registry's changes the log keeps (for replaying placements)
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
 _UNSCOPED = FlowScope()
 
@@ -86,6 +86,25 @@ class _Candidate(NamedTuple):
 
 def _candidate(lane: LaneInfo, paths: tuple[Path, ...], workers: tuple[str, ...]) -> _Candidate:
     return _Candidate(lane, paths, workers, core_links(paths))
+
+
+def _least_flows(cands: Sequence[_Candidate], flows: Callable, nbytes: Callable) -> _Candidate:
+    """cc's key (flows on the busiest core link, bytes over the core links, lane id) at
+    its least, over the true loads: :meth:`LinkLoads.cost` without a call per candidate."""
+    best = None
+    bw = bt = bl = 0
+    for c in cands:
+        worst = total = 0
+        for ln in c.core:
+            f = flows(ln, 0)
+            if f > worst:
+                worst = f
+            total += nbytes(ln, 0)
+        lane = c.lane.lane
+        if best is None or worst < bw or (worst == bw and (total < bt or (total == bt and lane < bl))):
+            best, bw, bt, bl = c, worst, total, lane
+    assert best is not None
+    return best
 
 
 class _Cands(list):
@@ -201,6 +220,7 @@ class ReservationService:
         self.active: dict[str, Reservation] = {}
         self._expiry: list[tuple[float, str]] = []
         self._ids = itertools.count(1)
+        self._rand, self._rand_at = "", 0  # new_lease_id's batch of random hex digits
         # (src, dst) -> worker pair's name -> its lanes, as P connectors register them
         self._lanes: dict[tuple[str, str], dict[str, _Registered]] = {}
         self._n_pairs = 0
@@ -218,7 +238,7 @@ class ReservationService:
         self._open_decisions: dict[str, dict] = {}  # lease id -> its decision record, while active
         # the lane registry's changes, on the same sequence: a placement's replay needs the
         # lanes of every pair it could have chosen, not only the chosen pair's
-        self.lane_log: deque[dict] = deque(maxlen=MAX_LANE_EVENTS)
+        self.lane_log = LaneLog()
 
     # ---- lane registry (filled by P connectors when they open lanes) -------
     def register_lanes(self, src_host: str, dst_host: str, lanes: Sequence[LaneInfo], worker: str = "",
@@ -228,22 +248,27 @@ class ReservationService:
         src, dst = self._host(src_host, "src_host"), self._host(dst_host, "dst_host")
         self._check_lanes(lanes)
         key = self._pair_key(worker, pair)
+        now = self.clock()
+        self._sweep_lanes(now)  # first: a pair it drops is then registered anew (and logged)
         pairs = self._lanes.get((src, dst), {})
         old = pairs.get(key)
         if pair is None and old is not None and old.pair is not None:
             raise ReservationError(f"worker {worker!r} is a pair registered by engines and ranks: register it "
                                    f"again with its pair, not by name")
-        now = self.clock()
-        self._sweep_lanes(now)
+        new = sorted(lanes, key=lambda x: x.lane)
+        changed = old is None or (old.pair, old.lanes) != (pair, new)  # (not P's minutely refresh)
+        # the log's form first (the oracle may fail): the registry and its log change together
+        logged = self._lane_spines(src, dst, new) if changed else None
         if key not in pairs and self._n_pairs >= MAX_WORKER_PAIRS:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "
                                    f"unregister the pairs of engines that went away")
         if key not in pairs:
             self._n_pairs += 1
-        reg = self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, sorted(lanes, key=lambda x: x.lane), now)
+        reg = self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, new, now)
         self._cands.pop((src, dst), None)
-        self._log_lanes(src, dst, key, reg)
+        if logged is not None:
+            self._log_lanes(src, dst, key, reg, logged)
         self.counters["lane_registrations"] += 1
 
     def unregister_lanes(self, src_host: str, dst_host: str, worker: str = "", pair: WorkerPair | None = None) -> int:
@@ -272,16 +297,24 @@ class ReservationService:
         if not pairs:
             del self._lanes[key]
         self._cands.pop(key, None)
-        self._log_lanes(*key, name, gone, removed=True)
+        self._log_lanes(*key, name, gone, None)
 
-    def _log_lanes(self, src: str, dst: str, name: str, reg: _Registered, removed: bool = False) -> None:
-        """One change of the registry (``removed``: the pair is gone, its lanes null), with
-        each lane's spine as this service's oracle sees it: what a replay needs to rebuild it."""
-        lanes = None if removed else tuple(
-            (ln.lane, ln.src_port, ln.dst_port, ln.proto, self.oracle.path(src, dst, ln.src_port, ln.dst_port,
-                                                                            ln.proto).spine) for ln in reg.lanes)
-        self.lane_log.append({"seq": next(self._seq), "at": time.time(), "src_host": src, "dst_host": dst,
-                              "worker": name, "lanes": lanes,
+    def _lane_spines(self, src: str, dst: str, lanes: Sequence[LaneInfo]) -> tuple:
+        """(lane, source port, destination port, protocol, spine) of each lane, the spine as
+        this service's oracle sees it (one batch where the oracle batches)."""
+        keys = [(src, dst, ln.src_port, ln.dst_port, ln.proto) for ln in lanes]
+        try:
+            batch = getattr(self.oracle, "paths", None)
+            paths = batch(keys) if batch is not None else [self.oracle.path(*k) for k in keys]
+        except (RuntimeError, FabricSpecError, OSError) as e:
+            raise ReservationError(f"lanes: no path known for a lane of {src}->{dst}: {e}") from None
+        return tuple((ln.lane, ln.src_port, ln.dst_port, ln.proto, p.spine) for ln, p in zip(lanes, paths))
+
+    def _log_lanes(self, src: str, dst: str, name: str, reg: _Registered, lanes: tuple | None) -> None:
+        """One change of the registry (``lanes`` None: the pair is gone), on the service's
+        clock (``t``) and the wall clock (``at``): what a replay needs to rebuild it."""
+        self.lane_log.record({"seq": next(self._seq), "at": time.time(), "t": self.clock(), "src_host": src,
+                              "dst_host": dst, "worker": name, "lanes": lanes,
                               "pair": msgspec.to_builtins(reg.pair) if reg.pair else None})
 
     def _sweep_lanes(self, now: float) -> None:
@@ -363,8 +396,13 @@ class ReservationService:
 
     def new_lease_id(self) -> str:
         # a sequence number for logs, and a random part so that one client cannot end
-        # another's reservations by guessing their ids (every client holds the one token)
-        return f"r{next(self._ids)}-{secrets.token_hex(6)}"
+        # another's reservations by guessing their ids (every client holds the one token);
+        # the random part is cut from a batch drawn from the OS (one call per 1,024 ids)
+        k = self._rand_at
+        if k >= len(self._rand):
+            self._rand, k = secrets.token_hex(6 * 1024), 0
+        self._rand_at = k + 12
+        return f"r{next(self._ids)}-{self._rand[k:k + 12]}"
 
     def view(self, src: str, now: float) -> "LinkLoads | DelayedView":
         """The loads a decision for P host ``src`` sees: the truth (cc, ecmp), or what
@@ -386,7 +424,7 @@ class ReservationService:
         decision = {"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
                     "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
                     "spines": tuple(p.spine for p in paths), "workers": chosen.workers,
-                    "at": time.time(), "mode": self.mode,
+                    "at": time.time(), "t": now, "mode": self.mode,
                     "seq": next(self._seq),
                     # what it chose among (the first worker pair's lanes): enough to replay it.
                     # Tuples, not lists: the log keeps up to 100,000 records and the garbage
@@ -398,19 +436,19 @@ class ReservationService:
         self._open_decisions[lease_id] = decision
         return r
 
-    def log_fallback(self, src: str, dst: str, nbytes: int, tid: str, extra: dict) -> None:
+    def log_fallback(self, src: str, dst: str, nbytes: int, tid: str, now: float, extra: dict) -> None:
         """A decision that reserved nothing (no lane known for the pair it chose) in the
         log all the same: a placement's P and D are still a choice to replay."""
         decision = {"transfer_id": tid, "lease_id": "", "src_host": src, "dst_host": dst, "bytes": nbytes,
                     "lane": None, "src_port": None, "spine": None, "spines": (), "workers": (), "at": time.time(),
-                    "mode": self.mode, "seq": next(self._seq), "candidates": (), "fallback": "no_lanes"}
+                    "t": now, "mode": self.mode, "seq": next(self._seq), "candidates": (), "fallback": "no_lanes"}
         decision.update(extra)
         self.decisions.append(decision)
 
-    def _ended(self, lease_id: str, how: str) -> None:
+    def _ended(self, lease_id: str, how: str, now: float) -> None:
         d = self._open_decisions.pop(lease_id, None)
         if d is not None:
-            d.update(ended_at=time.time(), end=how, end_seq=next(self._seq))
+            d.update(ended_at=time.time(), ended_t=now, end=how, end_seq=next(self._seq))
 
     def release(self, lease_id: str) -> bool:
         """End a reservation; False when it already ended (idempotent)."""
@@ -418,8 +456,9 @@ class ReservationService:
         if r is None:
             self.counters["releases_unknown"] += 1
             return False
-        self._apply(r, -1, self.clock())
-        self._ended(lease_id, "released")
+        now = self.clock()
+        self._apply(r, -1, now)
+        self._ended(lease_id, "released", now)
         self.counters["releases"] += 1
         return True
 
@@ -450,7 +489,7 @@ class ReservationService:
             r.expires_at = now + min(expected_end_s + self.lease_s, LEASE_EXTENSION_MAX * self.lease_s)
             heapq.heappush(self._expiry, (r.expires_at, lease_id))  # the old entry is skipped when due
         if d is not None:  # replayed in order with the reservations and their ends
-            d["updates"] = (*d.get("updates", ()), (next(self._seq), time.time(), nbytes))
+            d["updates"] = (*d.get("updates", ()), (next(self._seq), time.time(), nbytes, now))
         self.counters["updates"] += 1
         return r
 
@@ -464,7 +503,7 @@ class ReservationService:
             if r is not None and r.expires_at <= now:  # (an updated lease's older entry: not yet)
                 del self.active[lid]
                 self._apply(r, -1, now)
-                self._ended(lid, "expired")
+                self._ended(lid, "expired", now)
                 self.counters["leases_expired"] += 1
                 n += 1
         return n
@@ -503,6 +542,8 @@ class ReservationService:
         """Global-First-Fit: the least-loaded candidate; ties go to the lowest lane id.
         (Candidates may come from several scopes: a joint choice of P, D and lane is
         this rule over the candidates of every (P, D) pair it may take.)"""
+        if type(view) is LinkLoads and self.metric == "flows":  # the common case, inlined (every decision)
+            return _least_flows(cands, view.flows.get, view.bytes.get)
         best: tuple[tuple[int, int, int], _Candidate] | None = None
         for c in cands:
             worst, total, worst_b = view.cost(c.core)
@@ -568,6 +609,9 @@ class ReservationService:
 
     def _apply(self, r: Reservation, sign: int, now: float) -> None:
         n = len(r.paths)
+        if n == 1 and not (self.mode == "dc" and self.dc_delay_s > 0):  # one worker pair, no broadcast
+            self.loads.add(r.paths[0].links, r.bytes, sign)
+            return
         for i, path in enumerate(r.paths):
             # the bytes split evenly among the worker pairs (the remainder on the first)
             nbytes = r.bytes // n + (r.bytes % n if i == 0 else 0)

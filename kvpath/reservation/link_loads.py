@@ -31,12 +31,15 @@ class LinkLoads:
         self.bytes: dict[Link, int] = defaultdict(int)
 
     def add(self, links: tuple[Link, ...], nbytes: int, sign: int) -> None:
+        flows, nb, db = self.flows, self.bytes, sign * nbytes
         for ln in links:
-            self.flows[ln] += sign
-            self.bytes[ln] += sign * nbytes
-            if self.flows[ln] == 0 and self.bytes[ln] == 0:  # (sums of mixed dc events can be 0 flows, not 0 bytes)
-                del self.flows[ln]
-                del self.bytes[ln]
+            f, b = flows.get(ln, 0) + sign, nb.get(ln, 0) + db
+            if f == 0 and b == 0:  # (sums of mixed dc events can be 0 flows, not 0 bytes)
+                flows.pop(ln, None)
+                nb.pop(ln, None)
+            else:
+                flows[ln] = f
+                nb[ln] = b
 
     def cost(self, links: tuple[Link, ...]) -> tuple[int, int, int]:
         """(flows on the busiest link, bytes summed over the links, bytes on the link

@@ -156,6 +156,18 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         each link's time cached for the decision."""
         return max((link_t(src, ln, b, rate) for ln, b, rate in cost.link_shares(c.paths, nbytes)), default=0.0)
 
+    spine_bps = spec.spine_link_gbps * 1e9
+    cores: dict = {}  # a lane's switch-to-switch links -> the whole push's time on the slowest
+
+    def core_t(src: str, c) -> float:
+        """One worker pair: the push on the lane's core links (its host links are the
+        pair's, :func:`hosts_t`); lanes of many pairs share them, so cached per decision."""
+        k = (src, c.core) if dc else c.core
+        t = cores.get(k)
+        if t is None:
+            t = cores[k] = max((link_t(src, ln, nbytes, spine_bps) for ln in c.core), default=0.0)
+        return t
+
     # A bound on each pair (never above any of its candidates): its queue, prefill and
     # admission, and the push on its two host links
     if dc:  # D's downlink as each P host's agent sees it
@@ -171,6 +183,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
             pairs = [(w + a + (0.0 if ph == dh else after(u if u > dt else dt, pre)), i, j)
                      for i, w, ph, u in up_t for j, a, dh, dt in down_t]
     heapq.heapify(pairs)  # visited in order of their bound, as far as needed
+    by_request = cost.granularity == "request"
     best: tuple | None = None  # (ttft, i, j, candidate or None, push, cands, its cc key)
     considered = visited = 0
     lease_id = svc.new_lease_id()
@@ -194,9 +207,13 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
             if best is None or key < (best[0], *best[6], best[1], best[2], _lane(best)):
                 best = (ttft, i, j, None, push, cands, (NO_LANE, NO_LANE))
             continue
+        ht = hosts_t(i, j)
+        wp, a = wait[i] + pre, admit[j]
         for c in cands_costed:
-            push = cost.after_prefill(push_t(src, c), pre)
-            ttft = wait[i] + pre + push + admit[j]
+            # one worker pair: its slowest link is a host link or a core link (== push_t's max)
+            tt = (ht if ht >= (ct := core_t(src, c)) else ct) if len(c.paths) == 1 else push_t(src, c)
+            push = tt if by_request else cost.after_prefill(tt, pre)
+            ttft = wp + push + a  # (summed in the order of the bound and of predict())
             considered += 1
             if best is not None and ttft > best[0]:
                 continue
@@ -212,7 +229,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
     if chosen is None:
         svc.counters["fallback_no_lanes"] += 1
         r = Reservation(lease_id, tid, p_hosts[i], d_hosts[j], nbytes, None, None, None, 0.0, svc.mode, "no_lanes")
-        svc.log_fallback(p_hosts[i], d_hosts[j], nbytes, tid, extra)
+        svc.log_fallback(p_hosts[i], d_hosts[j], nbytes, tid, now, extra)
     else:
         r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
     svc.counters[f"placements_{policy}"] += 1

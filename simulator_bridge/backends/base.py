@@ -59,6 +59,10 @@ class LaneHooks:
     decide: Callable[[int, float], int | None]
     decide_at: np.ndarray
     on_end: Callable[[int, float], None]
+    # P's pushes at its NIC (flow_model.UplinkGate), and each flow's wait for a slot
+    # (filled by the backend): only a closed-loop backend runs them
+    gate: Any = None
+    waited: np.ndarray | None = None
 
 
 class NetworkBackend(ABC):
@@ -85,6 +89,9 @@ class NetworkBackend(ABC):
     def serve(self, flows: list[FlowSpec], hooks: LaneHooks) -> Replay:
         """The serving simulation's network step: lanes decided by ``hooks`` (``lanes_by``'s
         clock), then the flows replayed on them. A closed-loop backend overrides this."""
+        if hooks.gate is not None:
+            raise ValueError(f"network backend {self.name!r}: a cap on pushes per uplink (uplink_pushes) needs a "
+                             f"closed-loop backend (flow)")
         spines: list[int | None] = [None] * len(flows)
 
         def decide(i: int, now: float) -> int | None:

@@ -17,4 +17,4 @@ class FlowBackend(NetworkBackend):
 
     def serve(self, flows: list[FlowSpec], hooks: LaneHooks) -> Replay:
         return Replay(FlowModel(self.spec, self.net).run(flows, decide=hooks.decide, decide_at=hooks.decide_at,
-                                                         on_end=hooks.on_end))
+                                                         on_end=hooks.on_end, gate=hooks.gate, waited=hooks.waited))

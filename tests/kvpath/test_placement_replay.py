@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from kvpath.placement import CostModel, EngineState, PlacementError
 from kvpath.reservation.app import create_app
 from kvpath.reservation.decisions import ReservationService
+from kvpath.reservation.lane_log import LaneLog
 from kvpath.reservation.placer import place
 from kvpath.reservation.replay import ReplayError, replay
 from kvpath.reservation.wire import WorkerPair
@@ -26,11 +27,14 @@ def _register(svc, a, ph, b, dh, first_port=30000):
                        pair=WorkerPair(p_engine=f"pe{a}", d_engine=f"de{b}", incarnation="i0"))
 
 
-def _run(mode="cc", granularity="request", seed=3, steps=240):
+def _run(mode="cc", granularity="request", seed=3, steps=240, window=None):
     """Placements under every policy, plain reservations, updates, releases, and lanes that
-    come and go (a D restarts with new ports; another is unregistered, then back)."""
+    come and go (a D restarts with new ports; another is unregistered, then back; every P
+    registers all its lanes again, unchanged, now and then)."""
     clock = Clock()
     svc = ReservationService(SPEC, mode, clock=clock)
+    if window is not None:
+        svc.lane_log = LaneLog(max_lanes=window)
     cost = CostModel(SPEC, ITM, granularity=granularity)
     for (a, ph), (b, dh) in itertools.product(enumerate(P_HOSTS), enumerate(D_HOSTS)):
         _register(svc, a, ph, b, dh)
@@ -48,6 +52,11 @@ def _run(mode="cc", granularity="request", seed=3, steps=240):
         if step == 170:
             for a, ph in enumerate(P_HOSTS):
                 _register(svc, a, ph, 3, D_HOSTS[3], first_port=47000)
+        if step % 60 == 30:  # P's minutely refresh: the same lanes again (D 3 is away at 150)
+            for (a, ph), (b, dh) in itertools.product(enumerate(P_HOSTS), enumerate(D_HOSTS)):
+                if not (b == 3 and 120 <= step < 170):
+                    _register(svc, a, ph, b, dh, first_port=45000 if b == 1 and step > 80 else
+                              47000 if b == 3 and step > 170 else 30000)
         x = rng.random()
         if active and x < 0.35:
             svc.release(active.pop(rng.randrange(len(active))).lease_id)
@@ -67,7 +76,7 @@ def _run(mode="cc", granularity="request", seed=3, steps=240):
 
 
 def _log(svc, cost):
-    return list(svc.decisions), list(svc.lane_log), cost.to_dict()
+    return list(svc.decisions), svc.lane_log.events(), cost.to_dict()
 
 
 @pytest.mark.parametrize("granularity", ["request", "layer"])
@@ -83,6 +92,38 @@ def test_every_placement_replays_to_its_p_d_and_lane_in_its_own_mode_and_as_dc_w
         r = replay(decisions, SPEC, mode, 0.0, lanes=lanes, cost_model=model)
         assert (r.placements, r.same_placement, r.differing_placements) == (placed, placed, [])
         assert (r.decisions, r.same_lane) == (len(decisions), len(decisions))
+
+
+def test_the_lane_log_is_bounded_and_says_from_when_it_knows_the_registry():
+    """A window of 25 lanes (five registrations of 4 lanes): the older changes fold into a
+    base (one registration per pair still registered); the placements made since the last
+    folded change replay to their P, D and lane, the older ones are replayed on their
+    logged lanes and counted unverified, not guessed; an unchanged re-registration is not
+    a change."""
+    svc, cost = _run(window=25)
+    ll, n_pairs = svc.lane_log, len(P_HOSTS) * len(D_HOSTS)
+    assert ll.weight <= 25 and len(ll.base) <= n_pairs and ll.complete_from_seq > 0
+    ev = ll.events()
+    assert [e["seq"] for e in ev] == sorted(e["seq"] for e in ev)
+    # the changes: 12 first registrations, 3 restarts, 3 removals, 3 returns (no refreshes)
+    assert len(_run()[0].lane_log.window) == n_pairs + 9
+    decisions = list(svc.decisions)
+    placed = [d for d in decisions if d.get("placement")]
+    old = sum(d["seq"] <= ll.complete_from_seq for d in placed)
+    assert 0 < old < len(placed) - 20
+    r = replay(decisions, SPEC, "cc", lanes=ev, cost_model=cost.to_dict(), lanes_complete_from_seq=ll.complete_from_seq)
+    assert (r.placements_unverified, r.placements, r.same_placement) == (old, len(placed) - old, len(placed) - old)
+    assert r.same_lane == len(decisions) - old  # every other decision, reserve or placement, the same
+
+
+def test_a_lane_log_window_holds_lanes_not_changes():
+    """A caller alternating two large lane sets grows the window to its bound in lanes."""
+    log = LaneLog(max_lanes=10_000)
+    for k in range(100):
+        lanes = tuple((i, 40000 + i + k % 2, 5000, "tcp", "spine0") for i in range(1024))
+        log.record({"seq": k, "at": 0.0, "src_host": "a", "dst_host": "b", "worker": "w", "pair": None,
+                    "lanes": lanes})
+    assert log.weight <= 10_000 and len(log.window) == 9 and len(log.base) == 1 and log.complete_from_seq == 90
 
 
 def test_a_placement_replays_only_with_what_it_saw():

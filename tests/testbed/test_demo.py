@@ -131,9 +131,9 @@ def test_the_simulation_runs_alone_where_no_fabric_can_be_built(tmp_path):
     assert "no fabric (--simulate-only): running the simulation part alone" in r.stdout
     doc = json.loads((out / "demo.json").read_text())
     assert doc["measured"] is False
+    # every variant, its policy by the simulation's own placement (cc+lo: load, cc+joint: joint)
     assert [(row["variant"], row["source"]) for row in doc["rows"]] == [
-        ("ecmp", "flow (simulated only)"), ("cc", "flow (simulated only)")]
-    assert any("cc+lo" in n for n in doc["notes"])  # said, not silently dropped
+        (v, "flow (simulated only)") for v in ("ecmp", "cc", "cc+lo", "cc+joint")]
     assert (out / "report" / "index.html").exists()
 
 

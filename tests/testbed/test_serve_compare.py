@@ -57,6 +57,10 @@ def test_modes_map_to_the_testbeds_connector_and_reservation_mode():
     assert sc.connector_and_mode("kvpath-ecmp") == ("kvpath", "ecmp")
     assert sc.connector_and_mode("kvpath-cc") == ("kvpath", "cc")
     assert sc.connector_and_mode("kvpath-dc") == ("kvpath", "dc")
+    # joint placement: the kvpath connector, cc reservations, the proxy's joint policy
+    assert sc.connector_and_mode("kvpath-joint") == ("kvpath", "cc")
+    assert sc.mode_policy("kvpath-joint", "least_outstanding") == "joint"
+    assert sc.mode_policy("kvpath-cc", "least_outstanding") == "least_outstanding"
     for bad in ("pull", "kvpath-fast", "nixl"):
         with pytest.raises(ValueError, match="unknown mode"):
             sc.connector_and_mode(bad)
@@ -66,10 +70,10 @@ def test_the_grid_is_every_input_output_and_rate():
     pts = sc.build_points([256, 1024], [32], [1, 2])
     assert pts == (sc.Point(256, 32, 1.0), sc.Point(256, 32, 2.0), sc.Point(1024, 32, 1.0), sc.Point(1024, 32, 2.0))
     v = sc.build_setup("vllm", sc.DEFAULT_MODES)
-    assert (v.pools, v.fabric, v.modes, len(v.points)) == ("1P1D", "small", sc.DEFAULT_MODES, 4)
+    assert (v.pools, v.fabric, v.modes, len(v.points)) == ("1P1D", "small", sc.DEFAULT_MODES[:-1], 4)  # (1P1D: no joint)
     # the in-tree connectors need real engines: emulated ones keep the kvpath modes
     e = sc.build_setup("emulated", sc.DEFAULT_MODES, rates=[5], prompts=7)
-    assert (e.pools, e.modes, e.prompts) == ("8P8D", ("kvpath-ecmp", "kvpath-cc"), 7)
+    assert (e.pools, e.modes, e.prompts) == ("8P8D", ("kvpath-ecmp", "kvpath-cc", "kvpath-joint"), 7)
     assert {p.rate for p in e.points} == {5.0}
     with pytest.raises(ValueError):
         sc.build_setup("vllm", ["kvpath-ecmp", "bogus"])
@@ -107,7 +111,7 @@ def test_the_time_estimate_adds_start_ups_bench_starts_windows_and_drains():
 def test_the_default_comparison_is_sized_under_an_hour():
     setups, plan = sc.plan_from_args(sc.parse_args([]))
     assert [s.engine for s in setups] == ["vllm", "emulated"]
-    assert len(plan) == 3 * (4 + 2)
+    assert len(plan) == 3 * (4 + 3)  # vLLM: 1P1D has nothing to place (no kvpath-joint)
     for s in setups:  # two input lengths, one output length, two rates per mode
         assert len({p.input_len for p in s.points}) == 2 and len({p.output_len for p in s.points}) == 1
         assert len({p.rate for p in s.points}) == 2
@@ -252,8 +256,9 @@ def test_dry_run_prints_the_grid_and_estimate_and_runs_nothing(capsys, monkeypat
     assert sc.main(["--dry-run", "--workdir", str(tmp_path / "w")]) == 0
     out = capsys.readouterr().out
     assert "vllm: 1P1D on small" in out and "emulated: 8P8D on rack4" in out
-    assert "modes nixl-pull, nixl-push, kvpath-ecmp, kvpath-cc" in out
-    assert "18 engine start-ups, 72 bench runs (shared bench client): estimated" in out
+    assert "modes nixl-pull, nixl-push, kvpath-ecmp, kvpath-cc;" in out  # vLLM's 1P1D: nothing to place
+    assert "modes kvpath-ecmp, kvpath-cc, kvpath-joint;" in out
+    assert "21 engine start-ups, 84 bench runs (shared bench client): estimated" in out
     assert not (tmp_path / "w").exists()
     assert sc.main(["--dry-run", "--engines", "emulated", "--modes", "nixl-pull"]) == 2
     assert "no mode runs on the chosen engines" in capsys.readouterr().out

@@ -181,3 +181,33 @@ def test_a_pair_without_lanes_loses_a_tie_and_a_pair_on_one_host_pushes_nothing(
     assert pl.p == 1 and pl.reservation.lane is not None
     same = place(svc, _cost(), [EngineState("p", "l1h0")], [EngineState("d", "l1h0")], 100, 100 * MB)
     assert same.prediction.push_s == 0.0
+
+
+def test_concurrent_placements_over_http_never_take_the_same_free_spine():
+    """Eight identical /v1/place calls in flight at once on one P-D pair whose 4 lanes
+    cross 4 spines, each with a 200 MB push: every decision sees the reservations of the
+    ones before it (the choice and the reservation are one step), so the first four take
+    four different spines and the next four the spines with one flow each, evenly."""
+    import asyncio
+    from collections import Counter
+
+    import httpx
+
+    from kvpath.reservation.app import create_app
+
+    svc = ReservationService(SPEC, "cc", clock=Clock())
+    svc.register_lanes("l0h0", "l1h0", lanes_covering_spines("l0h0", "l1h0", n=4))
+    app = create_app(svc, token="t0ken", cost=_cost())
+    body = {"prefill": [{"name": "p0", "host": "l0h0"}], "decode": [{"name": "d0", "host": "l1h0"}],
+            "prompt_tokens": 1000, "bytes": 200 * MB}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://svc",
+                                     headers={"Authorization": "Bearer t0ken"}) as c:
+            rs = await asyncio.gather(*(c.post("/v1/place", json={**body, "transfer_id": f"c{k}"}) for k in range(8)))
+        return [r.json() for r in rs]
+
+    got = asyncio.run(go())
+    assert all(a["lease_id"] and a["spine"] for a in got)
+    by_spine = Counter(a["spine"] for a in got)
+    assert len(by_spine) == 4 and set(by_spine.values()) == {2}

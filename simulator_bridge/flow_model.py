@@ -62,8 +62,9 @@ class UplinkGate:
     and ``push_queue_max_wait_s``): at most ``slots`` of the ``gated`` flows in flight per
     ``group`` (a P host's uplink); one that starts with every slot taken waits, and the
     waiting ones take the slots as they free in ``order`` (``fifo``: by start; ``srpt``:
-    the fewest bytes first), each at most ``max_wait_s`` (then it goes beyond the cap,
-    as the connector's bound lets it). Flows not ``gated`` (a layer-wise push's pieces)
+    the fewest bytes first), each at most ``max_wait_s`` (then it goes beyond the cap
+    holding no slot, as the connector's bound lets it: the next freed slot goes to a
+    waiting one). Flows not ``gated`` (a layer-wise push's pieces)
     never wait and take no slot."""
 
     group: np.ndarray  # per flow: its uplink (any integer id)
@@ -224,17 +225,19 @@ class FlowModel:
         active = np.zeros(n, dtype=bool)
         now = min(start.min(), at.min())
         began = np.zeros(n, dtype=bool)
+        holds = np.zeros(n, dtype=bool)  # gate: it took a slot (one that went at its bound holds none)
         in_flight: dict[int, int] = {}  # gate: per uplink, its gated flows in flight
         queued: dict[int, list] = {}  # gate: per uplink, a heap of the flows waiting for a slot
         overdue: list[tuple[float, int]] = []  # gate: (when its wait runs out, flow), lazily cleaned
 
-        def begin(i: int) -> None:
+        def begin(i: int, slot: bool = False) -> None:
             began[i] = True
             if waited is not None:
                 waited[i] = now - start[i]
             pending.setdefault(int(conn[i]), deque()).append(i)
             active[i] = True
-            if gate is not None and gate.gated[i]:
+            if slot:
+                holds[i] = True
                 g = int(gate.group[i])
                 in_flight[g] = in_flight.get(g, 0) + 1
             if left[i] <= 0 or (links[i] < 0).all():
@@ -246,7 +249,7 @@ class FlowModel:
                 return
             g = int(gate.group[i])
             if in_flight.get(g, 0) < gate.slots:
-                begin(i)
+                begin(i, slot=True)
                 return
             key = (flows[i].bytes, start[i], i) if gate.order == "srpt" else (start[i], i)
             heapq.heappush(queued.setdefault(g, []), (key, i))
@@ -259,7 +262,7 @@ class FlowModel:
             while q and in_flight[g] < gate.slots:
                 _, i = heapq.heappop(q)
                 if not began[i]:  # (one that went at its bound is still in the heap)
-                    begin(i)
+                    begin(i, slot=True)
 
         def finish(ids: np.ndarray) -> None:
             """Their bytes are delivered; each completes once every flow that started
@@ -274,7 +277,7 @@ class FlowModel:
                     active[i] = False
                     if on_end is not None:
                         on_end(i, now)
-                    if gate is not None and gate.gated[i]:
+                    if holds[i]:  # (as in the connector: one that went at its bound freed no slot)
                         slot_freed(int(gate.group[i]))
 
         while di < n or ai < n or active.any() or overdue:
@@ -283,9 +286,9 @@ class FlowModel:
                 assert decide is not None
                 links[i] = self.index.flow_links(flows[i].src, flows[i].dst, decide(i, now))
                 di += 1
-            while overdue and overdue[0][0] <= now:  # waited its bound: goes beyond the cap
+            while overdue and (overdue[0][0] <= now or began[overdue[0][1]]):  # (and the stale ones)
                 _, i = heapq.heappop(overdue)
-                if not began[i]:
+                if not began[i]:  # waited its bound: goes beyond the cap, holding no slot
                     begin(i)
             while ai < n and start[arrivals[ai]] <= now:
                 i = int(arrivals[ai])

@@ -166,7 +166,9 @@ def run_modes(cfgs: list[RunConfig], out: str, console: Console, repeats: int = 
                           f"{' (delay %g s)' % r['dc_delay_s'] if r['mode'] == 'dc' else ''}: "
                           f"{r['same_lane']} same lane"
                           + (f", {r['same_placement']} of {r['placements']} placements the same P, D and lane"
-                             if r.get("placements") else ""))
+                             if r.get("placements") else "")
+                          + (f" ({r['placements_unverified']} placements older than the lane log, on their logged "
+                             f"lanes)" if r.get("placements_unverified") else ""))
         if s["decode_only"] is not None:
             dc = s["decode_only"]
             console.print(f"{name}: {dc['equal']} of {dc['checked']} completions equal the decode-only output"

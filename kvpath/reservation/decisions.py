@@ -48,6 +48,9 @@ __all__ = ["MODES", "METRICS", "FlowScope", "LaneInfo", "Reservation", "Reservat
            "UnregisteredLanes", "WorkerPair", "default_lane"]
 
 MAX_WORKER_PAIRS = 16384  # registered pairs over all host pairs: registrations beyond are refused
+# lanes over all registered pairs (16 a pair on average; a P opens 8): what the registry,
+# and the decision log's base of it, hold at most
+MAX_REGISTERED_LANES = 262_144
 MAX_UPDATES_PER_LEASE = 16  # a lease's updates, each kept in its decision record for replay
 LEASE_EXTENSION_MAX = 10  # an update holds a lease at most this many lease times ahead
 MAX_SCOPES_CACHED = 256  # per host pair: the candidate cache is dropped when it holds more
@@ -224,6 +227,7 @@ class ReservationService:
         # (src, dst) -> worker pair's name -> its lanes, as P connectors register them
         self._lanes: dict[tuple[str, str], dict[str, _Registered]] = {}
         self._n_pairs = 0
+        self._n_lanes = 0
         self._unheard = Unheard()  # dc: changes younger than the broadcast delay
         # per (src, dst) and set of worker pairs in scope: the candidates (lanes are long-lived)
         self._cands: dict[tuple[str, str], dict[tuple[str, ...], list[_Candidate]]] = {}
@@ -263,8 +267,14 @@ class ReservationService:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "
                                    f"unregister the pairs of engines that went away")
+        n_lanes = self._n_lanes - (len(old.lanes) if old else 0) + len(new)
+        if n_lanes > MAX_REGISTERED_LANES:
+            self.counters["lane_registrations_refused"] += 1
+            raise ReservationError(f"lanes: {MAX_REGISTERED_LANES} lanes are registered already over all worker "
+                                   f"pairs; unregister the pairs of engines that went away")
         if key not in pairs:
             self._n_pairs += 1
+        self._n_lanes = n_lanes
         reg = self._lanes.setdefault((src, dst), {})[key] = _Registered(pair, new, now)
         self._cands.pop((src, dst), None)
         if logged is not None:
@@ -294,6 +304,7 @@ class ReservationService:
         pairs = self._lanes[key]
         gone = pairs.pop(name)
         self._n_pairs -= 1
+        self._n_lanes -= len(gone.lanes)
         if not pairs:
             del self._lanes[key]
         self._cands.pop(key, None)
@@ -308,6 +319,8 @@ class ReservationService:
             paths = batch(keys) if batch is not None else [self.oracle.path(*k) for k in keys]
         except (RuntimeError, FabricSpecError, OSError) as e:
             raise ReservationError(f"lanes: no path known for a lane of {src}->{dst}: {e}") from None
+        if len(paths) != len(lanes):
+            raise ReservationError(f"lanes: the path oracle answered {len(paths)} paths for {len(lanes)} lanes")
         return tuple((ln.lane, ln.src_port, ln.dst_port, ln.proto, p.spine) for ln, p in zip(lanes, paths))
 
     def _log_lanes(self, src: str, dst: str, name: str, reg: _Registered, lanes: tuple | None) -> None:
@@ -520,6 +533,7 @@ class ReservationService:
                                           for w, reg in ws.items()}
                             for (s, d), ws in self._lanes.items()},
             "worker_pairs": self._n_pairs,
+            "lanes_registered": self._n_lanes,
             "counters": dict(self.counters),
         }
 

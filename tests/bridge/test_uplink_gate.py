@@ -71,6 +71,16 @@ def test_a_push_waits_at_most_its_bound_and_pieces_never_wait():
     assert not waited.any()
 
 
+def test_a_push_that_went_at_its_bound_holds_no_slot():
+    """A (15 MB) holds the one slot; B (100 MB) waits its 1 ms bound and goes beside it;
+    C (5 MB) arrives at 1.1 ms and waits. A ends at 1.4 ms (2.5 MB left at 1 ms, at half
+    the rate beside B): its slot goes to C then, not when B ends, as in the connector."""
+    flows = _flows([15 * MB, 100 * MB, 5 * MB], [0.0, 0.0, 1.1e-3])
+    waited = np.zeros(3)
+    FlowModel(SPEC).run(flows, gate=_gate(3, max_wait_s=1e-3), waited=waited)
+    assert waited == pytest.approx([0.0, 1e-3, 0.3e-3], rel=1e-6, abs=1e-9)
+
+
 def test_a_bad_gate_is_refused_naming_its_fields():
     with pytest.raises(ValueError, match="slots"):
         _gate(1, slots=0)

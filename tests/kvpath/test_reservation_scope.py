@@ -147,6 +147,23 @@ def test_the_registry_and_the_scope_cache_are_bounded(monkeypatch):
     assert len(svc._cands[(SRC, DST)]) <= 4
 
 
+def test_the_registry_holds_a_bounded_number_of_lanes(monkeypatch):
+    """Lanes over all pairs are bounded too (a pair may name 1,024): a registration past the
+    bound is refused, a re-registration counts its new lanes in place of its old ones."""
+    import kvpath.reservation.decisions as res
+
+    monkeypatch.setattr(res, "MAX_REGISTERED_LANES", 5)
+    svc = ReservationService(SPEC, "cc")
+    svc.register_lanes(SRC, DST, lanes_on([0, 1, 2]), pair=pair(p="p0"))
+    with pytest.raises(ReservationError, match="5 lanes are registered"):
+        svc.register_lanes(SRC, DST, lanes_on([0, 1, 2]), pair=pair(p="p1"))
+    svc.register_lanes(SRC, DST, lanes_on([0, 1]), pair=pair(p="p1"))  # 5 in all: fits
+    svc.register_lanes(SRC, DST, lanes_on([0]), pair=pair(p="p0"))  # p0 again, with fewer
+    assert svc.state()["lanes_registered"] == 3
+    svc.unregister_lanes(SRC, DST, pair=pair(p="p1"))
+    assert svc.state()["lanes_registered"] == 1
+
+
 def test_the_proxys_reserver_passes_the_scope_through():
     svc = ReservationService(SPEC, "cc")
     svc.register_lanes(SRC, DST, lanes_on([0, 1]), pair=pair())

@@ -155,32 +155,56 @@ def spread(v: list[float]) -> str:
     return f"{statistics.median(v):,.0f} ({min(v):,.0f}..{max(v):,.0f})"
 
 
-async def _http(url: str, n: int, conc: int, token: str) -> list[float]:
+async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp", rate: float = 0.0) -> list[float]:
+    """``n`` reserve+release pairs, at most ``conc`` in flight, on keep-alive connections:
+    aiohttp (its client costs a fraction of httpx's CPU, which shares these cores with the
+    service) or httpx. ``rate``: pairs start at this many per second (open loop, as a
+    proxy tier's admissions arrive), else each as soon as one ends (closed loop: the
+    latency is then the concurrency over the throughput)."""
     pairs = workload(n, seed=1)
     lanes = [{"lane": i, "src_port": 40000 + 17 * i} for i in range(8)]
     lat: list[float] = []
     sem = asyncio.Semaphore(conc)
-    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=conc),
-                                 headers={"Authorization": f"Bearer {token}"}) as c:
-        for s, d in sorted({(s, d) for s, d, _ in pairs}):  # as P's connectors do (not timed)
-            (await c.post(url + "/v1/lanes", json={"src_host": s, "dst_host": d, "lanes": lanes})).raise_for_status()
+    hdr = {"Authorization": f"Bearer {token}"}
+    if client == "aiohttp":
+        import aiohttp
 
-        async def one(i, s, d, b):
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc), headers=hdr)
+
+        async def post(path: str, body: dict) -> dict:
+            async with session.post(url + path, json=body) as r:
+                r.raise_for_status()
+                return await r.json()
+    else:
+        session = httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=conc), headers=hdr)
+
+        async def post(path: str, body: dict) -> dict:
+            r = await session.post(url + path, json=body)
+            r.raise_for_status()
+            return r.json()
+    try:
+        for s, d in sorted({(s, d) for s, d, _ in pairs}):  # as P's connectors do (not timed)
+            await post("/v1/lanes", {"src_host": s, "dst_host": d, "lanes": lanes})
+
+        async def one(i, s, d, b, t_start=None):
+            if t_start is not None:
+                await asyncio.sleep(max(0.0, t_start + i / rate - time.perf_counter()))
             async with sem:
                 t = time.perf_counter()
-                r = await c.post(url + "/v1/reserve", json={"src_host": s, "dst_host": d, "bytes": b,
-                                                           "transfer_id": f"h{i}"})
+                got = await post("/v1/reserve", {"src_host": s, "dst_host": d, "bytes": b, "transfer_id": f"h{i}"})
                 lat.append(time.perf_counter() - t)
-                r.raise_for_status()
-                await c.post(url + "/v1/release", json={"lease_id": r.json()["lease_id"]})
+                await post("/v1/release", {"lease_id": got["lease_id"]})
 
         await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs[:50])))  # warm-up
         lat.clear()
-        await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs)))
+        t_start = time.perf_counter() if rate else None
+        await asyncio.gather(*(one(i, *p, t_start) for i, p in enumerate(pairs)))
+    finally:
+        await (session.close() if client == "aiohttp" else session.aclose())
     return lat
 
 
-def bench_http(n: int, conc: int) -> dict:
+def bench_http(n: int, conc: int, client: str = "aiohttp", rate: float = 0.0) -> dict:
     import json
     import tempfile
 
@@ -193,14 +217,20 @@ def bench_http(n: int, conc: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout_s=30, interval_s=0.1)
-        t0 = time.perf_counter()
-        lat = asyncio.run(_http(url, n, conc, token))
+        import psutil
+
+        server = psutil.Process(proc.pid)
+        s0, c0, t0 = sum(server.cpu_times()[:2]), time.process_time(), time.perf_counter()
+        lat = asyncio.run(_http(url, n, conc, token, client, rate))
         el = time.perf_counter() - t0
+        client_cpu, server_cpu = time.process_time() - c0, sum(server.cpu_times()[:2]) - s0
     finally:
         proc.terminate()
         proc.wait(10)
     a = np.array(lat) * 1e3
-    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rps": n / el}
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rps": n / el,
+            # CPU per reserve+release pair: the load client's (it shares the cores) and the service's
+            "client_cpu_ms": client_cpu * 1e3 / n, "server_cpu_ms": server_cpu * 1e3 / n}
 
 
 def main() -> int:
@@ -208,7 +238,11 @@ def main() -> int:
     ap.add_argument("--decisions", type=int, default=50000)
     ap.add_argument("--repeats", type=int, default=5, help="in-process runs per mode (median and range)")
     ap.add_argument("--http-requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the load client over HTTP (it shares the cores with the service)")
+    ap.add_argument("--http-rate", type=float, default=0.0,
+                    help="reserve+release pairs started per second, open loop (0: closed loop, as fast as they end)")
     ap.add_argument("--joint", type=int, default=2000, help="joint placement decisions to time (0: skip)")
     ap.add_argument("--baseline", default="", help="a git commit: its decision code runs beside today's, interleaved")
     args = ap.parse_args()
@@ -235,9 +269,11 @@ def main() -> int:
         t.add_row(k, spread(v["cpu"]), spread(v["wall"]))
     con.print(t)
     for conc in args.concurrency:
-        h = bench_http(args.http_requests, conc)
-        con.print(f"HTTP /v1/reserve (cc, {conc} in flight): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, "
-                  f"{h['rps']:,.0f} reserve+release pairs/s")
+        h = bench_http(args.http_requests, conc, args.http_client, args.http_rate)
+        pace = f"{args.http_rate:g}/s offered, " if args.http_rate else ""
+        con.print(f"HTTP /v1/reserve (cc, {pace}at most {conc} in flight, {args.http_client}): p50 {h['p50_ms']:.2f} ms, "
+                  f"p99 {h['p99_ms']:.2f} ms, {h['rps']:,.0f} reserve+release pairs/s; CPU per pair: service "
+                  f"{h['server_cpu_ms']:.2f} ms, load client {h['client_cpu_ms']:.2f} ms")
     cc = statistics.median(ip["cc"]["cpu"])
     con.print(f"[bold]summary[/bold]: in-process cc {cc:,.0f}/CPU s (>= 20,000: {'yes' if cc >= 20000 else 'NO'})")
     if args.baseline:

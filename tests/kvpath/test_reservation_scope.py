@@ -125,7 +125,7 @@ def test_worker_and_pair_that_disagree_are_refused_naming_them():
 
 
 def test_the_registry_and_the_scope_cache_are_bounded(monkeypatch):
-    import kvpath.reservation.decisions as res
+    import kvpath.reservation.lane_registry as res
 
     monkeypatch.setattr(res, "MAX_WORKER_PAIRS", 3)
     monkeypatch.setattr(res, "MAX_SCOPES_CACHED", 4)
@@ -150,7 +150,7 @@ def test_the_registry_and_the_scope_cache_are_bounded(monkeypatch):
 def test_the_registry_holds_a_bounded_number_of_lanes(monkeypatch):
     """Lanes over all pairs are bounded too (a pair may name 1,024): a registration past the
     bound is refused, a re-registration counts its new lanes in place of its old ones."""
-    import kvpath.reservation.decisions as res
+    import kvpath.reservation.lane_registry as res
 
     monkeypatch.setattr(res, "MAX_REGISTERED_LANES", 5)
     svc = ReservationService(SPEC, "cc")

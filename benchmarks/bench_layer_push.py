@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from testbed_bench import KVPATH, run, setup, span
+from testbed_bench import KVPATH, run, setup, span, summary_row
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,9 @@ VARIANTS = ("request", "layer")
 
 
 def _row(s: dict) -> dict:
-    dc = s["datacenter"]
-    parts = dc.get("ttft_parts_mean_s") or {}
-    ttft = dc["ttft_s"]["mean"]
-    return {"valid": s["fidelity"]["valid"], "repeat": s.get("repeat", 0), "ttft_mean": ttft,
-            "ttft_p99": dc["ttft_s"]["p99"], "tpot_mean": dc["tpot_s"]["mean"],
-            "push_share": (parts.get("push") or 0.0) / ttft if ttft else None,
-            "prefill_p50": (dc.get("ttft_breakdown_s") or {}).get("P prefill"),
-            "push_after_prefill_mean": parts.get("push")}
+    row = summary_row(s)
+    return {**row, "prefill_p50": (s["datacenter"].get("ttft_breakdown_s") or {}).get("P prefill"),
+            "push_after_prefill_mean": row["parts"].get("push")}
 
 
 

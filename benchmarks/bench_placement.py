@@ -36,8 +36,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from testbed_bench import KVPATH, run, setup, span
+from testbed_bench import KVPATH, run, setup, span, summary_row
 
+from kvpath.bridge.serving_sim import placement_of
 from kvpath.testbed.cli import parse_variant
 from kvpath.testbed.repeats import run_dir
 from kvpath.trace import read_trace
@@ -47,14 +48,10 @@ VARIANTS = "ecmp/least_outstanding,cc/least_outstanding,cc/joint,cc/joint/srpt1"
 
 
 
-def _row(s: dict, run_dir: Path, seed: int, slo_s: float | None) -> dict:
+def _row(s: dict, run_dir: Path, seed: int) -> dict:
     dc = s["datacenter"]
-    parts = dc.get("ttft_parts_mean_s") or {}
-    ttft = dc["ttft_s"]["mean"]
-    return {"label": s["label"], "seed": seed, "valid": s["fidelity"]["valid"], "repeat": s.get("repeat", 0),
-            "ttft_mean": ttft, "ttft_p99": dc["ttft_s"]["p99"], "ttft_p50": dc["ttft_s"]["p50"],
-            "fct_mean": dc["fct_s"]["mean"], "fct_p99": dc["fct_s"]["p99"], "tpot_mean": dc["tpot_s"]["mean"],
-            "push_share": (parts.get("push") or 0.0) / ttft if ttft else None,
+    return {**summary_row(s), "label": s["label"], "seed": seed, "ttft_p50": dc["ttft_s"]["p50"],
+            "fct_mean": dc["fct_s"]["mean"], "fct_p99": dc["fct_s"]["p99"],
             "ttfts": _ttfts(run_dir, s["time_scale_testbed_per_dc"]), "dir": str(run_dir)}
 
 
@@ -78,7 +75,7 @@ def _simulate(fabric: Path, workload: str, seed: int, args: argparse.Namespace, 
     wait_s = 0.2 / (args.scale_b / args.scale_s)
     for label in labels:
         mode, gran, policy, order, uplink = parse_variant(label, "least_outstanding", "fifo")
-        placement = {"least_outstanding": "load"}.get(policy, policy)
+        placement = placement_of(policy) or "round_robin"  # (the command's name for none)
         got = run([KVPATH, "bridge", "simulate", "--fabric", str(fabric), "--pools", "3P6D", "--workload", workload,
                    "--requests", str(args.requests), "--qps", str(args.qps), "--seed", str(seed), "--mode", mode,
                    "--backend", "flow", "--placement", placement, "--push-granularity", gran,
@@ -126,7 +123,7 @@ def main() -> int:
                  "--repeats", str(args.repeats), "--out", str(sd / "testbed")], "kvpath testbed run")
         summary = json.loads((sd / "testbed" / "summary.json").read_text())
         for s in summary["runs"]:
-            rows.append(_row(s, run_dir(sd / "testbed", s["label"], s.get("repeat", 1), args.repeats), seed, None))
+            rows.append(_row(s, run_dir(sd / "testbed", s["label"], s.get("repeat", 1), args.repeats), seed))
         sims[seed] = _simulate(fabric, workload, seed, args, list(dict.fromkeys(r["label"] for r in rows)))
     labels = list(dict.fromkeys(r["label"] for r in rows))
     base = labels[0]

@@ -35,6 +35,18 @@ def run(cmd: list[str], what: str) -> str:
     return r.stdout
 
 
+def summary_row(s: dict) -> dict:
+    """One run's datacenter numbers that the testbed benchmarks compare (from its summary):
+    valid, repeat, TTFT mean and p99, TPOT mean, the push's share of the mean TTFT, and
+    the mean TTFT parts (``parts``)."""
+    dc = s["datacenter"]
+    parts = dc.get("ttft_parts_mean_s") or {}
+    ttft = dc["ttft_s"]["mean"]
+    return {"valid": s["fidelity"]["valid"], "repeat": s.get("repeat", 0), "ttft_mean": ttft,
+            "ttft_p99": dc["ttft_s"]["p99"], "tpot_mean": dc["tpot_s"]["mean"],
+            "push_share": (parts.get("push") or 0.0) / ttft if ttft else None, "parts": parts}
+
+
 def span(vals: list, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
     """min..max of the values (None left out), scaled and formatted; "-" when none."""
     v = [x for x in vals if x is not None]

@@ -16,7 +16,7 @@ from kvpath.connector import messages as M
 from kvpath.connector.kv_verify import parse_mode as parse_kv_verify, require_hash as require_kv_hash
 from kvpath.credentials import CredentialError, read_secret_file
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
-from kvpath.layer_push import GRANULARITIES
+from kvpath.layer_push import GRANULARITIES, PUSH_ORDERS
 from kvpath.reservation.wire import RESERVE_AT
 
 # the proxy reserves a push's lane when it admits the request, or P's connector when the push starts
@@ -24,8 +24,6 @@ RESERVE_AT_ADMISSION, RESERVE_AT_PUSH = RESERVE_AT
 # when P's KV leaves: the emulated engines' and simulator's (kvpath.layer_push), and "chunk"
 # (a chunked prefill's finished chunks while the next computes, the last layer-wise)
 PUSH_GRANULARITIES = (GRANULARITIES[0], "chunk", *GRANULARITIES[1:])
-# in what order pushes waiting for an uplink slot start (connector/push_order.py)
-PUSH_ORDERS = ("fifo", "srpt")
 
 
 class ConfigError(ValueError):

@@ -27,7 +27,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from kvpath.connector.config import PUSH_ORDERS
+from kvpath.layer_push import PUSH_ORDERS
 from kvpath.connector.push_state import Match
 
 logger = logging.getLogger(__name__)

@@ -157,7 +157,7 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
     """No fabric here: the same workload in the serving simulation alone (flow backend,
     datacenter time), each variant's policy by the simulation's own placement (least
     outstanding: the reservation service's ``load``)."""
-    from kvpath.bridge.serving_sim import ServingConfig, simulate
+    from kvpath.bridge.serving_sim import ServingConfig, placement_of, simulate
     from kvpath.deployment import parse_pools
     from kvpath.iteration_time import IterationTimeModel
     from kvpath.fabric import FabricSpec
@@ -175,9 +175,9 @@ def simulate_only(profile: Profile, out: Path, console: Console) -> Replays:
                       pd_ratio=cfg.pd_ratio).limit_tokens(max_output=profile.max_output)
     for i, v in enumerate(variants, 1):
         console.rule(f"[{i}/{len(variants)}] simulation: {v.label} (mode {v.mode}, flow backend)")
-        placement = {"round_robin": "", "least_outstanding": "load"}.get(v.policy, v.policy)
         trace, _ = simulate(spec, list(w.requests), ServingConfig(pools=parse_pools(profile.pools), mode=v.mode,
-                                                                  backend="flow", placement=placement), itm)
+                                                                  backend="flow", placement=placement_of(v.policy)),
+                            itm)
         path = out / v.label / "trace.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with TraceWriter(path, trace.header) as tw:

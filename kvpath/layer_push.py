@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GRANULARITIES = ("request", "layer")
+# in what order whole pushes waiting for a slot of P's uplink start: as they came, or the
+# fewest bytes first (the connector's push_order, the serving simulation's UplinkGate)
+PUSH_ORDERS = ("fifo", "srpt")
 
 
 def variant_label(mode: str, granularity: str = "request") -> str:

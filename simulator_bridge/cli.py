@@ -13,6 +13,7 @@ from kvpath.bridge.cli_sweep import cmd_sweep
 from kvpath.bridge.convert import FORMATS as CONVERT_FORMATS
 from kvpath.bridge.report import DEFAULT_DELAYS
 from kvpath.bridge.serving_sim import ADMISSION
+from kvpath.layer_push import PUSH_ORDERS
 from kvpath.reservation.wire import MODES, RESERVE_AT
 
 __all__ = ["add_parsers"]
@@ -89,7 +90,7 @@ def _add_simulate(br: argparse._SubParsersAction) -> None:
     s.add_argument("--uplink-pushes", type=int, default=0,
                    help="whole pushes in flight per P host's uplink, at most (the connector's uplink_pushes; 0: no "
                         "cap; flow backend only) (default %(default)s)")
-    s.add_argument("--push-order", choices=("fifo", "srpt"), default="fifo",
+    s.add_argument("--push-order", choices=PUSH_ORDERS, default=PUSH_ORDERS[0],
                    help="with --uplink-pushes: which waiting push takes a freed slot (default %(default)s)")
     s.add_argument("--push-queue-max-wait-s", type=float, default=0.2,
                    help="with --uplink-pushes: a push waits at most this long, simulated seconds (default %(default)s)")

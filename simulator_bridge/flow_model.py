@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from kvpath.fabric import FabricSpec
+from kvpath.layer_push import PUSH_ORDERS
 
 LINE_X = 100.0  # a link's speed while its bucket holds tokens, over its rate (veth: ~line rate)
 
@@ -51,9 +52,6 @@ class FlowSpec:
     # a layer-wise push (kvpath.layer_push): its pieces, (start_s, bytes) each, replayed as
     # flows of their own on its connection (compare.simulate_run); its FCT is their span
     pieces: tuple[tuple[float, int], ...] = ()
-
-
-PUSH_ORDERS = ("fifo", "srpt")
 
 
 @dataclass(frozen=True)

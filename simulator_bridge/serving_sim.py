@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from kvpath.bridge.backends import LaneHooks, backend_type, make
-from kvpath.bridge.flow_model import PUSH_ORDERS, FlowSpec, NetParams, UplinkGate, trivial_fct
+from kvpath.bridge.flow_model import FlowSpec, NetParams, UplinkGate, trivial_fct
 from kvpath.bridge.ns3_backend import Ns3Params
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT, format_pools
 from kvpath.fabric import FabricSpec, check_pools_fit, pd_placement
 from kvpath.iteration_time import IterationTimeModel
-from kvpath.layer_push import GRANULARITIES, piece_starts, variant_label
+from kvpath.layer_push import GRANULARITIES, PUSH_ORDERS, piece_starts, variant_label
 from kvpath.models import kv_bytes_per_token
 from kvpath.oracle import TableOracle
 from kvpath.reservation.decisions import LaneInfo, ReservationService, default_lane
@@ -45,7 +45,7 @@ from kvpath.trace.header import (META_BACKEND, META_ITERATION_TIME, META_NET, ME
 from kvpath.trace.metrics import TraceMetrics
 from kvpath.workloads import Request
 
-__all__ = ["MODES", "SOURCE", "ServingConfig", "prefill_drain", "decode_drain", "simulate", "summarize"]
+__all__ = ["MODES", "SOURCE", "ServingConfig", "placement_of", "prefill_drain", "decode_drain", "simulate", "summarize"]
 
 LANE_PORT0 = 40000  # lane k of a P-D pair has source port LANE_PORT0 + k
 ADMISSION = RESERVE_AT[0]  # reserve a lane at the request's arrival (else at push start)
@@ -107,6 +107,13 @@ class ServingConfig:
             raise ValueError(f"uplink_pushes needs a closed-loop backend (flow), not {self.backend!r}")
         if self.placement not in ("", *PLACEMENTS):
             raise ValueError(f"placement must be one of round_robin, {', '.join(PLACEMENTS)}, got {self.placement!r}")
+
+
+def placement_of(policy: str) -> str:
+    """``ServingConfig.placement`` for a proxy policy: round robin is the simulation's own
+    (""), least outstanding the reservation service's ``load`` placement, and joint and
+    network place by the same name."""
+    return {"round_robin": "", "least_outstanding": "load"}.get(policy, policy)
 
 
 def prefill_drain(reqs: list[Request], p_of: list[int], n_p: int, itm: IterationTimeModel,

@@ -75,7 +75,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 def parse_variant(text: str, policy: str, order: str) -> tuple[str, str, str, str, int]:
     """``MODE[+layer][/POLICY][/ORDER N]`` (``cc+layer/joint/srpt1``) -> (mode, granularity,
     policy, push order, uplink pushes); unnamed parts are --policy's and no uplink cap."""
-    from kvpath.connector.config import PUSH_ORDERS
+    from kvpath.layer_push import PUSH_ORDERS
     from kvpath.proxy.instances import POLICIES
     from kvpath.testbed.run_config import RunConfigError
 

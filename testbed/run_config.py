@@ -134,7 +134,7 @@ class RunConfig:
             raise RunConfigError("--push-granularity layer needs --connector kvpath (vLLM's connectors push whole)")
         if not 1 <= self.layer_group <= 1024:
             raise RunConfigError(f"--layer-group must be in [1, 1024], got {self.layer_group}")
-        from kvpath.connector.config import PUSH_ORDERS
+        from kvpath.layer_push import PUSH_ORDERS
 
         if self.push_order not in PUSH_ORDERS:
             raise RunConfigError(f"--push-order must be one of {', '.join(PUSH_ORDERS)}, got {self.push_order!r}")

@@ -189,8 +189,7 @@ class ReservationService(LaneRegistry):
         tid = transfer_id or lease_id
         cands = self._candidates(src, dst, lanes, scope)
         if not cands:  # no pair registered in scope, or pairs with no lane id in common
-            self.counters["fallback_no_lanes"] += 1
-            return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
+            return self.no_lanes(src, dst, nbytes, tid, lease_id, now)
         return self.grant(src, dst, nbytes, tid, lease_id, cands, self.choose(src, cands, tid, now), now)
 
     def choose(self, src: str, cands: Sequence[_Candidate], tid: str, now: float) -> _Candidate:
@@ -228,29 +227,36 @@ class ReservationService(LaneRegistry):
         self.active[lease_id] = r
         heapq.heappush(self._expiry, (r.expires_at, lease_id))
         self.counters["reservations"] += 1
-        decision = {"transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst,
-                    "bytes": nbytes, "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine,
-                    "spines": tuple(p.spine for p in paths), "workers": chosen.workers,
-                    "at": time.time(), "t": now, "mode": self.mode,
-                    "seq": next(self._seq),
-                    # what it chose among (the first worker pair's lanes): enough to replay it.
-                    # Tuples, not lists: the log keeps up to 100,000 records and the garbage
-                    # collector stops tracking tuples of scalars, but rescans lists on every pass.
-                    "candidates": cands.log_form() if isinstance(cands, _Cands) else _Cands(cands).log_form()}
+        self._open_decisions[lease_id] = self._log({
+            "transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst, "bytes": nbytes,
+            "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine, "spines": tuple(p.spine for p in paths),
+            "workers": chosen.workers,
+            # what it chose among (the first worker pair's lanes): enough to replay it.
+            # Tuples, not lists: the log keeps up to 100,000 records and the garbage
+            # collector stops tracking tuples of scalars, but rescans lists on every pass.
+            "candidates": cands.log_form() if isinstance(cands, _Cands) else _Cands(cands).log_form()}, now, extra)
+        return r
+
+    def no_lanes(self, src: str, dst: str, nbytes: int, tid: str, lease_id: str, now: float,
+                 extra: dict | None = None) -> Reservation:
+        """No lane known for the pair (none registered in scope, or none in common): nothing
+        reserved, the caller goes on the hash's lane. A placement's (``extra``: its record)
+        is logged all the same: its P and D are still a choice to replay."""
+        self.counters["fallback_no_lanes"] += 1
+        if extra is not None:
+            self._log({"transfer_id": tid, "lease_id": "", "src_host": src, "dst_host": dst, "bytes": nbytes,
+                       "lane": None, "src_port": None, "spine": None, "spines": (), "workers": (), "candidates": (),
+                       "fallback": "no_lanes"}, now, extra)
+        return Reservation(lease_id, tid, src, dst, nbytes, None, None, None, 0.0, self.mode, "no_lanes")
+
+    def _log(self, decision: dict, now: float, extra: dict | None) -> dict:
+        """``decision`` in the log: when (wall clock, and the service's own for replay), in
+        which mode, its place in the one sequence of decisions and ends, and ``extra``."""
+        decision["at"], decision["t"], decision["mode"], decision["seq"] = time.time(), now, self.mode, next(self._seq)
         if extra:
             decision.update(extra)
         self.decisions.append(decision)
-        self._open_decisions[lease_id] = decision
-        return r
-
-    def log_fallback(self, src: str, dst: str, nbytes: int, tid: str, now: float, extra: dict) -> None:
-        """A decision that reserved nothing (no lane known for the pair it chose) in the
-        log all the same: a placement's P and D are still a choice to replay."""
-        decision = {"transfer_id": tid, "lease_id": "", "src_host": src, "dst_host": dst, "bytes": nbytes,
-                    "lane": None, "src_port": None, "spine": None, "spines": (), "workers": (), "at": time.time(),
-                    "t": now, "mode": self.mode, "seq": next(self._seq), "candidates": (), "fallback": "no_lanes"}
-        decision.update(extra)
-        self.decisions.append(decision)
+        return decision
 
     def _ended(self, lease_id: str, how: str, now: float) -> None:
         d = self._open_decisions.pop(lease_id, None)

@@ -126,9 +126,6 @@ class LaneRegistry:
             raise ReservationError(f"worker {worker!r} is a pair registered by engines and ranks: register it "
                                    f"again with its pair, not by name")
         new = sorted(lanes, key=lambda x: x.lane)
-        changed = old is None or (old.pair, old.lanes) != (pair, new)  # (not P's minutely refresh)
-        # the log's form first (the oracle may fail): the registry and its log change together
-        logged = self._lane_spines(src, dst, new) if changed else None
         if key not in pairs and self._n_pairs >= MAX_WORKER_PAIRS:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "
@@ -138,6 +135,9 @@ class LaneRegistry:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"lanes: {MAX_REGISTERED_LANES} lanes are registered already over all worker "
                                    f"pairs; unregister the pairs of engines that went away")
+        changed = old is None or (old.pair, old.lanes) != (pair, new)  # (not P's minutely refresh)
+        # the log's form before any change (the oracle may fail): the registry and its log change together
+        logged = self._lane_spines(src, dst, new) if changed else None
         if key not in pairs:
             self._n_pairs += 1
         self._n_lanes = n_lanes

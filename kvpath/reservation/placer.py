@@ -114,7 +114,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
             a = by_load[k] = cost.admit_s(ds[j], prompt_tokens)
         admit[j] = a
     spec = cost.spec
-    host_bps = spec.host_link_gbps * 1e9
+    host_bps, spine_bps = spec.host_link_gbps * 1e9, spec.spine_link_gbps * 1e9
     dc = svc.mode == "dc"  # each P host's agent sees its own view: per-host caches
     views: dict[str, object] = {}
     times: dict[tuple, float] = {}
@@ -156,7 +156,6 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
         each link's time cached for the decision."""
         return max((link_t(src, ln, b, rate) for ln, b, rate in cost.link_shares(c.paths, nbytes)), default=0.0)
 
-    spine_bps = spec.spine_link_gbps * 1e9
     cores: dict = {}  # a lane's switch-to-switch links -> the whole push's time on the slowest
 
     def core_t(src: str, c) -> float:
@@ -227,9 +226,7 @@ def place(svc: ReservationService, cost: CostModel, ps: Sequence[EngineState], d
                            "guard": guard, "predicted": pred.to_dict(), "considered": considered,
                            "prefill_engines": len(ps), "engines": _logged(ps, ds)}}
     if chosen is None:
-        svc.counters["fallback_no_lanes"] += 1
-        r = Reservation(lease_id, tid, p_hosts[i], d_hosts[j], nbytes, None, None, None, 0.0, svc.mode, "no_lanes")
-        svc.log_fallback(p_hosts[i], d_hosts[j], nbytes, tid, now, extra)
+        r = svc.no_lanes(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, now, extra)
     else:
         r = svc.grant(p_hosts[i], d_hosts[j], nbytes, tid, lease_id, cands, chosen, now, extra)
     svc.counters[f"placements_{policy}"] += 1

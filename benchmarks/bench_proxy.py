@@ -169,6 +169,10 @@ def main() -> int:
                     help="one proxy per policy over the same stubs, their rounds interleaved with the direct ones "
                          "(joint and network place P, D and the lane in the proxy's reservation service)")
     ap.add_argument("--engines", type=int, default=1, help="stub P engines and stub D engines, each")
+    ap.add_argument("--compare-site", metavar="DIR", action="append", default=[],
+                    help="also run each policy's proxy from the kvpath installed in DIR (`pip install --no-deps "
+                         "--target DIR <checkout of another commit>`), its rounds interleaved with this code's: "
+                         "old code and new side by side (repeatable)")
     ap.add_argument("--pin", action="store_true",
                     help="give the proxy the last core to itself (on 2 cores this starves the client and stubs)")
     args = ap.parse_args()
@@ -199,15 +203,21 @@ def main() -> int:
                    for k, (u, h) in enumerate(zip(engines["P"], p_hosts))]
         decode = [f"{u},fabric_host={h}" for u, h in zip(engines["D"], d_hosts)]
         proxies: dict[str, tuple[str, psutil.Process]] = {}
-        for policy in args.policies:
-            port = free_port()
-            procs.append(subprocess.Popen(
-                ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
-                [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
-                 "--policy", policy, *[a for u in prefill for a in ("--prefill", u)],
-                 *[a for u in decode for a in ("--decode", u)], *res_args], env=proxy_env))
-            # taskset execs, so the pid is the proxy's
-            proxies[policy] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+        for site in [None, *args.compare_site]:
+            for policy in args.policies:
+                port = free_port()
+                # another commit's kvpath: its directory first on the path, started outside
+                # this checkout (whose kvpath/ the working directory would otherwise put first)
+                site_env = {**proxy_env, "PYTHONPATH": str(Path(site).resolve())} if site else proxy_env
+                procs.append(subprocess.Popen(
+                    ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
+                    [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
+                     "--policy", policy, *[a for u in prefill for a in ("--prefill", u)],
+                     *[a for u in decode for a in ("--decode", u)], *res_args], env=site_env,
+                    cwd="/" if site else None))
+                label = f"{policy}@{Path(site).name}" if site else policy
+                # taskset execs, so the pid is the proxy's
+                proxies[label] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
         d_url = engines["D"][0]
         for u in [*engines["P"], *engines["D"], *(px + "/health" for px, _ in proxies.values())]:
             wait_http(u)
@@ -225,6 +235,8 @@ def main() -> int:
                     "errors direct/proxy"):
             t.add_column(col)
         results: dict[tuple[int, str], float] = {}
+        cpu: dict[tuple[int, str], float] = {}
+        first = next(iter(proxies))
         gaps: dict[tuple[int, str], list[float]] = {}  # per round: p99 over the first policy's p99
         samples: dict[int, tuple[list[float], list[float]]] = {}
         for n in args.streams:
@@ -255,16 +267,17 @@ def main() -> int:
                     g["err"] += perr
                     p99[pol] = pct(pt, 99)
                 for pol in proxies:
-                    gaps.setdefault((n, pol), []).append(p99[pol] - p99[args.policies[0]])
+                    gaps.setdefault((n, pol), []).append(p99[pol] - p99[first])
             for pol, g in got.items():
                 cpu_per_req = g["cpu"] * 1e3 / max(1, len(g["e"]))
+                cpu[(n, pol)] = cpu_per_req
                 add50, add99 = pct(g["t"], 50) - pct(d_t, 50), float(np.median(g["add99"]))
                 results[(n, pol)] = add99
                 t.add_row(str(n), pol, f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}",
                           f"{pct(g['t'], 50):.1f} / {pct(g['t'], 99):.1f}", f"{add50:.1f}",
                           f"{add99:.1f} ({min(g['add99']):.1f}..{max(g['add99']):.1f})",
                           f"{pct(g['e'], 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{g['err']}")
-            samples[n] = (d_t, got[args.policies[0]]["t"])
+            samples[n] = (d_t, got[first]["t"])
         con.print(t)
         if args.reservation == "inproc":
             for pol, (px, _) in proxies.items():
@@ -273,15 +286,17 @@ def main() -> int:
         if args.plot:
             plot_ttfb(samples, args.plot, t.title or "")
             con.print(f"plot: {args.plot}")
-        for pol in args.policies:
+        for pol in proxies:
             if (64, pol) in results:
                 con.print(f"[bold]summary[/bold] {pol}: p99 added at 64 streams {results[(64, pol)]:.1f} ms "
                           f"(< 5 ms: {'yes' if results[(64, pol)] < 5 else 'NO'})")
-        for pol in args.policies[1:]:
+        for pol in list(proxies)[1:]:
             if (64, pol) in gaps:
                 g = gaps[(64, pol)]
-                con.print(f"[bold]summary[/bold] {pol} against {args.policies[0]} at 64 streams, p99 per round: "
-                          f"median {np.median(g):+.2f} ms ({min(g):+.2f}..{max(g):+.2f})")
+                con.print(f"[bold]summary[/bold] {pol} against {first} at 64 streams, p99 per round: "
+                          f"median {np.median(g):+.2f} ms ({min(g):+.2f}..{max(g):+.2f}); proxy CPU per request "
+                          f"{cpu[(64, pol)]:.2f} against {cpu[(64, first)]:.2f} ms "
+                          f"({cpu[(64, pol)] / cpu[(64, first)]:.2f}x)")
     finally:
         for p in procs:
             p.terminate()

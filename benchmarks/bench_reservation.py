@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import secrets
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -155,12 +157,16 @@ def spread(v: list[float]) -> str:
     return f"{statistics.median(v):,.0f} ({min(v):,.0f}..{max(v):,.0f})"
 
 
-async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp", rate: float = 0.0) -> list[float]:
+async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp",
+                rate: float = 0.0, server: "psutil.Process | None" = None) -> tuple[list[float], float, float, float]:
     """``n`` reserve+release pairs, at most ``conc`` in flight, on keep-alive connections:
     aiohttp (its client costs a fraction of httpx's CPU, which shares these cores with the
     service) or httpx. ``rate``: pairs start at this many per second (open loop, as a
     proxy tier's admissions arrive), else each as soon as one ends (closed loop: the
-    latency is then the concurrency over the throughput)."""
+    latency is then the concurrency over the throughput). Open loop, a reserve's latency
+    counts from when it was due, so time queued behind the 64 in flight counts too.
+    Returns the latencies, and the measured phase's wall time and CPU time of the client
+    and of the ``server`` process (not the registrations' or the warm-up's)."""
     pairs = workload(n, seed=1)
     lanes = [{"lane": i, "src_port": 40000 + 17 * i} for i in range(8)]
     lat: list[float] = []
@@ -186,22 +192,44 @@ async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp"
         for s, d in sorted({(s, d) for s, d, _ in pairs}):  # as P's connectors do (not timed)
             await post("/v1/lanes", {"src_host": s, "dst_host": d, "lanes": lanes})
 
-        async def one(i, s, d, b, t_start=None):
-            if t_start is not None:
-                await asyncio.sleep(max(0.0, t_start + i / rate - time.perf_counter()))
-            async with sem:
-                t = time.perf_counter()
+        async def one(i, s, d, b, due=None):
+            try:
+                t = time.perf_counter() if due is None else due
                 got = await post("/v1/reserve", {"src_host": s, "dst_host": d, "bytes": b, "transfer_id": f"h{i}"})
                 lat.append(time.perf_counter() - t)
                 await post("/v1/release", {"lease_id": got["lease_id"]})
+            finally:
+                sem.release()
 
-        await asyncio.gather(*(one(i, *p) for i, p in enumerate(pairs[:50])))  # warm-up
+        async def run(todo, t_start=None):
+            # one dispatcher: a pair's task is made when it is due (open loop) and a slot
+            # of the ``conc`` is free, so at most ``conc`` tasks live (not thousands of
+            # sleeping ones for the collector and the timer heap to walk)
+            tasks = set()
+            for i, (s, d, b) in enumerate(todo):
+                due = None
+                if t_start is not None:
+                    due = t_start + i / rate
+                    wait = due - time.perf_counter()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                await sem.acquire()
+                task = asyncio.create_task(one(i, s, d, b, due))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+
+        await run(pairs[:50])  # warm-up
         lat.clear()
-        t_start = time.perf_counter() if rate else None
-        await asyncio.gather(*(one(i, *p, t_start) for i, p in enumerate(pairs)))
+        s0 = sum(server.cpu_times()[:2]) if server else 0.0
+        c0, t0 = time.process_time(), time.perf_counter()
+        await run(pairs, t0 if rate else None)
+        elapsed, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+        server_cpu = sum(server.cpu_times()[:2]) - s0 if server else 0.0
     finally:
         await (session.close() if client == "aiohttp" else session.aclose())
-    return lat
+    return lat, elapsed, client_cpu, server_cpu
 
 
 def bench_http(n: int, conc: int, client: str = "aiohttp", rate: float = 0.0) -> dict:
@@ -217,13 +245,13 @@ def bench_http(n: int, conc: int, client: str = "aiohttp", rate: float = 0.0) ->
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout_s=30, interval_s=0.1)
-        import psutil
-
         server = psutil.Process(proc.pid)
-        s0, c0, t0 = sum(server.cpu_times()[:2]), time.process_time(), time.perf_counter()
-        lat = asyncio.run(_http(url, n, conc, token, client, rate))
-        el = time.perf_counter() - t0
-        client_cpu, server_cpu = time.process_time() - c0, sum(server.cpu_times()[:2]) - s0
+        # the load client's own heap (the in-process runs' services, the workload) set
+        # aside: a full collection of it would stall the client, and open loop that stall
+        # counts in every reserve due meanwhile
+        gc.collect()
+        gc.freeze()
+        lat, el, client_cpu, server_cpu = asyncio.run(_http(url, n, conc, token, client, rate, server))
     finally:
         proc.terminate()
         proc.wait(10)

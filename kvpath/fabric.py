@@ -22,6 +22,9 @@ from functools import cached_property
 import pathlib
 from typing import Any
 
+import msgspec
+import msgspec.structs
+
 from kvpath.five_tuple import FiveTuple
 
 HASH_FIELDS = ("src_ip", "dst_ip", "proto", "src_port", "dst_port")
@@ -38,23 +41,26 @@ class FabricSpecError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Path:
-    """Nodes from source host to destination host and the directed links between."""
+class Path(msgspec.Struct, frozen=True, gc=False):
+    """Nodes from source host to destination host and the directed links between.
+
+    Untracked by the garbage collector (``gc=False``: it holds strings only, so it can
+    be in no reference cycle): the reservation service keeps a path for every
+    registered lane, and a full collection that walks hundreds of thousands of them
+    stalls every request for tens of milliseconds."""
 
     nodes: tuple[str, ...]
     spine: str | None
+    # computed from nodes (the reservation service reads them on every decision):
+    # the directed links, and the switch-to-switch ones, the only links where two
+    # paths between the same hosts can differ (host links are common to all of them)
+    links: tuple[tuple[str, str], ...] = ()
+    core_links: tuple[tuple[str, str], ...] = ()
 
-    # cached: the reservation service reads them on every decision
-    @cached_property
-    def links(self) -> tuple[tuple[str, str], ...]:
-        return tuple(zip(self.nodes[:-1], self.nodes[1:]))
-
-    @cached_property
-    def core_links(self) -> tuple[tuple[str, str], ...]:
-        """Switch-to-switch links: the only ones where two paths between the
-        same hosts can differ (host links are common to all of them)."""
-        return self.links[1:-1]
+    def __post_init__(self) -> None:
+        links = tuple(zip(self.nodes[:-1], self.nodes[1:]))
+        msgspec.structs.force_setattr(self, "links", links)
+        msgspec.structs.force_setattr(self, "core_links", links[1:-1])
 
 
 MAX_LEAVES = 256

@@ -80,6 +80,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from kvpath.reservation.app import create_app as create_reservation_app
     from kvpath.reservation.clients import HttpReserver, InProcessReserver
     from kvpath.reservation.wire import AsyncReserver
+    from kvpath.web.heap import freeze_startup_heap
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
     decode = [parse_instance(s, "decode") for s in args.decode]
@@ -126,7 +127,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d", args.mode, len(prefill), len(decode), args.host, args.port)
     # clients' pools keep idle connections about 5 s (httpx, aiohttp 15 s): a longer keep-alive
     # here means the client, not the proxy, closes an idle one, so no request races its close
-    uvicorn.run(create_app(proxy, res_app), host=args.host, port=args.port, log_level="warning", backlog=4096,
+    app = create_app(proxy, res_app)
+    freeze_startup_heap()  # built: the app, the pools, every module (kvpath/web/heap.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", backlog=4096,
                 timeout_keep_alive=CLIENT_KEEPALIVE_S)
     return 0
 

@@ -88,6 +88,7 @@ def cmd_reservation(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpath.reservation.app import create_app
+    from kvpath.web.heap import freeze_startup_heap
 
     token = secret_arg(args, "reservation", "--token-file", RESERVATION_TOKEN_ENV, "--admin-token")
     if not token:
@@ -97,8 +98,9 @@ def cmd_reservation(args: argparse.Namespace) -> int:
     svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
     logger.info("reservation service: mode %s on %s:%d", svc.mode, args.host, args.port)
-    uvicorn.run(create_app(svc, token=token, cost=build_cost(args, svc.spec)), host=args.host, port=args.port,
-                log_level="warning")
+    app = create_app(svc, token=token, cost=build_cost(args, svc.spec))
+    freeze_startup_heap()  # built: the app, the service, every module (kvpath/web/heap.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -229,7 +229,7 @@ class ReservationService(LaneRegistry):
         self.counters["reservations"] += 1
         self._open_decisions[lease_id] = self._log({
             "transfer_id": tid, "lease_id": lease_id, "src_host": src, "dst_host": dst, "bytes": nbytes,
-            "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine, "spines": tuple(p.spine for p in paths),
+            "lane": r.lane, "src_port": r.src_port, "spine": r.path.spine, "spines": chosen.spines,
             "workers": chosen.workers,
             # what it chose among (the first worker pair's lanes): enough to replay it.
             # Tuples, not lists: the log keeps up to 100,000 records and the garbage

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, Sequence
 
 import msgspec
 
@@ -43,24 +43,31 @@ class UnregisteredLanes(ReservationError):
     """A reservation named lanes the service does not know for the pair (the field: ``lanes``)."""
 
 
-class _Registered(NamedTuple):
+class _Registered(msgspec.Struct, frozen=True, gc=False):
+    """Untracked by the garbage collector (scalars and tuples of lanes: no cycle)."""
+
     pair: WorkerPair | None  # None: registered by a free-form name
-    lanes: list[LaneInfo]
+    lanes: tuple[LaneInfo, ...]
     at: float  # when it was last (re)registered, on the service's clock
 
 
-class _Candidate(NamedTuple):
+class _Candidate(msgspec.Struct, frozen=True, gc=False):
     """One lane id: its lane on the first carrying pair, and its path on every one (and
-    their switch-to-switch links, each once: what cc compares)."""
+    their switch-to-switch links, each once: what cc compares). Untracked by the garbage
+    collector, as paths are (kvpath.fabric.Path): it holds tuples of strings, lanes and
+    paths, so no reference cycle can pass through it."""
 
     lane: LaneInfo
     paths: tuple[Path, ...]
     workers: tuple[str, ...]
     core: tuple[tuple[str, str], ...]
+    # each path's spine, as the decision log keeps them: made once, so that a decision's
+    # record holds only old tuples and scalars and the collector never tracks it
+    spines: tuple[str | None, ...]
 
 
 def _candidate(lane: LaneInfo, paths: tuple[Path, ...], workers: tuple[str, ...]) -> _Candidate:
-    return _Candidate(lane, paths, workers, core_links(paths))
+    return _Candidate(lane, paths, workers, core_links(paths), tuple(p.spine for p in paths))
 
 
 class _Cands(list):
@@ -125,7 +132,7 @@ class LaneRegistry:
         if pair is None and old is not None and old.pair is not None:
             raise ReservationError(f"worker {worker!r} is a pair registered by engines and ranks: register it "
                                    f"again with its pair, not by name")
-        new = sorted(lanes, key=lambda x: x.lane)
+        new = tuple(sorted(lanes, key=lambda x: x.lane))
         if key not in pairs and self._n_pairs >= MAX_WORKER_PAIRS:
             self.counters["lane_registrations_refused"] += 1
             raise ReservationError(f"worker: {MAX_WORKER_PAIRS} worker pairs are registered already; "

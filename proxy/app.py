@@ -13,7 +13,7 @@ import logging
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -123,7 +123,8 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        proxy.refresh_gauges()
+        return Response(proxy.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/instances")
     async def add_instance(request: Request) -> Response:
@@ -139,8 +140,11 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
             return error_response(
                 422, f"kv_addr: a prefill instance needs its KV side channel host:port in {proxy.cfg.mode} mode",
                 fields=["kv_addr"])
-        new = proxy.pools[b.role].add(Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id,
-                                                    tp_size=b.tp_size))
+        inst = Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id, tp_size=b.tp_size)
+        try:
+            new = proxy.change_instances(lambda: proxy.pools[b.role].add(inst))
+        except ValueError as e:  # the pool is full
+            return error_response(409, str(e))
         return JSONResponse({"added" if new else "updated": b.url, "role": b.role}, status_code=201 if new else 200)
 
     @app.delete("/admin/instances")
@@ -149,7 +153,7 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
             return error_response(401 if proxy.cfg.admin_token else 403, "admin token required")
         if role not in proxy.pools:
             return error_response(422, "role must be prefill or decode", fields=["role"])
-        if not proxy.pools[role].remove(url.rstrip("/")):
+        if not proxy.change_instances(lambda: proxy.pools[role].remove(url.rstrip("/"))):
             return error_response(404, f"no {role} instance {url}")
         return JSONResponse({"removed": url, "role": role})
 

@@ -71,51 +71,32 @@ def load_engine_api_key(path: str | None, environ: dict[str, str] | None = None)
     return key
 
 
-def cmd_proxy(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvpath.proxy.app import create_app
+def build_proxy(args: argparse.Namespace):
+    """The proxy that ``args`` describe, and the reservation service's app when it runs in
+    process (else None). ``args`` as :func:`resolve_args` left them (secrets resolved)."""
     from kvpath.proxy.config import ProxyConfig
     from kvpath.proxy.core import Proxy
     from kvpath.reservation.app import create_app as create_reservation_app
     from kvpath.reservation.clients import HttpReserver, InProcessReserver
     from kvpath.reservation.wire import AsyncReserver
-    from kvpath.web.heap import freeze_startup_heap
 
     prefill = [parse_instance(s, "prefill") for s in args.prefill]
     decode = [parse_instance(s, "decode") for s in args.decode]
-    if args.mode != "pull":
-        for p in prefill:
-            if not p.kv_addr:
-                raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
-    if args.mode == "inproc-push" and any(not p.engine_id for p in prefill):
-        raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
-    args.admin_token = secret_arg(args, "proxy", "--admin-token-file", ADMIN_TOKEN_ENV, "--admin-token")
-    # never the admin token: every P connector holds the reservation token, and must not
-    # thereby hold the proxy's /admin (which redirects user traffic)
-    res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV)
     reserver: AsyncReserver | None = None
     res_app = None
     if args.mode == "push":
-        need = ("--reservation-url" if args.reservation_url and args.reserve_at == "admission"
-                else "--reservation inproc" if not args.reservation_url and args.reservation == "inproc" else "")
-        if need and not res_token:
-            raise SystemExit(f"kvpath proxy: error: {need} needs the reservation service's token: give "
-                             f"--reservation-token-file PATH (a file holding it) or set {RESERVATION_TOKEN_ENV} "
-                             f"(docs/reservation.md)")
         if args.reservation_url:
-            reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s, token=res_token)
+            reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s, token=args.res_token)
         elif args.reservation == "inproc":
             svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
                         args.lanes_ttl_s)
             cost = build_cost(args, svc.spec)
             reserver = InProcessReserver(svc, cost)
-            res_app = create_reservation_app(svc, token=res_token, cost=cost)
+            res_app = create_reservation_app(svc, token=args.res_token, cost=cost)
         if args.reserve_at == "push":
             reserver = None  # P's connectors reserve when their pushes start (reserve_at=push)
-    engine_api_key = load_engine_api_key(args.engine_api_key_file)
     cfg = ProxyConfig(mode=args.mode, policy=args.policy, admin_token=args.admin_token,
-                      engine_api_key=engine_api_key,
+                      engine_api_key=args.engine_api_key,
                       first_byte_timeout_s=args.first_byte_timeout_s, chunk_gap_timeout_s=args.chunk_gap_timeout_s,
                       connect_timeout_s=args.connect_timeout_s, health_interval_s=args.health_interval_s,
                       health_timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
@@ -124,20 +105,121 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         proxy = Proxy(cfg, prefill, decode, reserver)
     except ValueError as e:
         raise SystemExit(f"kvpath proxy: error: {e}") from None
-    logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d", args.mode, len(prefill), len(decode), args.host, args.port)
+    return proxy, res_app
+
+
+def resolve_args(args: argparse.Namespace) -> None:
+    """Check what the options say together, and resolve the secrets (from files or the
+    environment) into ``args``: admin_token, res_token, engine_api_key."""
+    for s in args.prefill:
+        p = parse_instance(s, "prefill")
+        if args.mode != "pull" and not p.kv_addr:
+            raise SystemExit(f"kvpath proxy: error: --prefill {p.url}: kv_addr=HOST:PORT is needed in {args.mode} mode")
+        if args.mode == "inproc-push" and not p.engine_id:
+            raise SystemExit("kvpath proxy: error: --prefill: engine_id=ID is needed in inproc-push mode")
+    for s in args.decode:
+        parse_instance(s, "decode")
+    if not 1 <= args.workers <= 64:
+        raise SystemExit(f"kvpath proxy: error: --workers must be from 1 to 64, got {args.workers}")
+    if (args.workers > 1 and args.mode == "push" and not args.reservation_url and args.reservation == "inproc"
+            and args.reserve_at == "admission"):
+        raise SystemExit("kvpath proxy: error: --workers N with --reservation inproc would give each worker its own "
+                         "reservation service, each deciding the same free links: run one `kvpath reservation` and "
+                         "give every worker its --reservation-url (docs/proxy.md, 'A proxy tier')")
+    args.admin_token = secret_arg(args, "proxy", "--admin-token-file", ADMIN_TOKEN_ENV, "--admin-token")
+    # never the admin token: every P connector holds the reservation token, and must not
+    # thereby hold the proxy's /admin (which redirects user traffic)
+    args.res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV)
+    if args.mode == "push":
+        need = ("--reservation-url" if args.reservation_url and args.reserve_at == "admission"
+                else "--reservation inproc" if not args.reservation_url and args.reservation == "inproc" else "")
+        if need and not args.res_token:
+            raise SystemExit(f"kvpath proxy: error: {need} needs the reservation service's token: give "
+                             f"--reservation-token-file PATH (a file holding it) or set {RESERVATION_TOKEN_ENV} "
+                             f"(docs/reservation.md)")
+    args.engine_api_key = load_engine_api_key(args.engine_api_key_file)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpath.proxy.app import create_app
+    from kvpath.web.heap import freeze_startup_heap
+
+    resolve_args(args)
+    proxy, res_app = build_proxy(args)
+    logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d%s", args.mode, len(args.prefill), len(args.decode),
+                args.host, args.port, f", {args.workers} workers" if args.workers > 1 else "")
     # clients' pools keep idle connections about 5 s (httpx, aiohttp 15 s): a longer keep-alive
     # here means the client, not the proxy, closes an idle one, so no request races its close
+    serve = dict(host=args.host, port=args.port, log_level="warning", backlog=4096,
+                 timeout_keep_alive=CLIENT_KEEPALIVE_S,
+                 # nothing reads a client's address: no X-Forwarded-For rewriting per request
+                 proxy_headers=False)
+    if args.workers > 1:
+        return _serve_tier(args, proxy, serve)
     app = create_app(proxy, res_app)
     freeze_startup_heap()  # built: the app, the pools, every module (kvpath/web/heap.py)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", backlog=4096,
-                timeout_keep_alive=CLIENT_KEEPALIVE_S)
+    uvicorn.run(app, **serve)
     return 0
+
+
+def _serve_tier(args: argparse.Namespace, proxy, serve: dict) -> int:
+    """``--workers N``: uvicorn's N worker processes on one socket, each building its
+    proxy from ``args`` (a private file: it holds the resolved secrets), sharing the
+    instance set and the metrics through a private directory (proxy/tier.py)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    from kvpath.proxy.tier import METRICS_SUBDIR, RUN_DIR_ENV, WORKER_ENV, SharedInstances
+
+    run_dir = tempfile.mkdtemp(prefix="kvpath-proxy-")  # mode 0700
+    try:
+        os.mkdir(os.path.join(run_dir, METRICS_SUBDIR))
+        spec = os.path.join(run_dir, "worker.json")
+        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({k: v for k, v in vars(args).items() if k != "func"}, f)
+        SharedInstances(run_dir).publish(proxy.pools)
+        # read by prometheus-client when a worker imports it: every worker's values in files
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_dir, METRICS_SUBDIR)
+        os.environ[RUN_DIR_ENV], os.environ[WORKER_ENV] = run_dir, spec
+        uvicorn.run("kvpath.proxy.cli:worker_app", factory=True, workers=args.workers, **serve)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+def worker_app():
+    """One worker of ``kvpath proxy --workers N`` (uvicorn calls it in each process)."""
+    import json
+    import os
+
+    from kvpath.proxy.app import create_app
+    from kvpath.proxy.tier import RUN_DIR_ENV, WORKER_ENV, SharedInstances
+    from kvpath.web.heap import freeze_startup_heap
+
+    with open(os.environ[WORKER_ENV]) as f:
+        args = argparse.Namespace(**json.load(f))
+    proxy, res_app = build_proxy(args)
+    proxy.shared = SharedInstances(os.environ[RUN_DIR_ENV])
+    app = create_app(proxy, res_app)
+    freeze_startup_heap()
+    return app
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy (FastAPI)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="proxy processes on this address (uvicorn workers): one shared reservation service "
+                        "(--reservation-url), one /metrics view, /admin changes reach every worker "
+                        "(docs/proxy.md, 'A proxy tier'; default %(default)s)")
     p.add_argument("--mode", choices=PROXY_MODES, default="push",
                    help="push: KVPathConnector; pull: vLLM NixlConnector; inproc-push: vLLM NixlPushConnector")
     p.add_argument("--prefill", action="append", required=True,

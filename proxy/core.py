@@ -12,13 +12,14 @@ rotation (proxy/health.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aiohttp
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,6 +33,7 @@ from kvpath.proxy.instances import PLACED_POLICIES, Instance, InstancePool, NoIn
 from kvpath.proxy.metrics import ProxyMetrics
 from kvpath.proxy.relay import RelayResponse, wait_for_disconnect
 from kvpath.proxy.stream_guard import ChunkGapTimeout, EventFramer, GapWatch, error_event
+from kvpath.proxy.tier import SharedInstances
 from kvpath.proxy.upstream import UpstreamError, exc_text
 from kvpath.reservation import wire
 from kvpath.reservation.wire import AsyncReserver, FlowScope, LaneGrant
@@ -39,6 +41,8 @@ from kvpath.web.auth import bearer_ok
 from kvpath.web.errors import describe_validation_errors, error_response
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_decode = msgspec.json.Decoder().decode  # strict JSON (no NaN), several times json.loads' speed
 
 # where an instance is: shown by GET /status only with the admin token
 PRIVATE_INSTANCE_FIELDS = ("url", "kv_addr", "fabric_host", "engine_id")
@@ -61,9 +65,10 @@ class Proxy:
             self.pools[i.role].add(i)
         self.reserver = reserver
         self.metrics = ProxyMetrics()
-        for role, pool in self.pools.items():
-            self.metrics.healthy.labels(role).set_function(pool.healthy_count)
-        self.health = HealthChecker(self.pools, cfg.health_interval_s, cfg.health_timeout_s, cfg.unhealthy_after)
+        self.health = HealthChecker(self.pools, cfg.health_interval_s, cfg.health_timeout_s, cfg.unhealthy_after,
+                                    on_round=self.refresh_gauges)
+        # a worker of a proxy tier (proxy/tier.py): the instance set it shares; None: alone
+        self.shared: SharedInstances | None = None
         # what every request to an engine's API carries: vLLM's --api-key guards /v1/*
         # (not /health or /metrics, which the probes and scrapers use without it)
         self.engine_headers: dict[str, str] = (
@@ -74,9 +79,14 @@ class Proxy:
     # ---- life cycle ------------------------------------------------------
     async def start(self) -> None:
         self.health.start(await self.engines.start())
+        self.refresh_gauges()
+        if self.shared is not None:
+            task = asyncio.create_task(self.shared.follow(self.pools, self.refresh_gauges), name="kvpath-proxy-instances")
+            self._background.add(task)
 
     async def stop(self) -> None:
         await self.health.stop()
+        self.metrics.process_ended()
         for t in list(self._background):
             t.cancel()
         await self.engines.close()
@@ -88,8 +98,8 @@ class Proxy:
         t0 = time.perf_counter()
         try:
             raw = await request.body()
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            body = _decode(raw)
+        except (msgspec.DecodeError, RecursionError):
             return self._count(endpoint, error_response(400, "request body is not valid JSON"), "bad_json")
         if not isinstance(body, dict):
             return self._count(endpoint, error_response(400, "request body must be a JSON object"), "bad_json")
@@ -135,7 +145,7 @@ class Proxy:
         stream = bool(body.get("stream"))
         # built here, never copied from the client's request: its own Authorization (a
         # key for this proxy, or a guess) never reaches an engine, the proxy's key does
-        headers = {"X-Request-Id": tid, **self.engine_headers}
+        headers = {"X-Request-Id": tid, "Content-Type": "application/json", **self.engine_headers}
         answer_headers = {TRANSFER_ID_HEADER: tid}
         grant = LaneGrant()
         tokens = legs.estimate_prompt_tokens(body)
@@ -340,12 +350,12 @@ class Proxy:
         p.queued_tokens += tokens  # P's leg answers after its prefill: queued or computing until then
         for i in (p, d):
             i.inflight += 1
-            self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+            self.metrics.inflight_of(i.role, i.url).set(i.inflight)
 
     def _leave(self, i: Instance, tokens: int = 0) -> None:
         i.inflight -= 1
         i.queued_tokens -= tokens
-        self.metrics.inflight.labels(i.role, i.url).set(i.inflight)
+        self.metrics.inflight_of(i.role, i.url).set(i.inflight)
 
     async def _finish(self, p: Instance, d: Instance, p_task: asyncio.Task | None, grant: LaneGrant, ok: bool,
                       tokens: int) -> None:
@@ -374,6 +384,19 @@ class Proxy:
             logger.warning("prefill leg failed after decode answered: %s", task.exception())
 
     # ---- admin -----------------------------------------------------------
+    def refresh_gauges(self) -> None:
+        """The healthy-instance gauges: set, not computed at scrape, so that a tier's
+        workers each leave theirs in the shared metrics (after every probe round)."""
+        for role, pool in self.pools.items():
+            self.metrics.healthy.labels(role).set(pool.healthy_count())
+
+    def change_instances(self, fn: Callable[[], T]) -> T:
+        """Run an admin change of the pools; in a tier, on its latest instance set, and
+        shared with every worker (proxy/tier.py)."""
+        out = fn() if self.shared is None else self.shared.change(self.pools, fn)
+        self.refresh_gauges()
+        return out
+
     def authorized(self, request: Request) -> bool:
         return bearer_ok(request.headers.get("authorization"), self.cfg.admin_token)
 
@@ -405,4 +428,5 @@ class Proxy:
             "prefill": [view(n, i) for n, i in enumerate(self.pools["prefill"].all())],
             "decode": [view(n, i) for n, i in enumerate(self.pools["decode"].all())],
             "redacted": not full,
+            **({"worker_pid": os.getpid()} if self.shared is not None else {}),
         }

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvpath.proxy import legs
 from kvpath.proxy.config import ProxyConfig
@@ -25,6 +26,10 @@ from kvpath.proxy.upstream import (UpstreamError, engine_error, exc_text, first_
                                    transport_error)
 
 logger = logging.getLogger(__name__)
+# the legs' JSON: msgspec, several times the speed of the json module (a leg's body is
+# the client's, decoded by msgspec, so it encodes back exactly)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 # below uvicorn's (so vLLM's) default keep-alive timeout of 5 s, with room for this
 # proxy's loop being late to read an answer (the idle clock starts when it does)
@@ -63,16 +68,16 @@ class EngineClient:
         assert self.session is not None
         try:
             async with await self.post(url, body, headers, timeout=self.answer_timeout) as r:
-                status, text, r_headers = r.status, await r.text(), r.headers
+                status, raw, r_headers = r.status, await r.read(), r.headers
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             self.leg_failed(inst, e)
             raise transport_error(inst, e, "unreachable") from None
         if status >= 400:
             inst.errors += 1
-            raise engine_error(inst, status, text, r_headers)
+            raise engine_error(inst, status, raw.decode("utf-8", "replace"), r_headers)
         try:
-            out = json.loads(text)
-        except json.JSONDecodeError:
+            out = _decode(raw)
+        except msgspec.DecodeError:
             inst.errors += 1
             raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
         if not isinstance(out, dict):
@@ -139,7 +144,7 @@ class EngineClient:
         for attempt in range(POST_ATTEMPTS):
             ctx: dict[str, Any] = {"reused": False}
             try:
-                return await self.session.post(url, json=body, headers=headers, trace_request_ctx=ctx, **kw)
+                return await self.session.post(url, data=_encode(body), headers=headers, trace_request_ctx=ctx, **kw)
             except aiohttp.ClientError as e:
                 if attempt == POST_ATTEMPTS - 1 or not closed_before_read(e, ctx, loop.time()) or not (
                         resend or unwritten(e)):

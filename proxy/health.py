@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Callable
 
 import aiohttp
 
@@ -22,8 +23,10 @@ logger = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, pools: dict[str, InstancePool], interval_s: float, timeout_s: float, unhealthy_after: int):
+    def __init__(self, pools: dict[str, InstancePool], interval_s: float, timeout_s: float, unhealthy_after: int,
+                 on_round: Callable[[], None] | None = None):
         self.pools = pools
+        self.on_round = on_round  # called after every probe round (the proxy's gauges)
         self.interval_s = interval_s  # 0: no health checking at all
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.unhealthy_after = unhealthy_after
@@ -50,6 +53,8 @@ class HealthChecker:
             insts = [i for pool in self.pools.values() for i in pool.all()]
             try:
                 await asyncio.gather(*(self.probe(session, i) for i in insts))
+                if self.on_round is not None:
+                    self.on_round()
             except Exception:  # a bug here must not end health checking for good
                 logger.exception("health probe round failed")
 

@@ -13,6 +13,9 @@ POLICIES = ("round_robin", "least_outstanding", "joint", "network")
 PLACED_POLICIES = ("joint", "network")
 
 
+MAX_INSTANCES = 4096  # per pool: /admin/instances cannot grow it without end
+
+
 class NoInstance(RuntimeError):
     pass
 
@@ -59,8 +62,10 @@ class InstancePool:
         self._seq = itertools.count()
 
     def add(self, inst: Instance) -> bool:
-        """Add or update; True when it is new."""
+        """Add or update; True when it is new. ValueError: the pool is full."""
         new = inst.url not in self._items
+        if new and len(self._items) >= MAX_INSTANCES:
+            raise ValueError(f"the {self.role} pool is full ({MAX_INSTANCES} instances): remove one first")
         if not new:
             old = self._items[inst.url]
             inst.inflight, inst.served, inst.errors, inst.added_seq = old.inflight, old.served, old.errors, old.added_seq

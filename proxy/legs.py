@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from kvpath.connector.config import parse_host_port
@@ -23,7 +22,7 @@ MAX_P_TP = 1024  # as the proxy's own tp= field takes
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The P leg: same prompt, one token, no streaming."""
-    b = copy.deepcopy(body)
+    b = dict(body)  # only top-level fields change: a shallow copy leaves the client's body as it was
     b["max_tokens"] = 1
     if "max_completion_tokens" in b:
         b["max_completion_tokens"] = 1

@@ -1,10 +1,23 @@
-"""The proxy's Prometheus metrics (own registry: several apps may live in one process)."""
+"""The proxy's Prometheus metrics (own registry: several apps may live in one process).
+
+Under ``kvpath proxy --workers N`` (proxy/tier.py) prometheus-client runs in its
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``): every worker's values go to files in
+one directory and a scrape of any worker sums them (in-flight gauges summed over the
+live workers; healthy instances: the fewest any live worker has in rotation)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def multiprocess() -> bool:
+    """prometheus-client keeps its values in files (it decides so on this variable)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
 class ProxyMetrics:
@@ -19,9 +32,36 @@ class ProxyMetrics:
         self.first_token = Histogram("kvpath_proxy_first_token_seconds", "time to the first byte of D's response",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.healthy = Gauge("kvpath_proxy_healthy_instances", "instances in rotation (passing health checks) per role",
-                             ["role"], registry=r)
-        self.inflight = Gauge("kvpath_proxy_inflight", "requests in flight per instance", ["role", "url"], registry=r)
+                             ["role"], registry=r, multiprocess_mode="livemin")
+        self.inflight = Gauge("kvpath_proxy_inflight", "requests in flight per instance", ["role", "url"], registry=r,
+                              multiprocess_mode="livesum")
         self.reservation = Histogram("kvpath_proxy_reservation_seconds", "time to get a lane from the reservation service",
                                      buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
+        self._inflight_of: dict[tuple[str, str], Any] = {}
         self.fallbacks = Counter("kvpath_proxy_reservation_fallbacks_total",
                                  "requests that went on the hash-chosen lane, by reason", ["reason"], registry=r)
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this process's registry, or every worker's values."""
+        if not multiprocess():
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess as mp
+
+        reg = CollectorRegistry()
+        mp.MultiProcessCollector(reg)
+        return generate_latest(reg)
+
+    def process_ended(self) -> None:
+        """This worker's live gauges leave the sums (a worker that stops cleanly)."""
+        if multiprocess():
+            from prometheus_client import multiprocess as mp
+
+            mp.mark_process_dead(os.getpid())
+
+    def inflight_of(self, role: str, url: str) -> Any:
+        """An instance's in-flight gauge (a child made once: ``labels()`` costs a lock and
+        a lookup, twice per instance per request). Bounded by the instances ever added."""
+        g = self._inflight_of.get((role, url))
+        if g is None:
+            g = self._inflight_of[(role, url)] = self.inflight.labels(role, url)
+        return g

@@ -1,0 +1,140 @@
+"""`kvpath proxy --workers N`: N processes on one address sharing one reservation
+service, one /metrics view and one instance set (proxy/tier.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.fabric import FabricSpec
+from kvpath.proxy import instances
+from kvpath.proxy.instances import Instance, InstancePool
+from kvpath.proxy.tier import SharedInstances
+from kvpath.reservation import wire
+from kvpath.testbed.readiness import free_port, wait_http
+from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
+from tests.proxy.test_proxy_tier import FABRIC, _lanes_on_every_spine
+
+TOKEN, ADMIN = "r3s-t0ken-workers", "adm-t0ken-workers"
+
+
+def _pools(*insts: Instance) -> dict[str, InstancePool]:
+    pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
+    for i in insts:
+        pools[i.role].add(i)
+    return pools
+
+
+def test_an_admin_change_in_one_worker_reaches_the_others_and_none_is_lost(tmp_path):
+    p = Instance("http://p0", "prefill", "l0h0", "127.0.0.1:1")
+    a, b = _pools(p, Instance("http://d0", "decode", "l1h0")), _pools(p, Instance("http://d0", "decode", "l1h0"))
+    sa, sb = SharedInstances(tmp_path), SharedInstances(tmp_path)
+    sa.publish(a)
+    assert sb.sync(b)  # the first read: version 1, nothing to change but the version
+    b["prefill"].all()[0].tp_size, b["prefill"].all()[0].tp_learned = 4, True  # what B learned of P
+    sa.change(a, lambda: a["decode"].add(Instance("http://d1", "decode", "l1h1", engine_id="e1")))
+    # B changes from a stale view: its change is made on the latest set (A's d1 is kept)
+    sb.change(b, lambda: b["decode"].remove("http://d0"))
+    assert sa.sync(a)
+    for pools in (a, b):
+        assert [i.url for i in pools["decode"].all()] == ["http://d1"]
+        assert pools["decode"].all()[0].engine_id == "e1" and pools["decode"].all()[0].fabric_host == "l1h1"
+    assert b["prefill"].all()[0].tp_size == 4  # unchanged by the operator: what B learned stays
+    assert not sb.sync(b)  # nothing newer
+
+
+def test_a_pool_is_bounded():
+    pool = InstancePool("decode")
+    for k in range(instances.MAX_INSTANCES):
+        pool.add(Instance(f"http://d{k}", "decode"))
+    with pytest.raises(ValueError, match="pool is full"):
+        pool.add(Instance("http://one-more", "decode"))
+    assert not pool.add(Instance("http://d0", "decode", "l1h0"))  # an update still goes through
+
+
+@pytest.mark.parametrize("extra,needle", [(["--workers", "0"], "--workers must be from 1 to 64"),
+                                          (["--workers", "2", "--reservation", "inproc"], "--reservation-url")])
+def test_bad_worker_options_are_refused_naming_the_option(extra, needle):
+    r = subprocess.run([sys.executable, "-m", "kvpath.cli", "proxy", "--prefill", "http://p,kv_addr=127.0.0.1:1",
+                        "--decode", "http://d", *extra], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, wire.TOKEN_ENV: TOKEN})
+    assert r.returncode != 0 and needle in r.stderr, r.stderr
+
+
+def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_path):
+    """Four requests at once through a two-worker proxy take the pair's four spines, one
+    each (one reservation service decides for both workers); every scrape, whichever
+    worker answers it, counts all four; an instance added through one worker is in
+    every worker's set."""
+    spec = FabricSpec(**FABRIC)
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps(FABRIC))
+    env = {**os.environ, wire.TOKEN_ENV: TOKEN, "KVPATH_ADMIN_TOKEN": ADMIN}
+    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    p = ServerThread(create_stub_app("P0", StubBehaviour(delay_s=1.0)), free_port()).start()
+    d = ServerThread(create_stub_app("D0", StubBehaviour()), free_port()).start()
+    res_url = f"http://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", res_url.rsplit(":", 1)[1],
+                               "--fabric", str(fabric), "--mode", "cc", "--lease-s", "60"], env=env)]
+    try:
+        wait_http(res_url + "/health", procs[0], timeout_s=60)
+        r = httpx.post(res_url + wire.LANES_PATH, headers=hdr, json={
+            "src_host": "l0h0", "dst_host": "l1h0", "lanes": _lanes_on_every_spine(spec, "l0h0", "l1h0")})
+        assert r.status_code == 200, r.text
+        url = f"http://127.0.0.1:{free_port()}"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", url.rsplit(":", 1)[1],
+             "--workers", "2", "--policy", "least_outstanding", "--fabric", str(fabric),
+             "--prefill", f"{p.url},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT},fabric_host=l0h0",
+             "--decode", f"{d.url},fabric_host=l1h0", "--reservation-url", res_url,
+             "--reservation-timeout-s", "10"], env=env))
+        wait_http(url + "/health", procs[-1], timeout_s=90)
+        workers = {c.pid for c in psutil.Process(procs[-1].pid).children()
+                   if "spawn_main" in " ".join(c.cmdline())}
+        assert len(workers) == 2, psutil.Process(procs[-1].pid).children()
+
+        body = {"model": "tiny", "prompt": "spine leaf lane path push pull", "max_tokens": 4}
+        with ThreadPoolExecutor(4) as ex:  # a client each: each its own connection
+            answers = list(ex.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(4)))
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        log = httpx.get(res_url + wire.DECISIONS_PATH, headers=hdr, timeout=10).json()["decisions"]
+        assert sorted(x["spine"] for x in log) == [f"spine{i}" for i in range(4)]  # one each: never stacked
+
+        line = 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="200"} 4.0'
+        for _ in range(6):  # a new connection each: any worker may answer, each sums all
+            assert line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        r = httpx.post(url + "/admin/instances", headers=admin, timeout=10,
+                       json={"role": "decode", "url": "http://127.0.0.1:9", "fabric_host": "l1h1"})
+        assert r.status_code == 201, r.text
+        # the workers follow the shared set every 0.5 s: poll until every worker that
+        # answers has it, 20 answers in a row (or both workers seen with it)
+        seen: dict[int, bool] = {}
+        streak, deadline = 0, time.monotonic() + 60
+        while time.monotonic() < deadline and streak < 20 and not (len(seen) == 2 and all(seen.values())):
+            st = httpx.get(url + "/status", headers=admin, timeout=10).json()
+            seen[st["worker_pid"]] = has = "http://127.0.0.1:9" in [i["url"] for i in st["decode"]]
+            streak = streak + 1 if has else 0
+            time.sleep(0.05)
+        assert set(seen) <= workers
+        assert streak >= 20 or all(seen.values()), seen
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        p.stop()
+        d.stop()

@@ -81,9 +81,14 @@ async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int,
                             errors += 1
                             await r.read()
                             continue
-                        async for _chunk in r.content.iter_any():
+                        got = []
+                        async for chunk in r.content.iter_any():
                             if first is None:
                                 first = time.perf_counter() - t0
+                            got.append(chunk)
+                        if b"".join(got).count(b"data: [DONE]") != 1:  # a lost or doubled answer
+                            errors += 1
+                            continue
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     errors += 1
                     continue
@@ -94,9 +99,18 @@ async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int,
     return ttfb, e2e, errors
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """CPU time of the proxy: its processes (its workers too) and, with --workers, its
+    reservation service's (which a single proxy runs in process)."""
+    total = 0.0
+    for p in procs:
+        for q in (p, *p.children(recursive=True)):
+            try:
+                t = q.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+    return total
 
 
 def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, title: str) -> None:
@@ -124,7 +138,7 @@ def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, ti
     plt.close(fig)
 
 
-async def register_lanes(px_url: str, token: str, p_hosts: list[str], d_hosts: list[str]) -> None:
+async def register_lanes(res_url: str, token: str, p_hosts: list[str], d_hosts: list[str]) -> None:
     """Lanes for every P->D host pair, as P's connectors register them: without them
     every reservation would be a quick 'no_lanes' fallback, not a decision."""
     async with aiohttp.ClientSession() as c:
@@ -132,16 +146,17 @@ async def register_lanes(px_url: str, token: str, p_hosts: list[str], d_hosts: l
             for dst in d_hosts:
                 body = wire.LanesRequest(src_host=src, dst_host=dst,
                                          lanes=[wire.LaneInfo(i, 41000 + i) for i in range(LANES)])
-                async with c.post(px_url + "/reservation" + wire.LANES_PATH, data=wire.encode(body),
+                async with c.post(res_url + wire.LANES_PATH, data=wire.encode(body),
                                   headers={"Authorization": f"Bearer {token}", "content-type": "application/json"}) as r:
                     if r.status != 200:
                         raise SystemExit(f"registering lanes failed: {r.status} {await r.text()}")
 
 
-async def reservation_counts(px_url: str, token: str) -> tuple[int, int]:
-    """(reservations decided, fallbacks) so far, from the proxy (its reads need the token)."""
+async def reservation_counts(px_url: str, res_url: str, token: str) -> tuple[int, int]:
+    """(reservations decided, fallbacks) so far, from the service and the proxy (the
+    service's reads need the token)."""
     async with aiohttp.ClientSession() as c:
-        async with c.get(px_url + "/reservation" + wire.STATE_PATH, headers={"Authorization": f"Bearer {token}"}) as r:
+        async with c.get(res_url + wire.STATE_PATH, headers={"Authorization": f"Bearer {token}"}) as r:
             decided = (await r.json())["counters"].get("reservations", 0)
         async with c.get(px_url + "/metrics") as r:
             text = await r.text()
@@ -169,6 +184,10 @@ def main() -> int:
                     help="one proxy per policy over the same stubs, their rounds interleaved with the direct ones "
                          "(joint and network place P, D and the lane in the proxy's reservation service)")
     ap.add_argument("--engines", type=int, default=1, help="stub P engines and stub D engines, each")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="this code's proxies run as N processes (kvpath proxy --workers N), each such proxy with its "
+                         "own `kvpath reservation` process (what --reservation inproc is in one process; their CPU "
+                         "per request counts both); several values: one proxy each, rounds interleaved")
     ap.add_argument("--compare-site", metavar="DIR", action="append", default=[],
                     help="also run each policy's proxy from the kvpath installed in DIR (`pip install --no-deps "
                          "--target DIR <checkout of another commit>`), its rounds interleaved with this code's: "
@@ -202,10 +221,27 @@ def main() -> int:
         prefill = [f"{u},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT + k},fabric_host={h}"
                    for k, (u, h) in enumerate(zip(engines["P"], p_hosts))]
         decode = [f"{u},fabric_host={h}" for u, h in zip(engines["D"], d_hosts)]
-        proxies: dict[str, tuple[str, psutil.Process]] = {}
-        for site in [None, *args.compare_site]:
+        proxies: dict[str, tuple[str, list[psutil.Process]]] = {}
+        res_of: dict[str, str] = {}  # proxy label -> its reservation service's URL
+        variants = [(None, w) for w in args.workers] + [(site, 1) for site in args.compare_site]
+        for site, workers in variants:
             for policy in args.policies:
                 port = free_port()
+                extra, served = list(res_args), []
+                label = f"{policy}@{Path(site).name}" if site else (
+                    f"{policy} x{workers}" if workers > 1 else policy)
+                res_of[label] = f"http://127.0.0.1:{port}/reservation"
+                if workers > 1 and args.reservation == "inproc":
+                    # one service for this proxy's workers (in-process, each would decide alone)
+                    res_port = free_port()
+                    procs.append(subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port",
+                                                   str(res_port), "--mode", "cc"], env=proxy_env))
+                    res_of[label] = f"http://127.0.0.1:{res_port}"
+                    wait_http(res_of[label] + "/health")
+                    served.append(psutil.Process(procs[-1].pid))
+                    extra = ["--reservation-url", res_of[label]]
+                if workers > 1:
+                    extra += ["--workers", str(workers)]
                 # another commit's kvpath: its directory first on the path, started outside
                 # this checkout (whose kvpath/ the working directory would otherwise put first)
                 site_env = {**proxy_env, "PYTHONPATH": str(Path(site).resolve())} if site else proxy_env
@@ -213,17 +249,16 @@ def main() -> int:
                     ["taskset", "-c", ",".join(map(str, sorted(mine)))] * pin +
                     [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
                      "--policy", policy, *[a for u in prefill for a in ("--prefill", u)],
-                     *[a for u in decode for a in ("--decode", u)], *res_args], env=site_env,
+                     *[a for u in decode for a in ("--decode", u)], *extra], env=site_env,
                     cwd="/" if site else None))
-                label = f"{policy}@{Path(site).name}" if site else policy
                 # taskset execs, so the pid is the proxy's
-                proxies[label] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+                proxies[label] = (f"http://127.0.0.1:{port}", [psutil.Process(procs[-1].pid), *served])
         d_url = engines["D"][0]
         for u in [*engines["P"], *engines["D"], *(px + "/health" for px, _ in proxies.values())]:
             wait_http(u)
         if args.reservation == "inproc":
-            for px, _ in proxies.values():
-                uvloop.run(register_lanes(px, token, p_hosts, d_hosts))
+            for label in proxies:
+                uvloop.run(register_lanes(res_of[label], token, p_hosts, d_hosts))
         con = Console(width=170)
         t = Table(title=f"proxy overhead{' (proxy on its own core)' if pin else ''}, {args.engines}P{args.engines}D "
                         f"stub engines ({args.engine_delay_s * 1e3:.0f} ms to first token, "
@@ -281,7 +316,7 @@ def main() -> int:
         con.print(t)
         if args.reservation == "inproc":
             for pol, (px, _) in proxies.items():
-                decided, fallbacks = uvloop.run(reservation_counts(px, token))
+                decided, fallbacks = uvloop.run(reservation_counts(px, res_of[pol], token))
                 con.print(f"{pol}: reservations decided in the proxied path: {decided}, fallbacks: {fallbacks}")
         if args.plot:
             plot_ttfb(samples, args.plot, t.title or "")

@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 # The largest body any call needs: a lane registration of a few thousand lanes.
 MAX_BODY_BYTES = 1024 * 1024
 
-_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.PlaceRequest, wire.LanesRequest,
+_BODIES = (wire.ReserveRequest, wire.ReleaseRequest, wire.ReleasesRequest, wire.LeaseUpdate, wire.PlaceRequest, wire.LanesRequest,
            wire.LanesRemoval)
-Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.LeaseUpdate, wire.PlaceRequest,
+Body = TypeVar("Body", wire.ReserveRequest, wire.ReleaseRequest, wire.ReleasesRequest, wire.LeaseUpdate, wire.PlaceRequest,
                wire.LanesRequest, wire.LanesRemoval)
 # strict=False: numbers written as strings ("5") are read as numbers, as the service always did
 _DECODERS = {t: msgspec.json.Decoder(t, strict=False) for t in _BODIES}
@@ -192,6 +192,17 @@ def create_app(svc: ReservationService, expire_every_s: float = 0.5, token: str 
         ok = svc.release(body.lease_id)
         m_rel.labels(str(ok).lower()).inc()
         return _json(wire.ReleaseAnswer(body.lease_id, ok))
+
+    @app.post(wire.RELEASES_PATH)
+    async def releases(request: Request) -> Response:
+        try:
+            body = await authorized_body(request, wire.ReleasesRequest)
+        except BadBody as e:
+            return e.response
+        done = sum(svc.release(lid) for lid in body.lease_ids)
+        m_rel.labels("true").inc(done)
+        m_rel.labels("false").inc(len(body.lease_ids) - done)
+        return _json(wire.ReleasesAnswer(done, len(body.lease_ids) - done))
 
     @app.post(wire.LEASE_PATH)
     async def lease(request: Request) -> Response:

@@ -41,6 +41,7 @@ TOKEN_ENV: Final = "KVPATH_RESERVATION_TOKEN"
 # ---- routes ---------------------------------------------------------------
 RESERVE_PATH: Final = "/v1/reserve"  # POST ReserveRequest -> ReserveAnswer (token)
 RELEASE_PATH: Final = "/v1/release"  # POST ReleaseRequest -> ReleaseAnswer (idempotent; token)
+RELEASES_PATH: Final = "/v1/releases"  # POST ReleasesRequest -> ReleasesAnswer (several at once; token)
 LEASE_PATH: Final = "/v1/lease"  # POST LeaseUpdate -> LeaseAnswer (a flow's bytes and expected end; token)
 PLACE_PATH: Final = "/v1/place"  # POST PlaceRequest -> PlaceAnswer (P, D and the lane at once; token)
 LANES_PATH: Final = "/v1/lanes"  # POST LanesRequest -> LanesAnswer (token)
@@ -171,6 +172,22 @@ class ReleaseRequest(msgspec.Struct):
 class ReleaseAnswer(msgspec.Struct):
     lease_id: str
     released: bool  # False when it had already ended
+
+
+MAX_RELEASES: Final = 1024  # lease ids in one ReleasesRequest
+
+
+class ReleasesRequest(msgspec.Struct):
+    """Several releases in one call (the proxy's HttpReserver gathers its own for a few
+    milliseconds: a release only lowers the loads, so a late one decides nothing wrong)."""
+
+    lease_ids: Annotated[list[Annotated[str, Meta(min_length=1, max_length=64)]],
+                         Meta(min_length=1, max_length=MAX_RELEASES)]
+
+
+class ReleasesAnswer(msgspec.Struct):
+    released: int  # of the lease ids, those still live (each ended now)
+    unknown: int  # those that had already ended (or never were)
 
 
 # A flow longer than this is not expected: an update may hold its lease this far ahead.

@@ -15,6 +15,8 @@ from kvpath.reservation.app import create_app
 from kvpath.reservation.clients import HttpReserver, InProcessReserver
 from kvpath.reservation.decisions import ReservationService, SyncReserver
 from kvpath.reservation.notifier import ReservationNotifier
+from kvpath.testbed.readiness import free_port
+from kvpath.testbed.stub_engine import ServerThread
 
 SPEC = FabricSpec(leaves=2, spines=4, hosts_per_leaf=2)
 LANES = [{"lane": i, "src_port": 40000 + i} for i in range(4)]
@@ -182,32 +184,78 @@ def test_the_wire_answers_keep_their_json_shape(client):
     assert client.post("/v1/reserve", content=b"", headers={"content-type": "application/json"}).status_code == 422
 
 
+def _recording_service():
+    """A stand-in service on a real socket: what each call sent (path, body, token), and
+    the answers a service gives."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[tuple[str, bytes, str | None]] = []
+
+    async def handler(request: Request) -> JSONResponse:
+        seen.append((request.url.path, await request.body(), request.headers.get("authorization")))
+        if request.url.path == wire.RESERVE_PATH:
+            return JSONResponse({"lease_id": "r1-ab", "lane": 3, "spine": "spine2", "fallback": ""})
+        return JSONResponse({"lease_id": "r1-ab", "released": True})
+
+    app = Starlette(routes=[Route(p, handler, methods=["POST"])
+                            for p in (wire.RESERVE_PATH, wire.RELEASE_PATH, wire.RELEASES_PATH)])
+    return seen, ServerThread(app, free_port())
+
+
 def test_the_clients_send_the_wire_bodies_the_service_always_read():
     """HttpReserver's request, byte for byte what its dict literal used to be; the
     answers come back through the wire's types."""
-    seen: list[tuple[str, bytes]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.path, request.content))
-        if request.url.path == wire.RESERVE_PATH:
-            return httpx.Response(200, json={"lease_id": "r1-ab", "lane": 3, "spine": "spine2", "fallback": ""})
-        return httpx.Response(200, json={"lease_id": "r1-ab", "released": True})
+    seen, srv = _recording_service()
 
     async def go() -> wire.LaneGrant:
-        res = HttpReserver("http://svc/")
-        res.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        res = HttpReserver(srv.url + "/", timeout_s=10)
         grant = await res.reserve("l0h0", "l1h0", 5, transfer_id="t1")
         await res.release("r1-ab")
         await res.close()
         return grant
 
-    grant = asyncio.run(go())
+    with srv:
+        grant = asyncio.run(go())
     assert grant == wire.LaneGrant(3, "r1-ab", "spine2")
     old = {"src_host": "l0h0", "dst_host": "l1h0", "bytes": 5, "transfer_id": "t1"}
-    assert seen == [("/v1/reserve", json.dumps(old, separators=(",", ":")).encode()),
-                    ("/v1/release", b'{"lease_id":"r1-ab"}')]
+    assert [x[:2] for x in seen] == [("/v1/reserve", json.dumps(old, separators=(",", ":")).encode()),
+                                     ("/v1/releases", b'{"lease_ids":["r1-ab"]}')]
     lanes = wire.LanesRequest(src_host="l0h0", dst_host="l1h0", lanes=[wire.LaneInfo(0, 41000)])
     assert wire.encode(lanes) == b'{"src_host":"l0h0","dst_host":"l1h0","lanes":[{"lane":0,"src_port":41000}]}'
+
+
+def test_the_http_reserver_sends_releases_together_and_the_service_ends_each_once():
+    svc = ReservationService(SPEC, "cc", lease_s=30)
+    svc.register_lanes("l0h0", "l1h0", [wire.LaneInfo(**x) for x in LANES])
+    seen: list[bytes] = []
+    app = create_app(svc, token=TOKEN)
+
+    async def spy(scope, receive, send):  # what reached the service, call by call
+        if scope["type"] == "http":
+            seen.append(scope["path"].encode())
+        await app(scope, receive, send)
+
+    async def go() -> list:
+        res = HttpReserver(srv.url, timeout_s=10, token=TOKEN)
+        grants = [await res.reserve("l0h0", "l1h0", 5, transfer_id=f"t{k}") for k in range(5)]
+        for g in grants:
+            await res.release(g.lease_id)
+        await res.release(grants[0].lease_id)  # twice: the second is unknown
+        await res.close()  # sends what is queued
+        return grants
+
+    with ServerThread(spy, free_port()) as srv:
+        grants = asyncio.run(go())
+    assert all(g.lease_id for g in grants)
+    assert seen.count(wire.RELEASES_PATH.encode()) == 1 and wire.RELEASE_PATH.encode() not in seen
+    assert not svc.active and svc.counters["releases"] == 5 and svc.counters["releases_unknown"] == 1
+    with TestClient(app, headers=AUTH) as c:
+        assert c.post(wire.RELEASES_PATH, json={"lease_ids": []}).status_code == 422
+        assert c.post(wire.RELEASES_PATH, json={"lease_ids": ["x"] * (wire.MAX_RELEASES + 1)}).status_code == 422
+        assert c.post(wire.RELEASES_PATH, json={"lease_ids": ["nope"]}).json() == {"released": 0, "unknown": 1}
 
 
 def test_each_caller_has_its_protocol():

@@ -10,7 +10,6 @@ import logging
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -260,30 +259,26 @@ def test_the_proxy_sends_its_reservation_token_to_a_reservation_url(monkeypatch)
 
     monkeypatch.setattr(reservation_client, "HttpReserver", spy)
     _run(monkeypatch, PROXY + ["--reservation-url", "http://127.0.0.1:8900"], {wire.TOKEN_ENV: TOKEN})
-    assert made and made[0].client.headers["authorization"] == f"Bearer {TOKEN}"
+    assert made and made[0].headers["authorization"] == f"Bearer {TOKEN}"
 
 
 # ---- the clients -----------------------------------------------------------
 def test_http_reserver_sends_the_token_on_reserve_and_release():
     from kvpath.reservation.clients import HttpReserver
+    from tests.kvpath.test_reservation_app import _recording_service
 
-    seen: list[tuple[str, str | None]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.path, request.headers.get("authorization")))
-        if request.url.path == wire.RESERVE_PATH:
-            return httpx.Response(200, json={"lease_id": "r1-ab", "lane": 3, "spine": "spine2", "fallback": ""})
-        return httpx.Response(200, json={"lease_id": "r1-ab", "released": True})
+    seen, srv = _recording_service()
 
     async def go():
-        res = HttpReserver("http://svc", token=TOKEN, transport=httpx.MockTransport(handler))
+        res = HttpReserver(srv.url, token=TOKEN, timeout_s=10)
         grant = await res.reserve("l0h0", "l1h0", 5, transfer_id="t1")
         await res.release("r1-ab")
         await res.close()
         return grant
 
-    assert asyncio.run(go()).lane == 3
-    assert seen == [(wire.RESERVE_PATH, f"Bearer {TOKEN}"), (wire.RELEASE_PATH, f"Bearer {TOKEN}")]
+    with srv:
+        assert asyncio.run(go()).lane == 3
+    assert [(x[0], x[2]) for x in seen] == [(wire.RESERVE_PATH, f"Bearer {TOKEN}"), (wire.RELEASES_PATH, f"Bearer {TOKEN}")]
 
 
 def test_http_reserver_against_the_real_service():
@@ -293,17 +288,23 @@ def test_http_reserver_against_the_real_service():
     svc.register_lanes("l0h0", "l1h0", [wire.LaneInfo(**x) for x in LANES])
     app = create_app(svc, token=TOKEN)
 
+    from kvpath.testbed.readiness import free_port
+    from kvpath.testbed.stub_engine import ServerThread
+
+    srv = ServerThread(app, free_port())
+
     async def go(token):
-        res = HttpReserver("http://svc", token=token, transport=httpx.ASGITransport(app))
+        res = HttpReserver(srv.url, token=token, timeout_s=10)
         grant = await res.reserve("l0h0", "l1h0", 5, transfer_id="t1")
         if grant.lease_id:
             await res.release(grant.lease_id)
         await res.close()
         return grant
 
-    assert asyncio.run(go(None)).fallback == "http_401"
-    assert asyncio.run(go("wrong")).fallback == "http_401"
-    assert asyncio.run(go(TOKEN)).lane is not None
+    with srv:
+        assert asyncio.run(go(None)).fallback == "http_401"
+        assert asyncio.run(go("wrong")).fallback == "http_401"
+        assert asyncio.run(go(TOKEN)).lane is not None
     assert not svc.active and svc.counters["releases"] == 1
 
 

@@ -312,7 +312,9 @@ decode_place = msgspec.json.Decoder(PlaceAnswer).decode
 @runtime_checkable
 class AsyncReserver(Protocol):
     """The proxy's clients (``kvpath.reservation.clients``). ``reserve`` never
-    raises for the service's faults: a grant without a lane says why."""
+    raises for the service's faults: a grant without a lane says why. ``release`` may be
+    sent later, with others (within milliseconds; ``close`` sends what is left): a
+    release only lowers the loads."""
 
     async def reserve(self, src_host: str, dst_host: str, nbytes: int, lanes: Sequence[LaneInfo] | None = None,
                       transfer_id: str = "", scope: FlowScope | None = None) -> LaneGrant: ...

@@ -201,11 +201,18 @@ async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp"
             finally:
                 sem.release()
 
+        failed: list[asyncio.Task] = []
+        tasks: set[asyncio.Task] = set()
+
+        def done(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                failed.append(task)
+
         async def run(todo, t_start=None):
             # one dispatcher: a pair's task is made when it is due (open loop) and a slot
             # of the ``conc`` is free, so at most ``conc`` tasks live (not thousands of
             # sleeping ones for the collector and the timer heap to walk)
-            tasks = set()
             for i, (s, d, b) in enumerate(todo):
                 due = None
                 if t_start is not None:
@@ -216,15 +223,18 @@ async def _http(url: str, n: int, conc: int, token: str, client: str = "aiohttp"
                 await sem.acquire()
                 task = asyncio.create_task(one(i, s, d, b, due))
                 tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                task.add_done_callback(done)
             if tasks:
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         await run(pairs[:50])  # warm-up
         lat.clear()
         s0 = sum(server.cpu_times()[:2]) if server else 0.0
         c0, t0 = time.process_time(), time.perf_counter()
         await run(pairs, t0 if rate else None)
+        if failed or len(lat) != len(pairs):
+            raise SystemExit(f"{len(failed)} of {len(pairs)} reserve+release pairs failed: "
+                             f"{failed[0].exception() if failed else 'answers missing'}")
         elapsed, client_cpu = time.perf_counter() - t0, time.process_time() - c0
         server_cpu = sum(server.cpu_times()[:2]) - s0 if server else 0.0
     finally:

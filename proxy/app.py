@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpath.proxy.bodies import INFERENCE, ChatBody, CompletionBody, InstanceBody
 from kvpath.proxy.core import Proxy
-from kvpath.proxy.instances import Instance
+from kvpath.proxy.instances import Instance, PoolFull
 from kvpath.proxy.upstream import engine_error, exc_text
 from kvpath.reservation.app import MAX_BODY_BYTES as RESERVATION_MAX_BODY_BYTES
 from kvpath.web.body_limit import BodyLimit
@@ -143,7 +143,7 @@ def create_app(proxy: Proxy, reservation_app: FastAPI | None = None) -> ASGIApp:
         inst = Instance(b.url.rstrip("/"), b.role, b.fabric_host, b.kv_addr, b.engine_id, tp_size=b.tp_size)
         try:
             new = proxy.change_instances(lambda: proxy.pools[b.role].add(inst))
-        except ValueError as e:  # the pool is full
+        except PoolFull as e:
             return error_response(409, str(e))
         return JSONResponse({"added" if new else "updated": b.url, "role": b.role}, status_code=201 if new else 200)
 

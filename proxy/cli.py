@@ -121,8 +121,7 @@ def resolve_args(args: argparse.Namespace) -> None:
         parse_instance(s, "decode")
     if not 1 <= args.workers <= 64:
         raise SystemExit(f"kvpath proxy: error: --workers must be from 1 to 64, got {args.workers}")
-    if (args.workers > 1 and args.mode == "push" and not args.reservation_url and args.reservation == "inproc"
-            and args.reserve_at == "admission"):
+    if args.workers > 1 and args.mode == "push" and not args.reservation_url and args.reservation == "inproc":
         raise SystemExit("kvpath proxy: error: --workers N with --reservation inproc would give each worker its own "
                          "reservation service, each deciding the same free links: run one `kvpath reservation` and "
                          "give every worker its --reservation-url (docs/proxy.md, 'A proxy tier')")
@@ -146,6 +145,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from kvpath.proxy.app import create_app
     from kvpath.web.heap import freeze_startup_heap
 
+    raw = {k: v for k, v in vars(args).items() if k != "func"}  # the options as given: no secret from a file
     resolve_args(args)
     proxy, res_app = build_proxy(args)
     logger.info("proxy: mode %s, %d prefill, %d decode, on %s:%d%s", args.mode, len(args.prefill), len(args.decode),
@@ -157,17 +157,18 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                  # nothing reads a client's address: no X-Forwarded-For rewriting per request
                  proxy_headers=False)
     if args.workers > 1:
-        return _serve_tier(args, proxy, serve)
+        return _serve_tier(args, raw, proxy, serve)
     app = create_app(proxy, res_app)
     freeze_startup_heap()  # built: the app, the pools, every module (kvpath/web/heap.py)
     uvicorn.run(app, **serve)
     return 0
 
 
-def _serve_tier(args: argparse.Namespace, proxy, serve: dict) -> int:
+def _serve_tier(args: argparse.Namespace, raw: dict, proxy, serve: dict) -> int:
     """``--workers N``: uvicorn's N worker processes on one socket, each building its
-    proxy from ``args`` (a private file: it holds the resolved secrets), sharing the
-    instance set and the metrics through a private directory (proxy/tier.py)."""
+    proxy from the options as given (``raw``, in its environment; each worker reads the
+    secrets from their files or the environment itself, so none is written anywhere),
+    sharing the instance set and the metrics through a private directory (proxy/tier.py)."""
     import json
     import os
     import shutil
@@ -180,14 +181,10 @@ def _serve_tier(args: argparse.Namespace, proxy, serve: dict) -> int:
     run_dir = tempfile.mkdtemp(prefix="kvpath-proxy-")  # mode 0700
     try:
         os.mkdir(os.path.join(run_dir, METRICS_SUBDIR))
-        spec = os.path.join(run_dir, "worker.json")
-        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({k: v for k, v in vars(args).items() if k != "func"}, f)
         SharedInstances(run_dir).publish(proxy.pools)
         # read by prometheus-client when a worker imports it: every worker's values in files
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_dir, METRICS_SUBDIR)
-        os.environ[RUN_DIR_ENV], os.environ[WORKER_ENV] = run_dir, spec
+        os.environ[RUN_DIR_ENV], os.environ[WORKER_ENV] = run_dir, json.dumps(raw)
         uvicorn.run("kvpath.proxy.cli:worker_app", factory=True, workers=args.workers, **serve)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -203,8 +200,11 @@ def worker_app():
     from kvpath.proxy.tier import RUN_DIR_ENV, WORKER_ENV, SharedInstances
     from kvpath.web.heap import freeze_startup_heap
 
-    with open(os.environ[WORKER_ENV]) as f:
-        args = argparse.Namespace(**json.load(f))
+    args = argparse.Namespace(**json.loads(os.environ[WORKER_ENV]))
+    # spawned: the parent's logging set-up is not inherited
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resolve_args(args)  # the secrets from where the parent read them
     proxy, res_app = build_proxy(args)
     proxy.shared = SharedInstances(os.environ[RUN_DIR_ENV])
     app = create_app(proxy, res_app)

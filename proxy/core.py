@@ -99,7 +99,7 @@ class Proxy:
         try:
             raw = await request.body()
             body = _decode(raw)
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # (invalid UTF-8 is the second)
             return self._count(endpoint, error_response(400, "request body is not valid JSON"), "bad_json")
         if not isinstance(body, dict):
             return self._count(endpoint, error_response(400, "request body must be a JSON object"), "bad_json")
@@ -428,5 +428,5 @@ class Proxy:
             "prefill": [view(n, i) for n, i in enumerate(self.pools["prefill"].all())],
             "decode": [view(n, i) for n, i in enumerate(self.pools["decode"].all())],
             "redacted": not full,
-            **({"worker_pid": os.getpid()} if self.shared is not None else {}),
+            **({"worker_pid": os.getpid()} if self.shared is not None and full else {}),
         }

@@ -77,7 +77,7 @@ class EngineClient:
             raise engine_error(inst, status, raw.decode("utf-8", "replace"), r_headers)
         try:
             out = _decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             inst.errors += 1
             raise UpstreamError(502, "upstream_error", f"{inst.role} {inst.url} answered with non-JSON") from None
         if not isinstance(out, dict):

@@ -16,6 +16,10 @@ PLACED_POLICIES = ("joint", "network")
 MAX_INSTANCES = 4096  # per pool: /admin/instances cannot grow it without end
 
 
+class PoolFull(ValueError):
+    """The pool holds MAX_INSTANCES already."""
+
+
 class NoInstance(RuntimeError):
     pass
 
@@ -62,18 +66,21 @@ class InstancePool:
         self._seq = itertools.count()
 
     def add(self, inst: Instance) -> bool:
-        """Add or update; True when it is new. ValueError: the pool is full."""
-        new = inst.url not in self._items
-        if new and len(self._items) >= MAX_INSTANCES:
-            raise ValueError(f"the {self.role} pool is full ({MAX_INSTANCES} instances): remove one first")
-        if not new:
-            old = self._items[inst.url]
-            inst.inflight, inst.served, inst.errors, inst.added_seq = old.inflight, old.served, old.errors, old.added_seq
-            inst.healthy, inst.health_failures = old.healthy, old.health_failures  # same engine, same health
-        else:
-            inst.added_seq = next(self._seq)
+        """Add, or update what the operator gives of one already here (in place: requests
+        in flight hold it, and end on it); True when it is new. PoolFull: no room."""
+        old = self._items.get(inst.url)
+        if old is not None:
+            old.fabric_host, old.kv_addr, old.engine_id = inst.fabric_host, inst.kv_addr, inst.engine_id
+            old.tp_size, old.tp_learned = inst.tp_size, inst.tp_learned  # 0: learned again from P's next answer
+            return False
+        if len(self._items) >= MAX_INSTANCES:
+            raise PoolFull(f"the {self.role} pool is full ({MAX_INSTANCES} instances): remove one first")
+        inst.added_seq = next(self._seq)
         self._items[inst.url] = inst
-        return new
+        return True
+
+    def get(self, url: str) -> Instance | None:
+        return self._items.get(url)
 
     def remove(self, url: str) -> bool:
         return self._items.pop(url, None) is not None

@@ -7,6 +7,7 @@ live workers; healthy instances: the fewest any live worker has in rotation)."""
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any
 
@@ -47,6 +48,7 @@ class ProxyMetrics:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess as mp
 
+        _forget_dead_workers()
         reg = CollectorRegistry()
         mp.MultiProcessCollector(reg)
         return generate_latest(reg)
@@ -65,3 +67,22 @@ class ProxyMetrics:
         if g is None:
             g = self._inflight_of[(role, url)] = self.inflight.labels(role, url)
         return g
+
+
+def _forget_dead_workers() -> None:
+    """A worker that died without stopping (killed, crashed) leaves its live gauges'
+    files; the collector does not check whether their process lives, so its last
+    in-flight counts would stay in the sums: drop those of processes gone."""
+    from prometheus_client import multiprocess as mp
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        try:
+            pid = int(f.rsplit("_", 1)[1][:-3])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            mp.mark_process_dead(pid, path)
+        except PermissionError:
+            continue  # alive, another user's

@@ -33,7 +33,7 @@ from kvpath.proxy.instances import Instance, InstancePool
 
 logger = logging.getLogger(__name__)
 
-WORKER_ENV = "KVPATH_PROXY_WORKER"  # a worker's options (JSON, secrets resolved), set by the parent
+WORKER_ENV = "KVPATH_PROXY_WORKER"  # a worker's options as given (JSON; no secret read from a file), by the parent
 RUN_DIR_ENV = "KVPATH_PROXY_RUN_DIR"  # the tier's private directory: the instance set, the metrics
 METRICS_SUBDIR = "metrics"
 FOLLOW_INTERVAL_S = 0.5
@@ -80,13 +80,15 @@ class SharedInstances:
             version, items = self._read()
             self._apply(pools, version, items)
             out = fn()
-            self._write(pools, version + 1)
+            # past every version seen: a file lost (a cleaned /tmp) must not go back in time
+            self._write(pools, max(version, self.version) + 1)
             return out
 
     def sync(self, pools: dict[str, InstancePool]) -> bool:
-        """Bring ``pools`` up to the tier's set; True when it changed them."""
-        with self._locked():
-            version, items = self._read()
+        """Bring ``pools`` up to the tier's set; True when it changed them. Without the
+        lock: the file is replaced whole (``os.replace``), so a read sees one version or
+        the next, and a worker stalled holding the lock stalls no reader."""
+        version, items = self._read()
         return self._apply(pools, version, items)
 
     async def follow(self, pools: dict[str, InstancePool], on_change: Callable[[], None] | None = None) -> None:
@@ -94,9 +96,14 @@ class SharedInstances:
         last = None
         while True:
             try:
-                st = self.path.stat()
-                if (st.st_mtime_ns, st.st_size) != last:
-                    last = (st.st_mtime_ns, st.st_size)
+                try:
+                    st = self.path.stat()
+                except FileNotFoundError:  # removed under us (a cleaned /tmp): the next change writes it
+                    await asyncio.sleep(FOLLOW_INTERVAL_S)
+                    continue
+                # the inode too: every write is a new file, whatever the clock's tick
+                if (st.st_ino, st.st_mtime_ns, st.st_size) != last:
+                    last = (st.st_ino, st.st_mtime_ns, st.st_size)
                     if self.sync(pools) and on_change is not None:
                         on_change()
             except Exception:  # a bad write must not end following for good
@@ -127,9 +134,8 @@ class SharedInstances:
                 if (role, inst.url) not in want:
                     pool.remove(inst.url)
         for (role, url), it in want.items():
-            old = next((i for i in pools[role].all() if i.url == url), None)
-            if old is not None and all(getattr(old, k) == it[k] for k in _FIELDS) and it["tp_size"] in (
-                    0, old.tp_size):
+            old = pools[role].get(url)
+            if old is not None and _given(old) == it:
                 continue  # unchanged: keep what this worker learned of it (its TP size)
             pools[role].add(Instance(**{k: it[k] for k in _FIELDS}, tp_size=it["tp_size"]))
         self.version = version

@@ -9,6 +9,7 @@ never wait long on the reservation service.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Sequence
 
 import aiohttp
@@ -20,6 +21,7 @@ from kvpath.reservation.decisions import ReservationError, ReservationService, S
 from kvpath.reservation.placer import place_request
 from kvpath.reservation.wire import FlowScope, LaneGrant, LaneInfo
 
+logger = logging.getLogger(__name__)
 # below uvicorn's keep-alive (5 s): the client, not the service, closes an idle connection
 IDLE_KEEPALIVE_S = 2.0
 RELEASE_BATCH_S = 0.005  # how long a release waits for others to go with it
@@ -84,6 +86,7 @@ class HttpReserver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._releases: list[str] = []  # lease ids to release in the next call
         self._flusher: asyncio.Task | None = None
+        self._one_by_one = False  # the service has no /v1/releases
 
     async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """(status, body) of one call; raises asyncio.TimeoutError past the timeout and
@@ -130,7 +133,18 @@ class HttpReserver:
         while self._releases:
             batch, self._releases = self._releases[:wire.MAX_RELEASES], self._releases[wire.MAX_RELEASES:]
             try:
-                await self._post(wire.RELEASES_PATH, wire.encode(wire.ReleasesRequest(batch)))
+                if self._one_by_one:
+                    for lease_id in batch:
+                        await self._post(wire.RELEASE_PATH, wire.encode(wire.ReleaseRequest(lease_id)))
+                    continue
+                status, _ = await self._post(wire.RELEASES_PATH, wire.encode(wire.ReleasesRequest(batch)))
+                if status in (404, 405):  # a service older than /v1/releases: one call each from now on
+                    logger.warning("%s has no %s: releasing one lease per call", self.url, wire.RELEASES_PATH)
+                    self._one_by_one = True
+                    self._releases[:0] = batch
+                elif status != 200:
+                    logger.warning("%s answered %d to %d releases (their leases end them)", self.url, status,
+                                   len(batch))
             except (asyncio.TimeoutError, aiohttp.ClientError):
                 pass  # the leases end them anyway
 

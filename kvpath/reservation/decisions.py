@@ -206,9 +206,9 @@ class ReservationService(LaneRegistry):
         # the random part is cut from a batch drawn from the OS (one call per 1,024 ids)
         k = self._rand_at
         if k >= len(self._rand):
-            self._rand, k = secrets.token_hex(6 * 1024), 0
-        self._rand_at = k + 12
-        return f"r{next(self._ids)}-{self._rand[k:k + 12]}"
+            self._rand, k = secrets.token_hex(12 * 1024), 0
+        self._rand_at = k + 24  # 96 bits: /v1/releases tries 1,024 ids a call
+        return f"r{next(self._ids)}-{self._rand[k:k + 24]}"
 
     def view(self, src: str, now: float) -> "LinkLoads | DelayedView":
         """The loads a decision for P host ``src`` sees: the truth (cc, ecmp), or what

@@ -271,3 +271,36 @@ def test_the_bytes_metric_puts_a_push_beside_many_small_ones_rather_than_one_big
     assert picks == {"flows": "spine0", "bytes": "spine1"}
     with pytest.raises(ReservationError, match="metric"):
         ReservationService(spec, "cc", metric="packets")
+
+
+def test_one_service_per_group_of_leaves_decides_as_one_service_for_all():
+    """Sharding by pod (docs/reservation.md, "Past one process"): pairs inside one group
+    of leaves use no link of another group's pairs, so a service that sees only its
+    group's reservations decides every one of them as a service that sees all."""
+    spec = FabricSpec(leaves=4, spines=4, hosts_per_leaf=4)
+    groups = [[spec.host_name(leaf, h) for leaf in leaves for h in range(4)] for leaves in ((0, 1), (2, 3))]
+    links = [{ln for s in g for d in g for sp in range(spec.spines) for ln in spec.path(s, d, sp).links}
+             for g in groups]
+    assert links[0] and not links[0] & links[1]
+    lanes = [LaneInfo(i, 40000 + 7 * i) for i in range(8)]
+    whole, shards = ReservationService(spec, "cc"), [ReservationService(spec, "cc") for _ in groups]
+    rng = random.Random(3)
+    live: list[tuple[int, str, str]] = []
+    decided = 0
+    for k in range(600):
+        g = rng.randrange(2)
+        s, d = rng.sample(groups[g], 2)
+        for svc in (whole, shards[g]):
+            if not svc.lanes(s, d):
+                svc.register_lanes(s, d, lanes)
+        nbytes = rng.randint(1, 10**9)
+        a = whole.reserve(s, d, nbytes, transfer_id=f"t{k}")
+        b = shards[g].reserve(s, d, nbytes, transfer_id=f"t{k}")
+        assert a.lane == b.lane, k
+        decided += s[:2] != d[:2]  # across leaves: through a spine, a real choice
+        live.append((g, a.lease_id, b.lease_id))
+        if len(live) > 24:  # flows end, in the same order in both
+            g0, la, lb = live.pop(rng.randrange(len(live)))
+            whole.release(la)
+            shards[g0].release(lb)
+    assert decided > 300

@@ -184,9 +184,9 @@ def test_the_wire_answers_keep_their_json_shape(client):
     assert client.post("/v1/reserve", content=b"", headers={"content-type": "application/json"}).status_code == 422
 
 
-def _recording_service():
+def _recording_service(batched: bool = True):
     """A stand-in service on a real socket: what each call sent (path, body, token), and
-    the answers a service gives."""
+    the answers a service gives (``batched``: it has /v1/releases, as older ones do not)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -200,8 +200,8 @@ def _recording_service():
             return JSONResponse({"lease_id": "r1-ab", "lane": 3, "spine": "spine2", "fallback": ""})
         return JSONResponse({"lease_id": "r1-ab", "released": True})
 
-    app = Starlette(routes=[Route(p, handler, methods=["POST"])
-                            for p in (wire.RESERVE_PATH, wire.RELEASE_PATH, wire.RELEASES_PATH)])
+    paths = (wire.RESERVE_PATH, wire.RELEASE_PATH) + ((wire.RELEASES_PATH,) if batched else ())
+    app = Starlette(routes=[Route(p, handler, methods=["POST"]) for p in paths])
     return seen, ServerThread(app, free_port())
 
 
@@ -256,6 +256,20 @@ def test_the_http_reserver_sends_releases_together_and_the_service_ends_each_onc
         assert c.post(wire.RELEASES_PATH, json={"lease_ids": []}).status_code == 422
         assert c.post(wire.RELEASES_PATH, json={"lease_ids": ["x"] * (wire.MAX_RELEASES + 1)}).status_code == 422
         assert c.post(wire.RELEASES_PATH, json={"lease_ids": ["nope"]}).json() == {"released": 0, "unknown": 1}
+
+
+def test_against_a_service_without_batched_releases_each_goes_alone():
+    seen, srv = _recording_service(batched=False)
+
+    async def go() -> None:
+        res = HttpReserver(srv.url, timeout_s=10)
+        for lid in ("r1-a", "r2-b"):
+            await res.release(lid)
+        await res.close()
+
+    with srv:
+        asyncio.run(go())
+    assert [x[:2] for x in seen] == [("/v1/release", b'{"lease_id":"r1-a"}'), ("/v1/release", b'{"lease_id":"r2-b"}')]
 
 
 def test_each_caller_has_its_protocol():

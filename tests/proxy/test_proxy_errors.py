@@ -89,6 +89,20 @@ def test_upstream_timeout_is_504(setup):
     assert time.monotonic() - t0 < 6
 
 
+@pytest.mark.parametrize("raw,message", [
+    (b'{"model": "tiny", "prompt": "x"', "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "\xff\xfe"}', "not valid JSON"),  # invalid UTF-8 inside a string
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "not valid JSON"),  # strict JSON (RFC 8259)
+    (b'["tiny", "x"]', "must be a JSON object"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_400_naming_why_and_reaches_no_engine(setup, raw, message):
+    r = httpx.post(setup.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=10)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert not setup.pb[0].received and not setup.db[0].received
+    assert 'kvpath_proxy_errors_total{kind="bad_json"} 1.0' in httpx.get(setup.url + "/metrics").text
+
+
 def test_a_bug_inside_the_proxy_is_a_500_with_a_message_not_a_dropped_connection(setup, monkeypatch):
     async def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -138,3 +138,30 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
                 proc.kill()
         p.stop()
         d.stop()
+
+
+def test_a_dead_workers_live_gauges_leave_the_sums(tmp_path, monkeypatch):
+    """A worker killed without stopping leaves its in-flight gauge's file; a scrape drops
+    it (its pid is gone), keeps a live process's, and leaves counters alone."""
+    from kvpath.proxy.metrics import _forget_dead_workers
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    dead = 2 ** 31 - 7  # above any pid the kernel gives (pid_max is at most 2^22)
+    for name in (f"gauge_livesum_{dead}.db", f"gauge_livesum_{os.getpid()}.db", f"counter_{dead}.db"):
+        (tmp_path / name).write_bytes(b"")
+    _forget_dead_workers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"gauge_livesum_{os.getpid()}.db",
+                                                                  f"counter_{dead}.db"])
+
+
+def test_an_update_of_an_instance_is_made_in_place():
+    """Requests in flight hold the instance they were routed to and end on it: an update
+    (the same URL again) changes that object's fields, so its in-flight count still
+    returns to zero."""
+    pool = InstancePool("prefill")
+    first = Instance("http://p0", "prefill", "l0h0", "127.0.0.1:1", tp_size=2)
+    assert pool.add(first)
+    first.inflight = 3
+    assert not pool.add(Instance("http://p0", "prefill", "l0h1", "127.0.0.1:2", engine_id="e"))
+    assert pool.get("http://p0") is first and first.inflight == 3
+    assert (first.fabric_host, first.kv_addr, first.engine_id, first.tp_size) == ("l0h1", "127.0.0.1:2", "e", 0)

@@ -218,7 +218,8 @@ def main() -> int:
                 code = STUB.format(delay=args.engine_delay_s, tok=args.token_delay_s, name=f"{role}{k}", port=port)
                 procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
                 engines[role].append(f"http://127.0.0.1:{port}")
-        prefill = [f"{u},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT + k},fabric_host={h}"
+        # tp=1 given: no worker of a multi-worker proxy sends its first P leg alone to learn it
+        prefill = [f"{u},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT + k},fabric_host={h},tp=1"
                    for k, (u, h) in enumerate(zip(engines["P"], p_hosts))]
         decode = [f"{u},fabric_host={h}" for u, h in zip(engines["D"], d_hosts)]
         proxies: dict[str, tuple[str, list[psutil.Process]]] = {}

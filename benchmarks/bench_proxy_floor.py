@@ -1,0 +1,126 @@
+"""The floor of a streaming P/D relay in Python: what the least a proxy must do costs.
+
+    .venv/bin/python benchmarks/bench_proxy_floor.py [--streams 64] [--rounds 3] [--tokens 16]
+
+A relay with nothing of kvpath's proxy: read the client's JSON body, send P a
+one-token leg and D the streamed leg (one aiohttp session, keep-alive), relay each of
+D's chunks to the client as it comes, on uvicorn with uvloop and httptools (the stack
+`kvpath proxy` runs on). No validation, reservation, metrics, health checks, timeouts
+or error handling. Against the same stub engines as benchmarks/bench_proxy.py, rounds
+alternating with `kvpath proxy --reservation none` (no lane reserved: the relay's own
+work only), it prints both processes' CPU per request: what kvpath's proxy adds over
+the floor, and how far below today's cost any proxy on this stack can go (the floor's
+CPU goes to the sockets' system calls and the event loop, per request and per
+streamed chunk)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from bench_proxy import STUB, cpu_s, run_streams
+from kvpath.deployment import KV_SIDE_CHANNEL_PORT
+from kvpath.testbed.readiness import free_port, wait_http
+
+RELAY = """
+import asyncio, json
+import aiohttp, uvicorn
+P, D = {p!r}, {d!r}
+session = None
+
+async def app(scope, receive, send):
+    global session
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({{"type": "lifespan.startup.complete"}})
+        await send({{"type": "lifespan.shutdown.complete"}})
+        return
+    if session is None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    body, more = b"", True
+    while more:
+        m = await receive()
+        body, more = body + m.get("body", b""), m.get("more_body", False)
+    b = json.loads(body)
+    p = asyncio.ensure_future(session.post(P + "/v1/completions", json={{**b, "max_tokens": 1, "stream": False}}))
+    r = await session.post(D + "/v1/completions", json=b)
+    await send({{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}})
+    async for chunk in r.content.iter_any():
+        await send({{"type": "http.response.body", "body": chunk, "more_body": True}})
+    await send({{"type": "http.response.body", "body": b"", "more_body": False}})
+    r.release()
+    pr = await p
+    await pr.read()
+    pr.release()
+
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", backlog=4096, proxy_headers=False)
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--requests-per-stream", type=int, default=10)
+    args = ap.parse_args()
+    procs: list[subprocess.Popen] = []
+    try:
+        url = {}
+        for role in ("P", "D"):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-c", STUB.format(delay=0.2, tok=0.01, name=role,
+                                                                             port=port)]))
+            url[role] = f"http://127.0.0.1:{port}"
+        servers: dict[str, tuple[str, psutil.Process]] = {}
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-c", RELAY.format(p=url["P"], d=url["D"], port=port)]))
+        servers["floor relay"] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
+             "--prefill", f"{url['P']},kv_addr=127.0.0.1:{KV_SIDE_CHANNEL_PORT}", "--decode", url["D"]]))
+        servers["kvpath proxy"] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+        wait_http(url["P"])
+        wait_http(url["D"])
+        wait_http(servers["kvpath proxy"][0] + "/health")
+        time.sleep(1.0)  # the relay has no /health: give it the time to listen
+        for u, _ in servers.values():
+            uvloop.run(run_streams(u, 8, 1, args.tokens))  # warm connections
+        spread = 0.2 + args.tokens * 0.01
+        cpu: dict[str, list[float]] = {k: [] for k in servers}
+        errors = dict.fromkeys(servers, 0)
+        for r in range(args.rounds):
+            order = list(servers)[r % 2:] + list(servers)[:r % 2]
+            for name in order:
+                u, proc = servers[name]
+                c0 = cpu_s([proc])
+                _, e2e, err = uvloop.run(run_streams(u, args.streams, args.requests_per_stream, args.tokens, spread))
+                cpu[name].append((cpu_s([proc]) - c0) * 1e3 / max(1, len(e2e)))
+                errors[name] += err
+        t = Table(title=f"CPU per streamed request, {args.streams} streams, {args.tokens} tokens each, "
+                        f"{args.rounds} rounds alternating")
+        for col in ("server", "CPU ms/request: median (range)", "errors"):
+            t.add_column(col)
+        for name, v in cpu.items():
+            t.add_row(name, f"{np.median(v):.2f} ({min(v):.2f}..{max(v):.2f})", str(errors[name]))
+        Console(width=130).print(t)
+        ratio = np.median(cpu["kvpath proxy"]) / np.median(cpu["floor relay"])
+        Console().print(f"[bold]summary[/bold] kvpath proxy / floor relay: {ratio:.2f}x")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

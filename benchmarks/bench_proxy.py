@@ -19,7 +19,9 @@ registered for every host pair), rounds rotating direct, A, B; the summary gives
 over A's per round (joint against least outstanding: the cost of placing P, D and the lane
 at once, in the proxy's in-process service). With ``--pin`` the
 proxy runs alone on the last core. On 2 cores the client and the stubs share the CPU
-with the proxy, so at 512 streams the machine saturates and the direct path slows too."""
+with the proxy, so at 512 streams the machine saturates and the direct path slows too:
+the table gives the machine's lowest idle share over the direct and over the proxied
+rounds (near 0: the machine, not the proxy, set the queue)."""
 
 from __future__ import annotations
 
@@ -111,6 +113,14 @@ def cpu_s(procs: list[psutil.Process]) -> float:
                 continue
             total += t.user + t.system
     return total
+
+
+def idle_pct(since: "psutil._common.scputimes") -> float:
+    """The machine's idle share (all cores) since ``since``: near 0, the machine, not the
+    proxy, was the bottleneck (the stubs and the client share its cores)."""
+    now = psutil.cpu_times()
+    busy = sum(now) - sum(since)
+    return 100.0 * ((now.idle + getattr(now, "iowait", 0)) - (since.idle + getattr(since, "iowait", 0))) / max(busy, 1e-9)
 
 
 def plot_ttfb(samples: dict[int, tuple[list[float], list[float]]], path: str, title: str) -> None:
@@ -268,7 +278,7 @@ def main() -> int:
                         f"{args.requests_per_stream} requests per stream per round, {args.rounds} rounds")
         for col in ("streams", "policy", "direct TTFB p50/p99 ms", "proxy TTFB p50/p99 ms", "added p50 ms",
                     "added p99 ms: median (range) of rounds", "added e2e p99 ms", "proxy CPU ms/request",
-                    "errors direct/proxy"):
+                    "machine idle % direct/proxy", "errors direct/proxy"):
             t.add_column(col)
         results: dict[tuple[int, str], float] = {}
         cpu: dict[tuple[int, str], float] = {}
@@ -279,13 +289,15 @@ def main() -> int:
             for px, _ in proxies.values():
                 uvloop.run(run_streams(px, min(n, 8), 1, args.tokens))  # warm connections
             spread = args.engine_delay_s + args.tokens * args.token_delay_s
-            d_t, d_e, d_err = [], [], 0
-            got = {pol: {"t": [], "e": [], "err": 0, "cpu": 0.0, "add99": []} for pol in proxies}
+            d_t, d_e, d_err, d_idle = [], [], 0, []
+            got = {pol: {"t": [], "e": [], "err": 0, "cpu": 0.0, "add99": [], "idle": []} for pol in proxies}
             # Direct and proxied rounds alternate (the policies' order rotating), so slow
             # phases of this shared machine hit all of them; the headline is the median
             # of the rounds' p99 gaps.
             for r in progress(range(args.rounds), f"{n} streams"):
+                i0 = psutil.cpu_times()
                 dt, de, derr = uvloop.run(run_streams(d_url, n, args.requests_per_stream, args.tokens, spread))
+                d_idle.append(idle_pct(i0))
                 d_t += dt
                 d_e += de
                 d_err += derr
@@ -293,9 +305,10 @@ def main() -> int:
                 p99 = {}
                 for pol in order:
                     px, proc = proxies[pol]
-                    c0 = cpu_s(proc)
+                    c0, i0 = cpu_s(proc), psutil.cpu_times()
                     pt, pe, perr = uvloop.run(run_streams(px, n, args.requests_per_stream, args.tokens, spread))
                     g = got[pol]
+                    g["idle"].append(idle_pct(i0))
                     g["cpu"] += cpu_s(proc) - c0
                     g["add99"].append(pct(pt, 99) - pct(dt, 99))
                     g["t"] += pt
@@ -312,7 +325,8 @@ def main() -> int:
                 t.add_row(str(n), pol, f"{pct(d_t, 50):.1f} / {pct(d_t, 99):.1f}",
                           f"{pct(g['t'], 50):.1f} / {pct(g['t'], 99):.1f}", f"{add50:.1f}",
                           f"{add99:.1f} ({min(g['add99']):.1f}..{max(g['add99']):.1f})",
-                          f"{pct(g['e'], 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}", f"{d_err}/{g['err']}")
+                          f"{pct(g['e'], 99) - pct(d_e, 99):.1f}", f"{cpu_per_req:.2f}",
+                          f"{min(d_idle):.0f}/{min(g['idle']):.0f}", f"{d_err}/{g['err']}")
             samples[n] = (d_t, got[first]["t"])
         con.print(t)
         if args.reservation == "inproc":

@@ -8,7 +8,7 @@ import logging
 from kvpath.credentials import CredentialError, header_safe, load_secret, secret_arg
 from kvpath.proxy.instances import POLICIES, Instance
 from kvpath.proxy.legs import MODES as PROXY_MODES
-from kvpath.reservation.cli import add_reservation_args, build_cost, build_service
+from kvpath.reservation.cli import add_reservation_args, build_cost, build_service, load_fabric
 from kvpath.reservation.wire import RESERVE_AT, TOKEN_ENV as RESERVATION_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,18 @@ def build_proxy(args: argparse.Namespace):
     reserver: AsyncReserver | None = None
     res_app = None
     if args.mode == "push":
-        if args.reservation_url:
+        if args.reservation_shard:
+            from kvpath.reservation.shards import ShardedReserver, ShardError, parse_shard
+
+            spec = load_fabric(args.fabric)
+            try:
+                shards = [parse_shard(s, spec) for s in args.reservation_shard]
+                reserver = ShardedReserver(spec, [(leaves, HttpReserver(url, timeout_s=args.reservation_timeout_s,
+                                                                        token=args.res_token))
+                                                  for leaves, url in shards])
+            except ShardError as e:
+                raise SystemExit(f"kvpath proxy: error: {e}") from None
+        elif args.reservation_url:
             reserver = HttpReserver(args.reservation_url, timeout_s=args.reservation_timeout_s, token=args.res_token)
         elif args.reservation == "inproc":
             svc = build_service(args.fabric, args.res_mode, args.lease_s, args.dc_delay_s, args.kernel_oracle, args.cc_metric,
@@ -121,6 +132,9 @@ def resolve_args(args: argparse.Namespace) -> None:
         parse_instance(s, "decode")
     if not 1 <= args.workers <= 64:
         raise SystemExit(f"kvpath proxy: error: --workers must be from 1 to 64, got {args.workers}")
+    if args.reservation_shard and (args.reservation_url or args.reservation == "inproc"):
+        raise SystemExit("kvpath proxy: error: --reservation-shard is instead of --reservation-url and "
+                         "--reservation inproc: give one of them")
     if args.workers > 1 and args.mode == "push" and not args.reservation_url and args.reservation == "inproc":
         raise SystemExit("kvpath proxy: error: --workers N with --reservation inproc would give each worker its own "
                          "reservation service, each deciding the same free links: run one `kvpath reservation` and "
@@ -130,8 +144,9 @@ def resolve_args(args: argparse.Namespace) -> None:
     # thereby hold the proxy's /admin (which redirects user traffic)
     args.res_token = secret_arg(args, "proxy", "--reservation-token-file", RESERVATION_TOKEN_ENV)
     if args.mode == "push":
-        need = ("--reservation-url" if args.reservation_url and args.reserve_at == "admission"
-                else "--reservation inproc" if not args.reservation_url and args.reservation == "inproc" else "")
+        remote = "--reservation-shard" if args.reservation_shard else "--reservation-url" if args.reservation_url else ""
+        need = (remote if remote and args.reserve_at == "admission"
+                else "--reservation inproc" if not remote and args.reservation == "inproc" else "")
         if need and not args.res_token:
             raise SystemExit(f"kvpath proxy: error: {need} needs the reservation service's token: give "
                              f"--reservation-token-file PATH (a file holding it) or set {RESERVATION_TOKEN_ENV} "
@@ -265,6 +280,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="a request body above this is refused with 413 (default 32 MiB)")
     p.add_argument("--reservation-url", help="a running `kvpath reservation` (push mode)")
+    p.add_argument("--reservation-shard", action="append", default=[], metavar="FIRST-LAST=URL",
+                   help="a `kvpath reservation` deciding for the pairs under leaves FIRST..LAST (repeat for each group "
+                        "of leaves, instead of --reservation-url): a pair across groups is not reserved (cross_shard); "
+                        "needs --fabric (docs/reservation.md, 'Past one process')")
     p.add_argument("--reservation", choices=("none", "inproc"), default="none",
                    help="inproc: run the reservation service inside the proxy (push mode); "
                         "its API is then at /reservation (connectors: reservation_url=http://PROXY/reservation)")

@@ -32,27 +32,39 @@ def _lanes_on_every_spine(spec: FabricSpec, src: str, dst: str) -> list[dict]:
     return list(out.values())
 
 
+def start_service(tmp_path, env: dict) -> tuple[subprocess.Popen, str, str]:
+    """A `kvpath reservation` process (cc) on FABRIC with one lane on each spine registered
+    for l0h0 -> l1h0: (its process, its URL, the fabric file). The caller ends it."""
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps(FABRIC))
+    res_url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", res_url.rsplit(":", 1)[1],
+                             "--fabric", str(fabric), "--mode", "cc", "--lease-s", "60"], env=env)
+    try:
+        wait_http(res_url + "/health", proc, timeout_s=60)
+        r = httpx.post(res_url + wire.LANES_PATH, headers={"Authorization": f"Bearer {env[wire.TOKEN_ENV]}"}, json={
+            "src_host": "l0h0", "dst_host": "l1h0",
+            "lanes": _lanes_on_every_spine(FabricSpec(**FABRIC), "l0h0", "l1h0")})
+        assert r.status_code == 200, r.text
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, res_url, str(fabric)
+
+
 def test_two_proxy_processes_share_one_reservation_service_and_never_stack_a_free_spine(tmp_path):
     """Two `kvpath proxy` processes, each with its own P/D legs, reserve in one `kvpath
     reservation` process: four requests at once, two through each, take the four spines
     of the pair's four lanes, one each. (Each proxy deciding alone would put its own two
     on the same two lowest-loaded spines as the other: two spines twice.)"""
-    spec = FabricSpec(**FABRIC)
-    fabric = tmp_path / "fabric.json"
-    fabric.write_text(json.dumps(FABRIC))
     env = {**os.environ, wire.TOKEN_ENV: TOKEN}
     hdr = {"Authorization": f"Bearer {TOKEN}"}
     # P answers after 1 s: the four reservations are all live when the last is decided
     p = ServerThread(create_stub_app("P0", StubBehaviour(delay_s=1.0)), free_port()).start()
     d = ServerThread(create_stub_app("D0", StubBehaviour()), free_port()).start()
-    res_url = f"http://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", res_url.rsplit(":", 1)[1],
-                               "--fabric", str(fabric), "--mode", "cc", "--lease-s", "60"], env=env)]
+    service, res_url, fabric = start_service(tmp_path, env)
+    procs = [service]
     try:
-        wait_http(res_url + "/health", procs[0], timeout_s=60)
-        r = httpx.post(res_url + wire.LANES_PATH, headers=hdr, json={
-            "src_host": "l0h0", "dst_host": "l1h0", "lanes": _lanes_on_every_spine(spec, "l0h0", "l1h0")})
-        assert r.status_code == 200, r.text
         urls = []
         for _ in range(2):
             port = free_port()

@@ -3,7 +3,6 @@ service, one /metrics view and one instance set (proxy/tier.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,14 +14,13 @@ import psutil
 import pytest
 
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
-from kvpath.fabric import FabricSpec
 from kvpath.proxy import instances
 from kvpath.proxy.instances import Instance, InstancePool
 from kvpath.proxy.tier import SharedInstances
 from kvpath.reservation import wire
 from kvpath.testbed.readiness import free_port, wait_http
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
-from tests.proxy.test_proxy_tier import FABRIC, _lanes_on_every_spine
+from tests.proxy.test_proxy_tier import start_service
 
 TOKEN, ADMIN = "r3s-t0ken-workers", "adm-t0ken-workers"
 
@@ -75,21 +73,14 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
     each (one reservation service decides for both workers); every scrape, whichever
     worker answers it, counts all four; an instance added through one worker is in
     every worker's set."""
-    spec = FabricSpec(**FABRIC)
-    fabric = tmp_path / "fabric.json"
-    fabric.write_text(json.dumps(FABRIC))
     env = {**os.environ, wire.TOKEN_ENV: TOKEN, "KVPATH_ADMIN_TOKEN": ADMIN}
     hdr = {"Authorization": f"Bearer {TOKEN}"}
+    # P answers after 1 s: the four reservations are all live when the last is decided
     p = ServerThread(create_stub_app("P0", StubBehaviour(delay_s=1.0)), free_port()).start()
     d = ServerThread(create_stub_app("D0", StubBehaviour()), free_port()).start()
-    res_url = f"http://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "kvpath.cli", "reservation", "--port", res_url.rsplit(":", 1)[1],
-                               "--fabric", str(fabric), "--mode", "cc", "--lease-s", "60"], env=env)]
+    service, res_url, fabric = start_service(tmp_path, env)
+    procs = [service]
     try:
-        wait_http(res_url + "/health", procs[0], timeout_s=60)
-        r = httpx.post(res_url + wire.LANES_PATH, headers=hdr, json={
-            "src_host": "l0h0", "dst_host": "l1h0", "lanes": _lanes_on_every_spine(spec, "l0h0", "l1h0")})
-        assert r.status_code == 200, r.text
         url = f"http://127.0.0.1:{free_port()}"
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", url.rsplit(":", 1)[1],

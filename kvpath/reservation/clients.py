@@ -125,8 +125,9 @@ class HttpReserver:
         self._releases.append(lease_id)
         if len(self._releases) > MAX_PENDING_RELEASES:
             del self._releases[:len(self._releases) - MAX_PENDING_RELEASES]
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_releases())
+        loop = asyncio.get_running_loop()
+        if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not loop:
+            self._flusher = loop.create_task(self._flush_releases())
 
     async def _flush_releases(self) -> None:
         await asyncio.sleep(RELEASE_BATCH_S)

@@ -219,8 +219,14 @@ def worker_app():
     # spawned: the parent's logging set-up is not inherited
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    resolve_args(args)  # the secrets from where the parent read them
-    proxy, res_app = build_proxy(args)
+    try:
+        resolve_args(args)  # the secrets from where the parent read them (a token file gone: stop)
+        proxy, res_app = build_proxy(args)
+    except SystemExit as e:
+        logger.error("%s", e.code)
+        # uvicorn's code for a worker that failed to start: the parent stops (rather than
+        # start it again and again)
+        raise SystemExit(3) from None
     proxy.shared = SharedInstances(os.environ[RUN_DIR_ENV])
     app = create_app(proxy, res_app)
     freeze_startup_heap()

@@ -16,6 +16,8 @@
 - :mod:`~kvpath.reservation.app`: the HTTP service (FastAPI; the only module here that
   imports a web framework), run by ``kvpath reservation`` or mounted in the proxy;
 - :mod:`~kvpath.reservation.clients`: the proxy's clients, in process and over HTTP;
+- :mod:`~kvpath.reservation.shards`: the proxy's client of several services, one per
+  group of leaves;
 - :mod:`~kvpath.reservation.notifier`: P's connector's queued client and its token;
 - :mod:`~kvpath.reservation.cli`: the ``kvpath reservation`` command, and the options the
   proxy shares with it for a service in its own process.

@@ -4,6 +4,7 @@ service, one /metrics view and one instance set (proxy/tier.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
     """Four requests at once through a two-worker proxy take the pair's four spines, one
     each (one reservation service decides for both workers); every scrape, whichever
     worker answers it, counts all four; an instance added through one worker is in
-    every worker's set."""
+    every worker's set; a worker killed outright is replaced and the tier serves on."""
     env = {**os.environ, wire.TOKEN_ENV: TOKEN, "KVPATH_ADMIN_TOKEN": ADMIN}
     hdr = {"Authorization": f"Bearer {TOKEN}"}
     # P answers after 1 s: the four reservations are all live when the last is decided
@@ -119,6 +120,26 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
             time.sleep(0.05)
         assert set(seen) <= workers
         assert streak >= 20 or all(seen.values()), seen
+
+        # a worker killed outright: uvicorn starts another, the tier keeps serving, its
+        # counters stay in the sums and its live gauges leave them at the next scrape
+        metrics_dir = psutil.Process(next(iter(workers))).environ()["PROMETHEUS_MULTIPROC_DIR"]
+        victim = min(workers)
+        assert any(f.startswith("gauge_live") and f.endswith(f"_{victim}.db") for f in os.listdir(metrics_dir))
+        os.kill(victim, signal.SIGKILL)
+        now: set[int] = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (len(now) == 2 and victim not in now):
+            time.sleep(0.2)
+            now = {c.pid for c in psutil.Process(procs[-1].pid).children()
+                   if "spawn_main" in " ".join(c.cmdline())}
+        assert len(now) == 2 and victim not in now, now
+        with ThreadPoolExecutor(4) as ex:
+            answers = list(ex.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(4)))
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="200"} 8.0' in text.splitlines()
+        assert not [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live") and f.endswith(f"_{victim}.db")]
     finally:
         for proc in procs:
             proc.terminate()

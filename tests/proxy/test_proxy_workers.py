@@ -26,6 +26,34 @@ from tests.proxy.test_proxy_tier import start_service
 TOKEN, ADMIN = "r3s-t0ken-workers", "adm-t0ken-workers"
 
 
+def _workers(parent: int) -> set[int]:
+    """The live worker processes of a `kvpath proxy --workers N` (not its resource tracker,
+    not a killed worker the parent has yet to reap)."""
+    out = set()
+    for c in psutil.Process(parent).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                out.add(c.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return out
+
+
+def _every_worker_sees(url: str, admin: dict, check) -> dict[int, bool]:
+    """Poll ``/status`` (a new connection each: any worker may answer) until every worker
+    that answers passes ``check``, 20 answers in a row, or both workers were seen passing
+    it (the workers follow the shared set every 0.5 s). Returns each seen worker's last."""
+    seen: dict[int, bool] = {}
+    streak, deadline = 0, time.monotonic() + 60
+    while time.monotonic() < deadline and streak < 20 and not (len(seen) == 2 and all(seen.values())):
+        st = httpx.get(url + "/status", headers=admin, timeout=10).json()
+        seen[st["worker_pid"]] = ok = check(st)
+        streak = streak + 1 if ok else 0
+        time.sleep(0.05)
+    assert streak >= 20 or (len(seen) == 2 and all(seen.values())), seen
+    return seen
+
+
 def _pools(*insts: Instance) -> dict[str, InstancePool]:
     pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
     for i in insts:
@@ -90,8 +118,7 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
              "--decode", f"{d.url},fabric_host=l1h0", "--reservation-url", res_url,
              "--reservation-timeout-s", "10"], env=env))
         wait_http(url + "/health", procs[-1], timeout_s=90)
-        workers = {c.pid for c in psutil.Process(procs[-1].pid).children()
-                   if "spawn_main" in " ".join(c.cmdline())}
+        workers = _workers(procs[-1].pid)
         assert len(workers) == 2, psutil.Process(procs[-1].pid).children()
 
         body = {"model": "tiny", "prompt": "spine leaf lane path push pull", "max_tokens": 4}
@@ -109,17 +136,12 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
         r = httpx.post(url + "/admin/instances", headers=admin, timeout=10,
                        json={"role": "decode", "url": "http://127.0.0.1:9", "fabric_host": "l1h1"})
         assert r.status_code == 201, r.text
-        # the workers follow the shared set every 0.5 s: poll until every worker that
-        # answers has it, 20 answers in a row (or both workers seen with it)
-        seen: dict[int, bool] = {}
-        streak, deadline = 0, time.monotonic() + 60
-        while time.monotonic() < deadline and streak < 20 and not (len(seen) == 2 and all(seen.values())):
-            st = httpx.get(url + "/status", headers=admin, timeout=10).json()
-            seen[st["worker_pid"]] = has = "http://127.0.0.1:9" in [i["url"] for i in st["decode"]]
-            streak = streak + 1 if has else 0
-            time.sleep(0.05)
+        seen = _every_worker_sees(url, admin, lambda st: "http://127.0.0.1:9" in [i["url"] for i in st["decode"]])
         assert set(seen) <= workers
-        assert streak >= 20 or all(seen.values()), seen
+        r = httpx.request("DELETE", url + "/admin/instances", headers=admin, timeout=10,
+                          params={"role": "decode", "url": "http://127.0.0.1:9"})
+        assert r.status_code == 200, r.text
+        _every_worker_sees(url, admin, lambda st: [i["url"] for i in st["decode"]] == [d.url])
 
         # a worker killed outright: uvicorn starts another, the tier keeps serving, its
         # counters stay in the sums and its live gauges leave them at the next scrape
@@ -131,8 +153,7 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (len(now) == 2 and victim not in now):
             time.sleep(0.2)
-            now = {c.pid for c in psutil.Process(procs[-1].pid).children()
-                   if "spawn_main" in " ".join(c.cmdline())}
+            now = _workers(procs[-1].pid)
         assert len(now) == 2 and victim not in now, now
         with ThreadPoolExecutor(4) as ex:
             answers = list(ex.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(4)))

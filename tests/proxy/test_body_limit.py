@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from kvpath.reservation.app import MAX_BODY_BYTES
-from tests.proxy.proxy_stubs import BODY, Setup
+from tests.proxy.proxy_stubs import BODY, Setup, wait_until
 
 LIMIT = 4096
 
@@ -65,7 +65,7 @@ def test_the_standalone_reservation_service_refuses_a_huge_body():
     try:
         r = httpx.post(s.res.url + "/v1/reserve", content=b"[" + b"1," * MAX_BODY_BYTES + b"1]", timeout=10)
         assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
-        assert s.svc.state()["active"] == 0
+        assert wait_until(lambda: s.svc.state()["active"] == 0)
     finally:
         s.close()
 

@@ -26,7 +26,7 @@ def test_upstream_error_is_502_with_its_message_and_proxy_stays_up(setup):
     setup.db[0].fail_status = 0
     assert post(setup.url, BODY).status_code == 200
     assert 'kvpath_proxy_errors_total{kind="upstream_error"} 2.0' in httpx.get(setup.url + "/metrics").text
-    assert setup.svc.state()["active"] == 0  # leases of failed requests released
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)  # leases of failed requests released
 
 
 def test_a_p_leg_answered_with_a_role_error_fails_the_request_and_cancels_d(setup):
@@ -132,7 +132,7 @@ def test_client_disconnect_cancels_both_legs_and_releases_the_lease(setup):
     while time.monotonic() < deadline and (setup.pb[0].cancelled < 1 or setup.db[0].cancelled < 1):
         time.sleep(0.05)
     assert setup.pb[0].cancelled == 1 and setup.db[0].cancelled == 1
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
     assert 'kvpath_proxy_errors_total{kind="client_disconnect"} 1.0' in httpx.get(setup.url + "/metrics").text
 
 
@@ -149,7 +149,7 @@ def test_client_leaving_mid_stream_cancels_the_decode_stream(setup):
     m = httpx.get(setup.url + "/metrics").text
     assert 'kvpath_proxy_errors_total{kind="client_disconnect"} 1.0' in m
     assert all(i["inflight"] == 0 for i in httpx.get(setup.url + "/status").json()["decode"])
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
 
 
 # ---- faults: timeouts, broken streams, busy engines, health, unsupported requests ----
@@ -200,7 +200,7 @@ def test_a_stalled_stream_ends_with_an_error_event(setup):
     assert 'kvpath_proxy_errors_total{kind="upstream_stream_error"} 1.0' in m
     assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="504"} 1.0' in m
     assert wait_until(lambda: setup.db[0].stream_cancelled == 1)  # D's stalled stream was dropped
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
     assert all(i["inflight"] == 0 for i in httpx.get(setup.url + "/status").json()["decode"])
 
 
@@ -218,7 +218,7 @@ def test_a_broken_stream_ends_with_an_error_event_and_no_half_event(setup):
     m = setup.metrics()
     assert 'kvpath_proxy_errors_total{kind="upstream_stream_error"} 1.0' in m
     assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="502"} 1.0' in m
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
     # the same request on a healthy stream still passes through unchanged
     setup.db[0].break_after = -1
     status, raw = stream_body(setup.url, {**STREAM, "max_tokens": 10})

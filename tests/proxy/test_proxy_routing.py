@@ -26,7 +26,7 @@ def test_push_mode_sends_both_legs_with_transfer_id_lane_and_lease(setup):
     assert isinstance(pk["lane"], int) and pk["lease_id"].startswith("r")
     assert d_req["body"]["kv_transfer_params"]["do_remote_prefill"] is True
     # the proxy released the reservation when the request ended
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
     m = httpx.get(setup.url + "/metrics").text
     assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0' in m
 
@@ -209,7 +209,7 @@ def test_no_request_is_lost_or_duplicated_under_concurrency(setup):
     tids = [r["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for r in setup.db[0].received]
     assert len(tids) == 64 == len(set(tids))
     assert sorted(tids) == sorted(r["body"]["kv_transfer_params"]["kvpath"]["transfer_id"] for r in setup.pb[0].received)
-    assert setup.svc.state()["active"] == 0
+    assert wait_until(lambda: setup.svc.state()["active"] == 0)
 
 
 

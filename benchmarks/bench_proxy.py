@@ -45,7 +45,7 @@ from rich.table import Table
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.proxy.instances import PLACED_POLICIES, POLICIES
 from kvpath.reservation import wire
-from kvpath.testbed.readiness import free_port, wait_http
+from kvpath.testbed.readiness import free_port, terminate, wait_http
 
 LANES = 8
 
@@ -348,9 +348,7 @@ def main() -> int:
                           f"{cpu[(64, pol)]:.2f} against {cpu[(64, first)]:.2f} ms "
                           f"({cpu[(64, pol)] / cpu[(64, first)]:.2f}x)")
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        terminate(procs)
     return 0
 
 

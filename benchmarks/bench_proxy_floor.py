@@ -28,7 +28,7 @@ from rich.table import Table
 
 from bench_proxy import STUB, cpu_s, run_streams
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
-from kvpath.testbed.readiness import free_port, wait_http
+from kvpath.testbed.readiness import free_port, terminate, wait_http
 
 RELAY = """
 import asyncio, json
@@ -116,9 +116,7 @@ def main() -> int:
         ratio = np.median(cpu["kvpath proxy"]) / np.median(cpu["floor relay"])
         Console().print(f"[bold]summary[/bold] kvpath proxy / floor relay: {ratio:.2f}x")
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        terminate(procs)
     return 0
 
 

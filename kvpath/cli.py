@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from kvpath import __version__
+from kvpath.logs import configure as configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

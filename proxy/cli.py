@@ -211,14 +211,13 @@ def worker_app():
     import json
     import os
 
+    from kvpath.logs import configure as configure_logging
     from kvpath.proxy.app import create_app
     from kvpath.proxy.tier import RUN_DIR_ENV, WORKER_ENV, SharedInstances
     from kvpath.web.heap import freeze_startup_heap
 
     args = argparse.Namespace(**json.loads(os.environ[WORKER_ENV]))
-    # spawned: the parent's logging set-up is not inherited
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "verbose", False))  # spawned: the parent's set-up is not inherited
     try:
         resolve_args(args)  # the secrets from where the parent read them (a token file gone: stop)
         proxy, res_app = build_proxy(args)

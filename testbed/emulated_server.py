@@ -36,6 +36,7 @@ from kvpath.connector.layout import layout_from_buffers
 from kvpath.connector.params import BadTransferParams, parse_decode, parse_prefill
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.layer_push import GRANULARITIES
+from kvpath.logs import configure as configure_logging
 from kvpath.reservation.wire import RESERVE_AT
 from kvpath.testbed.emulated_core import EmulatedEngine, EmuRequest, EngineSpec
 
@@ -256,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer-group", type=int, default=4, help="P, layer-wise: layers per WRITE")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     try:
         app, _ = build(args)
     except (ConfigError, ValueError, KeyError) as e:

@@ -15,7 +15,7 @@ import httpx
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.fabric import FabricSpec
 from kvpath.reservation import wire
-from kvpath.testbed.readiness import free_port, wait_http
+from kvpath.testbed.readiness import free_port, terminate, wait_http
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 
 FABRIC = {"leaves": 2, "spines": 4, "hosts_per_leaf": 2}
@@ -85,12 +85,6 @@ def test_two_proxy_processes_share_one_reservation_service_and_never_stack_a_fre
         assert len(log) == 4
         assert sorted(x["spine"] for x in log) == [f"spine{i}" for i in range(4)]  # one each: never stacked
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(procs, 15)
         p.stop()
         d.stop()

@@ -19,7 +19,7 @@ from kvpath.proxy import instances
 from kvpath.proxy.instances import Instance, InstancePool
 from kvpath.proxy.tier import SharedInstances
 from kvpath.reservation import wire
-from kvpath.testbed.readiness import free_port, wait_http
+from kvpath.testbed.readiness import free_port, terminate, wait_http
 from kvpath.testbed.stub_engine import ServerThread, StubBehaviour, create_stub_app
 from tests.proxy.test_proxy_tier import start_service
 
@@ -162,13 +162,7 @@ def test_two_workers_on_one_address_share_decisions_metrics_and_instances(tmp_pa
         assert 'kvpath_proxy_requests_total{endpoint="/v1/completions",status="200"} 8.0' in text.splitlines()
         assert not [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live") and f.endswith(f"_{victim}.db")]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(procs, 20)
         p.stop()
         d.stop()
 

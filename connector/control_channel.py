@@ -52,8 +52,13 @@ class ControlChannel:
             self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         # D keeps its routing id across a reconnect, so P's answers to registrations held
-        # across the break still reach D. No ROUTER_HANDOVER: a second connection can
-        # never take a live one's id (heartbeats drop a half-open one within seconds).
+        # across the break still reach D. When D reconnects before P has dropped the old
+        # connection (a heartbeat timeout on a starved core), a ROUTER without handover
+        # parks the new one for good: all D sends on it is lost while its heartbeats make
+        # it look alive. With handover the newest connection takes the id. Another peer
+        # cannot claim it without the id's random bytes, which travel only inside D's
+        # encrypted handshake, and what it sends is dropped anyway (the id names D's key).
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         harden(self.router, self.cfg.control_max_message_bytes)
         # libzmq drops a peer's connection without telling us why (an oversized frame, a
         # peer that closed, heartbeats that stopped): the monitor counts those drops

@@ -23,6 +23,7 @@ from kvpath.connector.config import KVPathConfig
 from kvpath.connector.kv_dump import KVDump
 from kvpath.connector.kv_verify import Verifier
 from kvpath.connector.nixl_io import PROBE_BYTES, register
+from kvpath.connector.stall_watch import StallWatch
 from kvpath.connector.telemetry import Stats
 from kvpath.trace import ReceivedRecord, TraceWriter, TransferRecord
 
@@ -76,6 +77,7 @@ class EngineThread:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # the running step's start (StallWatch reads it)
         # a context of its own, closed with the thread; sized by the subclass where its
         # sockets can outnumber libzmq's default (1023)
         self._ctx = zmq.Context()
@@ -129,18 +131,31 @@ class EngineThread:
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
+        StallWatch.shared().add(self)  # here, not in the thread: the watcher is up when start() returns
 
     def _loop(self, step: Callable[[], None]) -> None:
         """Run ``step`` until closed. An unexpected exception is logged and counted and
         the loop goes on: the requests it touched end by their own deadlines, and the
         engine keeps serving the others (a dead thread would hang them all)."""
         while not self._stop.is_set():
+            self._step_started = time.monotonic()
             try:
                 step()
             except Exception:
                 self.stats.inc("engine_thread_errors")
                 logger.exception("%s: unexpected error (loop continues)", threading.current_thread().name)
                 time.sleep(0.01)  # a persistent fault must not spin a core
+        self._step_started = None
+
+    # what the process's StallWatch reads
+    def step_started_at(self) -> float | None:
+        return self._step_started if self._thread is not None and self._thread.is_alive() else None
+
+    def thread_ident(self) -> int | None:
+        return self._thread.ident if self._thread is not None else None
+
+    def thread_name(self) -> str:
+        return self._thread.name if self._thread is not None else "kvpath engine thread"
 
     def poll_events(self, timeout_ms: int) -> dict | None:
         """Wait up to ``timeout_ms`` for socket events (a wake-up is consumed here);

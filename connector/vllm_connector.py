@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpath.connector.config import ConfigError, KVPathConfig
+from kvpath.connector.stall_watch import enable_dump_signal
 from kvpath.connector.vllm_compat import attention_backend, compat_fields, refuse_unsupported
 from kvpath.connector.vllm_scheduler import KVPathMetadata, KVPathScheduler
 
@@ -48,6 +49,7 @@ class KVPathConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
+        enable_dump_signal()  # kill -USR1 on this process: every thread's stack in its log
         ktc = self._kv_transfer_config
         self.cfg = KVPathConfig.from_extra_config(ktc.kv_connector_extra_config)
         if ktc.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):

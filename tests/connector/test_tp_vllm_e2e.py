@@ -89,17 +89,48 @@ _NOISE = ("ulimit", "Triton", "Enforce eager", "Inductor", "SSM cache", "tcmallo
           "Runner V2", "Auto-prefetch")
 
 
-def served(got, logs, names: tuple[str, ...]) -> None:
-    """Every request answered 200; else fail with the answers and what the engines'
-    logs warned of (a rare failure in CI leaves nothing else behind)."""
+def dump_stacks(servers) -> None:
+    """Ask every process of these engines that has the connector's dump handler
+    (SIGUSR1 caught: the connector's processes) to write its threads' stacks to its log."""
+    for server in servers:
+        if server.proc is None:
+            continue
+        try:
+            tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in tree:
+            try:
+                caught = next(ln for ln in open(f"/proc/{proc.pid}/status") if ln.startswith("SigCgt:"))
+                if int(caught.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)):
+                    proc.send_signal(signal.SIGUSR1)
+            except (OSError, StopIteration, psutil.Error):
+                pass
+    time.sleep(2.0)  # the dumps are written by a C handler at once; the logs are followed by pipes
+
+
+def stack_lines(text: str) -> list[str]:
+    """The stacks that faulthandler wrote (a stuck thread's frames: kvpath's, NIXL's)."""
+    out = [ln for ln in text.splitlines()
+           if ln.startswith(("Thread 0x", "Current thread", "Timeout (")) or ln.startswith('  File "')]
+    return [ln[:200] for ln in out if not ln.startswith('  File "') or "site-packages/vllm/" not in ln][-80:]
+
+
+def served(got, logs, names: tuple[str, ...], servers=()) -> None:
+    """Every request answered 200; else fail with the answers, what the engines' logs
+    warned of and where every connector thread stood (a rare failure in CI leaves
+    nothing else behind)."""
     if all(g.status == 200 for g in got):
         return
+    dump_stacks(servers)
     lines = []
     for name in names:
         path = logs / name
-        warned = [ln[:300] for ln in path.read_text(errors="replace").splitlines()
+        text = path.read_text(errors="replace")
+        warned = [ln[:300] for ln in text.splitlines()
                   if ("WARNING" in ln or "ERROR" in ln or "Traceback" in ln) and not any(n in ln for n in _NOISE)]
         lines += [f"--- {name} (last {min(len(warned), 25)} of {len(warned)} warnings)"] + warned[-25:]
+        lines += [f"--- {name}: stacks"] + stack_lines(text)
     pytest.fail(f"statuses {[g.status for g in got]}, errors {[g.error[:200] for g in got]}\n" + "\n".join(lines))
 
 
@@ -150,7 +181,7 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
                                             ref_url=d.url, granularity=granularity)
 
     refs, got = asyncio.run(run())
-    served(got, logs, ("p.log", "d.log"))
+    served(got, logs, ("p.log", "d.log"), (p, d))
     assert [g.text for g in got] == refs
     assert max(tokens_of(p.url, pr) for pr in prompts) > P_CHUNK  # a prefill in several chunks
     # one push per (P rank, D rank) pair, rank r to rank r, each landed
@@ -251,7 +282,7 @@ def assert_heads_landed(dump, p_url: str, got: list[PDResult], p_ranks: int, d_r
             assert np.array_equal(d_kv, heads["p"][h]), f"head {h} of {g.transfer_id}"
 
 
-def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, logs, d_log: str, p_log: str,
+def unequal_tp_case(p: VLLMServer, d: VLLMServer, p_side: int, p_tp: int, d_tp: int, logs, d_log: str, p_log: str,
                     mode: str, seed: int) -> None:
     """Three requests P -> D at unequal TP sizes (the checks of both directions): each
     answered with a whole completion (greedy tokens may differ from a decode-only run:
@@ -261,6 +292,7 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
     into it; and the landed KV equal to P's (``assert_heads_landed``)."""
     prompts = make_prompts(3, seed=seed)
     legs, granularity = _legs(mode)
+    p_url, d_url = p.url, d.url
 
     async def run():
         async with engine_client() as c:
@@ -269,7 +301,7 @@ def unequal_tp_case(p_url: str, d_url: str, p_side: int, p_tp: int, d_tp: int, l
                                             p_tp_size=p_tp, granularity=granularity)
 
     _, got = asyncio.run(run())
-    served(got, logs, ("p.log" if p_tp == 2 else "p1.log", "d1.log" if d_tp == 1 else "d.log"))
+    served(got, logs, ("p.log" if p_tp == 2 else "p1.log", "d1.log" if d_tp == 1 else "d.log"), (p, d))
     assert all(g.text.strip() for g in got)
     assert max(tokens_of(p_url, pr) for pr in prompts) > P_CHUNK  # chunked on P at TP=2
     tids = {g.transfer_id for g in got}
@@ -294,7 +326,7 @@ class TestPTp2IntoDTp1:
         pushes its own heads into D's blocks (one flow per rank pair); the bytes that land
         equal P's, head by head and token by token (both caches dumped by kv_dump_dir)."""
         p, _, logs = tp2
-        unequal_tp_case(p.url, d_tp1.url, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
+        unequal_tp_case(p, d_tp1, P_SIDE, 2, 1, logs, "d1_trace.jsonl", "p_trace.jsonl", mode,
                         {"sequential": 21, "concurrent": 22, "layer": 23, "chunk": 24}[mode])
 
     def test_the_proxy_learns_ps_tp_size_and_serves_p_tp2_into_d_tp1_without_tp_in_its_pool(self, tp2, d_tp1):
@@ -394,7 +426,7 @@ class TestPTp1IntoDTp2:
         holds), frees its blocks when both have landed, and the bytes in each D rank's
         blocks equal P's, head by head and token by token."""
         _, d, logs = tp2
-        unequal_tp_case(p_tp1.url, d.url, P1_SIDE, 1, 2, logs, "d_trace.jsonl", "p1_trace.jsonl", mode,
+        unequal_tp_case(p_tp1, d, P1_SIDE, 1, 2, logs, "d_trace.jsonl", "p1_trace.jsonl", mode,
                         {"sequential": 31, "concurrent": 32, "layer": 33, "chunk": 34}[mode])
 
     def test_kv_usage_returns_to_zero_after_p_tp1_into_d_tp2(self, tp2, p_tp1):

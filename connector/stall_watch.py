@@ -1,0 +1,117 @@
+"""Say where a connector thread is stuck, and where the whole process is.
+
+P's writer and D's receiver threads each finish a step within a few hundred
+milliseconds (a lane probe: 5 s). A step that has not returned for ``STALL_S`` is
+stuck (a native call that does not come back, a lock): one watcher thread per process
+logs the stuck thread's stack once, and again when it moves on. A native call that
+holds the GIL freezes every Python thread, the watcher too; for that case the watcher
+keeps ``faulthandler``'s C timer armed, so a process whose Python threads all stood
+still for ``FROZEN_S`` writes every thread's stack to stderr (the engine's log).
+``kill -USR1`` on an engine process with the connector does the same on demand
+(``DUMP_SIGNAL``; a C handler, so it answers a frozen process too).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+STALL_S = 15.0  # a step this long is stuck: the longest legitimate one is a 5 s lane probe
+FROZEN_S = 60.0  # no Python thread ran for this long: the C timer dumps every stack
+PERIOD_S = 2.0
+DUMP_SIGNAL = signal.SIGUSR1  # vLLM handles neither SIGUSR1 nor SIGUSR2
+
+
+def enable_dump_signal() -> None:
+    """``DUMP_SIGNAL`` writes every thread's stack to stderr (the process's log)."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+
+
+class Watched(Protocol):
+    def step_started_at(self) -> float | None: ...  # monotonic start of the running step, None between steps
+
+    def thread_ident(self) -> int | None: ...
+
+    def thread_name(self) -> str: ...
+
+
+class StallWatch:
+    """The process's one watcher (``StallWatch.shared()``): a registry of the
+    connector's threads, held weakly so a closed connector leaves it."""
+
+    _lock = threading.Lock()
+    _shared: StallWatch | None = None
+
+    def __init__(self, stall_s: float = STALL_S, frozen_s: float = FROZEN_S, period_s: float = PERIOD_S,
+                 run_thread: bool = True):
+        # run_thread False: nothing checks on its own (a test calls check() at chosen times)
+        self.stall_s, self.frozen_s, self.period_s, self.run_thread = stall_s, frozen_s, period_s, run_thread
+        self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._stuck: dict[int, float] = {}  # id(watched) -> the step start it was reported for
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.reports = 0  # stalls logged (tests read it)
+
+    @classmethod
+    def shared(cls) -> StallWatch:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = StallWatch()
+            return cls._shared
+
+    def add(self, item: Watched) -> None:
+        with self._lock:
+            self._watched.add(item)
+            if self.run_thread and (self._thread is None or not self._thread.is_alive()):
+                enable_dump_signal()
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="kvpath-stall-watch", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        faulthandler.cancel_dump_traceback_later()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # re-armed every period: it fires only when this thread stood still FROZEN_S
+            faulthandler.dump_traceback_later(self.frozen_s, exit=False, file=sys.stderr)
+            self.check(time.monotonic())
+            self._stop.wait(self.period_s)
+        faulthandler.cancel_dump_traceback_later()
+
+    def check(self, now: float) -> list[str]:
+        """Log each newly stuck thread's stack, and each stuck one that moved on.
+        Returns the names of the threads stuck now."""
+        with self._lock:
+            items = list(self._watched)
+        frames = sys._current_frames()
+        stuck = []
+        for item in items:
+            started, key = item.step_started_at(), id(item)
+            if started is None or now - started < self.stall_s:
+                if key in self._stuck:
+                    logger.warning("%s moved on after a step of up to %.1fs", item.thread_name(),
+                                   now - self._stuck.pop(key))
+                continue
+            stuck.append(item.thread_name())
+            if self._stuck.get(key) == started:
+                continue  # this stall is reported already
+            self._stuck[key] = started
+            self.reports += 1
+            frame = frames.get(item.thread_ident() or -1)
+            where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "(no frame)\n"
+            logger.warning("%s has been in one step for %.1fs (stuck?); it is at:\n%s",
+                           item.thread_name(), now - started, where.rstrip())
+        return stuck

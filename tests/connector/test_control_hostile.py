@@ -4,6 +4,7 @@ both with CURVE keys made for the test. Nothing here may cost a block or move a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -282,30 +283,39 @@ def test_a_hello_of_another_protocol_version_is_answered_with_a_refusal_naming_i
         p.close()
 
 
+@contextlib.contextmanager
+def d_registered_at_p(keys):
+    """A P writer and a D (child process) that registered t1 there: (p, d, D's routing id, a context)."""
+    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
+    p, _ = start_p(pc)
+    ctx = zmq.Context()
+    try:
+        with PeerProcess(dc, SPEC) as d:
+            d.call("register", "d1", "t1", p.address, [2], 0)
+            assert wait_for(lambda: p.state.registered_by("t1") is not None)
+            yield p, d, p.state.registered_by("t1"), ctx
+    finally:
+        ctx.destroy(0)
+        p.close()
+
+
 def test_ds_reconnect_is_heard_while_p_still_holds_its_old_connection(keys):
     """D's connection broke (its heartbeats timed out on a starved core) and libzmq
     reconnected it, with D's routing id, before P's side had dropped the old one. Without
     ROUTER_HANDOVER the ROUTER parked the new connection for good: everything D sent on it
     was lost while heartbeats kept it looking alive (seen in CI: "P silent", then "D never
     registered" for a minute). P now hands the id to the new connection."""
-    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
-    p, bufs = start_p(pc)
-    ctx = zmq.Context()
-    try:
-        with PeerProcess(dc, SPEC) as d:
-            d.call("register", "d1", "t1", p.address, [2], 0)
-            assert wait_for(lambda: p.state.registered_by("t1") is not None)
-            d_id = p.state.registered_by("t1")
-            # D's own key and routing id on a new connection; the old one is still open
-            again = client(ctx, p.address, zmq.auth.load_certificate(keys["d"]["control_key"]), keys["p_pub"], d_id)
-            time.sleep(0.5)  # its handshake
-            again.send(M.encode(M.Cancel("t1")))
-            assert again.poll(5000), "P never heard D's reconnected connection"
-            ack = M.decode_to_decode(again.recv())
-            assert isinstance(ack, M.Ack) and ack.transfer_id == "t1" and ack.status == "cancelled"
-    finally:
-        ctx.destroy(0)
-        p.close()
+    with d_registered_at_p(keys) as (p, d, d_id, ctx):
+        # D's own key and routing id on a new connection; the old one is still open
+        again = client(ctx, p.address, zmq.auth.load_certificate(keys["d"]["control_key"]), keys["p_pub"], d_id)
+        time.sleep(0.5)  # its handshake
+        again.send(M.encode(M.Cancel("t1")))
+        got = []  # P's heartbeats of the held registration (Pending) come here too now
+        while not any(isinstance(m, M.Ack) for m in got) and again.poll(5000):
+            got.append(M.decode_to_decode(again.recv()))
+        acks = [m for m in got if isinstance(m, M.Ack)]
+        assert acks, f"P never answered D's Cancel on its reconnected connection: {got}"
+        assert (acks[0].transfer_id, acks[0].status) == ("t1", "cancelled")
 
 
 def test_another_key_claiming_a_live_ds_routing_id_is_unbound(keys):
@@ -313,26 +323,16 @@ def test_another_key_claiming_a_live_ds_routing_id_is_unbound(keys):
     random and travel only inside D's encrypted CURVE handshake) and connects with it.
     P hands her the id (the handover D's reconnects need), but nothing she sends passes:
     the id was made for D's key, not hers. The victim's KV still lands."""
-    pc, dc = cfgs(keys, lanes=1, registration_timeout_s=2.0, max_wait_s=20.0)
-    p, bufs = start_p(pc)
-    ctx = zmq.Context()
-    try:
-        with PeerProcess(dc, SPEC) as d:
-            d.call("register", "d1", "t1", p.address, [2], 0)
-            assert wait_for(lambda: p.state.registered_by("t1") is not None)
-            victim_id = p.state.registered_by("t1")
-            unbound = p.stats.snapshot()["messages_unbound"]
-            m = client(ctx, p.address, keys["mallory"], keys["p_pub"], victim_id)
-            time.sleep(0.5)
-            m.send(M.encode(M.Cancel("t1")))
-            assert wait_for(lambda: p.stats.snapshot()["messages_unbound"] == unbound + 1)
-            assert p.state.registered_by("t1") == victim_id  # her Cancel touched nothing
-            p.submit_finished("p1", "t1", [5])
-            _, done, failed = d.call("wait", ["d1"], 10)
-            assert done == ["d1"] and not failed
-    finally:
-        ctx.destroy(0)
-        p.close()
+    with d_registered_at_p(keys) as (p, d, victim_id, ctx):
+        unbound = p.stats.snapshot()["messages_unbound"]
+        m = client(ctx, p.address, keys["mallory"], keys["p_pub"], victim_id)
+        time.sleep(0.5)
+        m.send(M.encode(M.Cancel("t1")))
+        assert wait_for(lambda: p.stats.snapshot()["messages_unbound"] == unbound + 1)
+        assert p.state.registered_by("t1") == victim_id  # her Cancel touched nothing
+        p.submit_finished("p1", "t1", [5])
+        _, done, failed = d.call("wait", ["d1"], 10)
+        assert done == ["d1"] and not failed
 
 
 def test_a_stolen_transfer_id_gets_nothing(keys):

@@ -1,6 +1,7 @@
 """The floor of a streaming P/D relay in Python: what the least a proxy must do costs.
 
     .venv/bin/python benchmarks/bench_proxy_floor.py [--streams 64] [--rounds 3] [--tokens 16]
+                                                     [--stacks uvicorn aiohttp granian]
 
 A relay with nothing of kvpath's proxy: read the client's JSON body, send P a
 one-token leg and D the streamed leg (one aiohttp session, keep-alive), relay each of
@@ -11,13 +12,19 @@ alternating with `kvpath proxy --reservation none` (no lane reserved: the relay'
 work only), it prints both processes' CPU per request: what kvpath's proxy adds over
 the floor, and how far below today's cost any proxy on this stack can go (the floor's
 CPU goes to the sockets' system calls and the event loop, per request and per
-streamed chunk)."""
+streamed chunk). ``--stacks`` adds the same relay on other servers of the field, in the
+same alternating rounds: ``aiohttp`` (aiohttp.web's server, uvloop) and ``granian``
+(a Rust HTTP server calling Python through its RSGI interface; used when installed,
+``pip install granian``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -64,6 +71,76 @@ async def app(scope, receive, send):
 uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", backlog=4096, proxy_headers=False)
 """
 
+AIOHTTP_RELAY = """
+import asyncio, json
+import aiohttp, uvloop
+from aiohttp import web
+P, D = {p!r}, {d!r}
+
+async def handle(request):
+    session = request.app["session"]
+    b = json.loads(await request.read())
+    p = asyncio.ensure_future(session.post(P + "/v1/completions", json={{**b, "max_tokens": 1, "stream": False}}))
+    r = await session.post(D + "/v1/completions", json=b)
+    resp = web.StreamResponse(status=200, headers={{"content-type": "text/event-stream"}})
+    await resp.prepare(request)
+    async for chunk in r.content.iter_any():
+        await resp.write(chunk)
+    await resp.write_eof()
+    r.release()
+    pr = await p
+    await pr.read()
+    pr.release()
+    return resp
+
+async def init():
+    app = web.Application()
+    app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    app.router.add_post("/v1/completions", handle)
+    return app
+
+uvloop.install()
+web.run_app(init(), host="127.0.0.1", port={port}, access_log=None, backlog=4096, print=None)
+"""
+
+# granian imports the app by name: the module is written to a file of its own
+GRANIAN_RELAY = """
+import asyncio, json
+import aiohttp
+P, D = {p!r}, {d!r}
+session = None
+
+async def app(scope, proto):
+    global session
+    if session is None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    b = json.loads(await proto())
+    p = asyncio.ensure_future(session.post(P + "/v1/completions", json={{**b, "max_tokens": 1, "stream": False}}))
+    r = await session.post(D + "/v1/completions", json=b)
+    t = proto.response_stream(200, [("content-type", "text/event-stream")])
+    async for chunk in r.content.iter_any():
+        await t.send_bytes(chunk)
+    r.release()
+    pr = await p
+    await pr.read()
+    pr.release()
+"""
+
+
+def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
+    """How to run the floor relay on ``stack``; None when that server is not installed."""
+    if stack == "uvicorn":
+        return [sys.executable, "-c", RELAY.format(p=p, d=d, port=port)]
+    if stack == "aiohttp":
+        return [sys.executable, "-c", AIOHTTP_RELAY.format(p=p, d=d, port=port)]
+    granian = shutil.which("granian", path=os.path.dirname(sys.executable))
+    if granian is None:
+        return None
+    with open(os.path.join(workdir, "granian_relay.py"), "w") as f:
+        f.write(GRANIAN_RELAY.format(p=p, d=d))
+    return [granian, "--interface", "rsgi", "--port", str(port), "--loop", "uvloop", "--runtime-threads", "1",
+            "--log-level", "warning", "--backlog", "4096", "--working-dir", workdir, "granian_relay:app"]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +148,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--requests-per-stream", type=int, default=10)
+    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian"], default=["uvicorn"],
+                    help="servers to run the floor relay on (uvicorn: the stack kvpath proxy runs on)")
     args = ap.parse_args()
+    workdir = tempfile.mkdtemp(prefix="kvpath-floor-")
     procs: list[subprocess.Popen] = []
     try:
         url = {}
@@ -81,9 +161,14 @@ def main() -> int:
                                                                              port=port)]))
             url[role] = f"http://127.0.0.1:{port}"
         servers: dict[str, tuple[str, psutil.Process]] = {}
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-c", RELAY.format(p=url["P"], d=url["D"], port=port)]))
-        servers["floor relay"] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
+        for stack in args.stacks:
+            port = free_port()
+            cmd = relay_command(stack, url["P"], url["D"], port, workdir)
+            if cmd is None:
+                Console().print(f"[yellow]{stack}: not installed (pip install {stack}), left out[/yellow]")
+                continue
+            procs.append(subprocess.Popen(cmd))
+            servers[f"floor relay, {stack}"] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
         port = free_port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvpath.cli", "proxy", "--mode", "push", "--port", str(port),
@@ -92,14 +177,14 @@ def main() -> int:
         wait_http(url["P"])
         wait_http(url["D"])
         wait_http(servers["kvpath proxy"][0] + "/health")
-        time.sleep(1.0)  # the relay has no /health: give it the time to listen
+        time.sleep(3.0)  # the relays have no /health: give them the time to listen
         for u, _ in servers.values():
             uvloop.run(run_streams(u, 8, 1, args.tokens))  # warm connections
         spread = 0.2 + args.tokens * 0.01
         cpu: dict[str, list[float]] = {k: [] for k in servers}
         errors = dict.fromkeys(servers, 0)
         for r in range(args.rounds):
-            order = list(servers)[r % 2:] + list(servers)[:r % 2]
+            order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
             for name in order:
                 u, proc = servers[name]
                 c0 = cpu_s([proc])
@@ -113,10 +198,13 @@ def main() -> int:
         for name, v in cpu.items():
             t.add_row(name, f"{np.median(v):.2f} ({min(v):.2f}..{max(v):.2f})", str(errors[name]))
         Console(width=130).print(t)
-        ratio = np.median(cpu["kvpath proxy"]) / np.median(cpu["floor relay"])
-        Console().print(f"[bold]summary[/bold] kvpath proxy / floor relay: {ratio:.2f}x")
+        for name in servers:
+            if name != "kvpath proxy":
+                ratio = np.median(cpu["kvpath proxy"]) / np.median(cpu[name])
+                Console().print(f"[bold]summary[/bold] kvpath proxy / {name}: {ratio:.2f}x")
     finally:
         terminate(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

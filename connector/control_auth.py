@@ -40,7 +40,7 @@ _NONCE_BYTES = 8
 _ROUTING_MARK = b"k"  # a routing id must not start with a zero byte (libzmq's own ids do)
 _HEAD = 1 + _DIGEST_BYTES + _NONCE_BYTES
 # ZMTP heartbeats: a half-open control connection (a peer gone without FIN) is dropped in
-# seconds, so a D that reconnects with its routing id is not refused for long.
+# seconds (P's ROUTER hands a reconnecting D's id to the new connection at once).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 HANDSHAKE_IVL_MS = 5000  # an unauthenticated connection holds a descriptor this long at most
@@ -82,8 +82,9 @@ def key_digest(public_z85: bytes) -> bytes:
 def routing_id(public_z85: bytes | None, agent_name: str) -> bytes:
     """D's routing id on the control channel: fixed for the socket (a reconnect keeps it,
     so P's replies reach D after a broken connection), bound to D's key, and with a
-    random part that other peers cannot guess (it travels inside the CURVE handshake), so
-    no other connection can claim it."""
+    random part that other peers cannot guess (it travels inside the CURVE handshake): P
+    hands the id to the newest connection that presents it, so that part is what keeps
+    another peer from taking this one's answers."""
     head = _ROUTING_MARK + (key_digest(public_z85) if public_z85 else b"\0" * _DIGEST_BYTES)
     return (head + os.urandom(_NONCE_BYTES) + agent_name.encode())[:255]
 

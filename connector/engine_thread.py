@@ -157,6 +157,9 @@ class EngineThread:
     def thread_name(self) -> str:
         return self._thread.name if self._thread is not None else "kvpath engine thread"
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def poll_events(self, timeout_ms: int) -> dict | None:
         """Wait up to ``timeout_ms`` for socket events (a wake-up is consumed here);
         None when the sockets were closed under us: the thread then stops."""

@@ -1,12 +1,14 @@
 """Say where a connector thread is stuck, and where the whole process is.
 
 P's writer and D's receiver threads each finish a step within a few hundred
-milliseconds (a lane probe: 5 s). A step that has not returned for ``STALL_S`` is
-stuck (a native call that does not come back, a lock): one watcher thread per process
-logs the stuck thread's stack once, and again when it moves on. A native call that
-holds the GIL freezes every Python thread, the watcher too; for that case the watcher
-keeps ``faulthandler``'s C timer armed, so a process whose Python threads all stood
-still for ``FROZEN_S`` writes every thread's stack to stderr (the engine's log).
+milliseconds (the longest, a kv_dump file write or NIXL loading a peer's metadata, take
+seconds). A step that has not returned for ``STALL_S`` is stuck (a native call that does
+not come back, a lock): one watcher thread per process logs the stuck thread's stack
+once, and again when it moves on. A native call that holds the GIL freezes every Python
+thread, the watcher too; for that case the watcher keeps ``faulthandler``'s C timer
+armed, so a process whose watcher could not run for ``FROZEN_S`` (frozen; or stopped,
+SIGSTOP, that long) writes every thread's stack to stderr (the engine's log). The timer
+is cancelled when the last watched thread is gone.
 ``kill -USR1`` on an engine process with the connector does the same on demand
 (``DUMP_SIGNAL``; a C handler, so it answers a frozen process too).
 """
@@ -25,15 +27,19 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
-STALL_S = 15.0  # a step this long is stuck: the longest legitimate one is a 5 s lane probe
+STALL_S = 15.0  # a step this long is stuck (the longest legitimate ones take seconds)
 FROZEN_S = 60.0  # no Python thread ran for this long: the C timer dumps every stack
 PERIOD_S = 2.0
 DUMP_SIGNAL = signal.SIGUSR1  # vLLM handles neither SIGUSR1 nor SIGUSR2
 
 
 def enable_dump_signal() -> None:
-    """``DUMP_SIGNAL`` writes every thread's stack to stderr (the process's log)."""
-    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    """``DUMP_SIGNAL`` writes every thread's stack to stderr (the process's log). A
+    diagnostic: a stderr without a file descriptor only loses it, never the engine."""
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError) as e:
+        logger.info("no stack dump on SIGUSR1: %s", e)
 
 
 class Watched(Protocol):
@@ -42,6 +48,8 @@ class Watched(Protocol):
     def thread_ident(self) -> int | None: ...
 
     def thread_name(self) -> str: ...
+
+    def alive(self) -> bool: ...  # its thread runs
 
 
 class StallWatch:
@@ -56,7 +64,7 @@ class StallWatch:
         # run_thread False: nothing checks on its own (a test calls check() at chosen times)
         self.stall_s, self.frozen_s, self.period_s, self.run_thread = stall_s, frozen_s, period_s, run_thread
         self._watched: weakref.WeakSet = weakref.WeakSet()
-        self._stuck: dict[int, float] = {}  # id(watched) -> the step start it was reported for
+        self._stuck: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # watched -> the stuck step's start
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.reports = 0  # stalls logged (tests read it)
@@ -84,12 +92,25 @@ class StallWatch:
         faulthandler.cancel_dump_traceback_later()
 
     def _run(self) -> None:
+        armed = True
         while not self._stop.is_set():
-            # re-armed every period: it fires only when this thread stood still FROZEN_S
-            faulthandler.dump_traceback_later(self.frozen_s, exit=False, file=sys.stderr)
-            self.check(time.monotonic())
+            with self._lock:
+                if not any(w.alive() for w in self._watched):  # the last connector closed
+                    self._thread = None
+                    break
+            if armed:
+                try:  # re-armed every period: it fires only when this thread stood still FROZEN_S
+                    faulthandler.dump_traceback_later(self.frozen_s, exit=False, file=sys.stderr)
+                except (AttributeError, OSError, RuntimeError, ValueError) as e:
+                    armed = False  # a stderr without a descriptor: the stall warnings still work
+                    logger.info("no stack dump of a frozen process: %s", e)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # a diagnostic must not die quietly, nor take anything with it
+                logger.exception("stall watch: check failed")
             self._stop.wait(self.period_s)
-        faulthandler.cancel_dump_traceback_later()
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
 
     def check(self, now: float) -> list[str]:
         """Log each newly stuck thread's stack, and each stuck one that moved on.
@@ -99,7 +120,7 @@ class StallWatch:
         frames = sys._current_frames()
         stuck = []
         for item in items:
-            started, key = item.step_started_at(), id(item)
+            started, key = item.step_started_at(), item
             if started is None or now - started < self.stall_s:
                 if key in self._stuck:
                     logger.warning("%s moved on after a step of up to %.1fs", item.thread_name(),

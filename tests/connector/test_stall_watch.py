@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kvpath.connector.stall_watch import StallWatch
 
@@ -20,6 +21,9 @@ class Item:
 
     def thread_name(self):
         return self.thread.name
+
+    def alive(self):
+        return self.thread.is_alive()
 
 
 def blocked_in_a_native_wait(release: threading.Event) -> None:
@@ -93,6 +97,7 @@ class Item:
     def step_started_at(self): return None
     def thread_ident(self): return threading.get_ident()
     def thread_name(self): return "x"
+    def alive(self): return True
 item = Item()
 w = StallWatch(frozen_s=1.0, period_s=0.1)
 w.add(item)
@@ -111,3 +116,20 @@ frozen_here()
     asked, frozen = r.stderr.split("---\n")
     assert "asked_here" in asked and "Timeout" not in asked, r.stderr
     assert "Timeout (0:00:01)!" in frozen and "frozen_here" in frozen, r.stderr
+
+
+def test_the_watcher_stops_when_the_last_watched_thread_has_ended():
+    """Nothing left to watch (every connector closed): its thread ends, and with it the
+    frozen-process timer (faulthandler's is process-wide)."""
+    release = threading.Event()
+    t = threading.Thread(target=blocked_in_a_native_wait, args=(release,), name="kvpath-writer-test")
+    t.start()
+    watch = StallWatch(period_s=0.05)
+    watch.add(Item(t, started=None))
+    assert watch._thread is not None and watch._thread.is_alive()
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 10
+    while watch._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watch._thread is None

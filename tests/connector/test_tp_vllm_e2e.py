@@ -89,31 +89,43 @@ _NOISE = ("ulimit", "Triton", "Enforce eager", "Inductor", "SSM cache", "tcmallo
           "Runner V2", "Auto-prefetch")
 
 
-def dump_stacks(servers) -> None:
-    """Ask every process of these engines that has the connector's dump handler
-    (SIGUSR1 caught: the connector's processes) to write its threads' stacks to its log."""
-    for server in servers:
-        if server.proc is None:
-            continue
+def dumping(server) -> list[psutil.Process]:
+    """The engine's processes that run the connector: those that catch SIGUSR1 (its
+    stack dump handler; to any other process the signal would be fatal)."""
+    if server.proc is None:
+        return []
+    try:
+        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+    out = []
+    for proc in tree:
         try:
-            tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
-        except psutil.Error:
+            caught = next(ln for ln in open(f"/proc/{proc.pid}/status") if ln.startswith("SigCgt:"))
+        except (OSError, StopIteration):
             continue
-        for proc in tree:
+        if int(caught.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)):
+            out.append(proc)
+    return out
+
+
+def dump_stacks(servers) -> None:
+    """Each connector process of these engines writes its threads' stacks to its log, one
+    process at a time (two at once would interleave their lines in a shared log)."""
+    for server in servers:
+        for proc in dumping(server):
             try:
-                caught = next(ln for ln in open(f"/proc/{proc.pid}/status") if ln.startswith("SigCgt:"))
-                if int(caught.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)):
-                    proc.send_signal(signal.SIGUSR1)
-            except (OSError, StopIteration, psutil.Error):
-                pass
-    time.sleep(2.0)  # the dumps are written by a C handler at once; the logs are followed by pipes
+                proc.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                continue
+            time.sleep(1.0)  # written by a C handler at once; a starved process may take a moment
 
 
 def stack_lines(text: str) -> list[str]:
     """The stacks that faulthandler wrote (a stuck thread's frames: kvpath's, NIXL's)."""
     out = [ln for ln in text.splitlines()
            if ln.startswith(("Thread 0x", "Current thread", "Timeout (")) or ln.startswith('  File "')]
-    return [ln[:200] for ln in out if not ln.startswith('  File "') or "site-packages/vllm/" not in ln][-80:]
+    return [ln[:200] for ln in out if not ln.startswith('  File "') or "site-packages/vllm/" not in ln][-150:]
 
 
 def served(got, logs, names: tuple[str, ...], servers=()) -> None:
@@ -197,6 +209,20 @@ def test_pd_at_tp2_equals_decode_only_and_every_rank_pushes(tp2, mode):
     assert sorted((r.transfer_id, r.rank) for r in got_d) == sorted((t, r) for t in tids for r in (0, 1))
     if granularity:
         assert_layered(recs)
+
+
+def test_every_connector_process_writes_its_stacks_on_sigusr1(tp2):
+    """P's and D's TP workers and their EngineCores (the scheduler side) run the connector,
+    so each catches SIGUSR1 and writes every thread's stack to its engine's log: what a
+    failed case here prints, and what an operator asks a stuck engine for."""
+    p, d, logs = tp2
+    for server, log in ((p, "p.log"), (d, "d.log")):
+        procs = dumping(server)
+        assert len(procs) == 3, [q.name() for q in procs]  # the EngineCore and two workers
+        dump_stacks([server])
+        text = (logs / log).read_text(errors="replace")
+        assert "connector/engine_thread.py" in text and "in _loop" in text  # a connector thread's frames
+        assert all(q.is_running() for q in procs)  # a dump, not a kill
 
 
 def test_kv_usage_returns_to_zero_on_both_engines(tp2):

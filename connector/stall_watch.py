@@ -85,6 +85,15 @@ class StallWatch:
                 self._thread = threading.Thread(target=self._run, name="kvpath-stall-watch", daemon=True)
                 self._thread.start()
 
+    def watching(self) -> list[Watched]:
+        with self._lock:
+            return list(self._watched)
+
+    def running(self) -> bool:
+        """Its thread runs (it ends with the last watched thread)."""
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -59,28 +59,29 @@ def test_a_stuck_step_is_logged_once_with_its_stack_and_again_when_it_moves_on(c
         t.join()
 
 
-def test_the_engine_thread_reports_its_step_to_the_watch():
-    """EngineThread's loop marks each step's start, and clears it between steps."""
-    from kvpath.connector.engine_thread import EngineThread
+def test_a_writer_thread_is_watched_while_it_runs(tmp_path):
+    """A real writer (P's engine thread, no vLLM) joins the process's watcher when it
+    starts; its steps are marked (its thread waits in a step's poll nearly all the
+    time); closed, it is no step and no longer alive."""
+    from kvpath.connector.config import KVPathConfig
+    from kvpath.connector.layout import layout_from_buffers
+    from kvpath.connector.sender import PushSender
+    from kvpath.testbed.peer_process import BufferSpec, make_buffers
 
-    seen = []
-    entered, release = threading.Event(), threading.Event()
-    et = EngineThread.__new__(EngineThread)  # only the loop's bookkeeping, no agent or sockets
-    et._stop, et._thread, et._step_started, et.stats = threading.Event(), None, None, None
-
-    def step():
-        seen.append(et.step_started_at())
-        entered.set()
-        release.wait()
-        et._stop.set()
-
-    et._start_thread(lambda: et._loop(step), "kvpath-writer-test")
-    assert entered.wait(10)
-    assert et.step_started_at() is not None and et.thread_name() == "kvpath-writer-test"
-    assert et in list(StallWatch.shared()._watched)
-    release.set()
-    et._thread.join(10)
-    assert et.step_started_at() is None and seen[0] is not None
+    spec = BufferSpec(regions=2, num_blocks=8, block_len=1024, block_size=16)
+    bufs = make_buffers(spec, "random", seed=1)
+    spans = [(b.ctypes.data, b.nbytes) for b in bufs]
+    cfg = KVPathConfig(side_channel_port=6990, ucx_net_devices="lo", control_plaintext=True)
+    p = PushSender(cfg, layout_from_buffers(spans, spec.num_blocks, spec.block_size), spans).start()
+    try:
+        assert p.alive() and p in StallWatch.shared().watching() and StallWatch.shared().running()
+        deadline = time.monotonic() + 10
+        while p.step_started_at() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.step_started_at() is not None and "sender" in p.thread_name()
+    finally:
+        p.close()
+    assert not p.alive() and p.step_started_at() is None
 
 
 def test_a_process_frozen_by_a_native_call_holding_the_gil_dumps_every_stack():
@@ -126,10 +127,10 @@ def test_the_watcher_stops_when_the_last_watched_thread_has_ended():
     t.start()
     watch = StallWatch(period_s=0.05)
     watch.add(Item(t, started=None))
-    assert watch._thread is not None and watch._thread.is_alive()
+    assert watch.running()
     release.set()
     t.join()
     deadline = time.monotonic() + 10
-    while watch._thread is not None and time.monotonic() < deadline:
+    while watch.running() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert watch._thread is None
+    assert not watch.running()

@@ -28,7 +28,7 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 STALL_S = 15.0  # a step this long is stuck (the longest legitimate ones take seconds)
-FROZEN_S = 60.0  # no Python thread ran for this long: the C timer dumps every stack
+FROZEN_S = 60.0  # the watcher could not run this long (the process froze): the C timer dumps every stack
 PERIOD_S = 2.0
 DUMP_SIGNAL = signal.SIGUSR1  # vLLM handles neither SIGUSR1 nor SIGUSR2
 

@@ -149,7 +149,7 @@ class EngineThread:
 
     # what the process's StallWatch reads
     def step_started_at(self) -> float | None:
-        return self._step_started if self._thread is not None and self._thread.is_alive() else None
+        return self._step_started if self.alive() else None
 
     def thread_ident(self) -> int | None:
         return self._thread.ident if self._thread is not None else None

@@ -66,7 +66,6 @@ class StallWatch:
         self._watched: weakref.WeakSet = weakref.WeakSet()
         self._stuck: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # watched -> the stuck step's start
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self.reports = 0  # stalls logged (tests read it)
 
     @classmethod
@@ -81,7 +80,6 @@ class StallWatch:
             self._watched.add(item)
             if self.run_thread and (self._thread is None or not self._thread.is_alive()):
                 enable_dump_signal()
-                self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="kvpath-stall-watch", daemon=True)
                 self._thread.start()
 
@@ -94,15 +92,9 @@ class StallWatch:
         with self._lock:
             return self._thread is not None and self._thread.is_alive()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        faulthandler.cancel_dump_traceback_later()
-
     def _run(self) -> None:
         armed = True
-        while not self._stop.is_set():
+        while True:
             with self._lock:
                 if not any(w.alive() for w in self._watched):  # the last connector closed
                     self._thread = None
@@ -117,7 +109,7 @@ class StallWatch:
                 self.check(time.monotonic())
             except Exception:  # a diagnostic must not die quietly, nor take anything with it
                 logger.exception("stall watch: check failed")
-            self._stop.wait(self.period_s)
+            time.sleep(self.period_s)
         if armed:
             faulthandler.cancel_dump_traceback_later()
 
@@ -129,16 +121,16 @@ class StallWatch:
         frames = sys._current_frames()
         stuck = []
         for item in items:
-            started, key = item.step_started_at(), item
+            started = item.step_started_at()
             if started is None or now - started < self.stall_s:
-                if key in self._stuck:
+                if item in self._stuck:
                     logger.warning("%s moved on after a step of up to %.1fs", item.thread_name(),
-                                   now - self._stuck.pop(key))
+                                   now - self._stuck.pop(item))
                 continue
             stuck.append(item.thread_name())
-            if self._stuck.get(key) == started:
+            if self._stuck.get(item) == started:
                 continue  # this stall is reported already
-            self._stuck[key] = started
+            self._stuck[item] = started
             self.reports += 1
             frame = frames.get(item.thread_ident() or -1)
             where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "(no frame)\n"

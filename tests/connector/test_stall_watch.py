@@ -59,7 +59,7 @@ def test_a_stuck_step_is_logged_once_with_its_stack_and_again_when_it_moves_on(c
         t.join()
 
 
-def test_a_writer_thread_is_watched_while_it_runs(tmp_path):
+def test_a_writer_thread_is_watched_while_it_runs():
     """A real writer (P's engine thread, no vLLM) joins the process's watcher when it
     starts; its steps are marked (its thread waits in a step's poll nearly all the
     time); closed, it is no step and no longer alive."""
@@ -67,11 +67,12 @@ def test_a_writer_thread_is_watched_while_it_runs(tmp_path):
     from kvpath.connector.layout import layout_from_buffers
     from kvpath.connector.sender import PushSender
     from kvpath.testbed.peer_process import BufferSpec, make_buffers
+    from kvpath.testbed.readiness import free_port
 
     spec = BufferSpec(regions=2, num_blocks=8, block_len=1024, block_size=16)
     bufs = make_buffers(spec, "random", seed=1)
     spans = [(b.ctypes.data, b.nbytes) for b in bufs]
-    cfg = KVPathConfig(side_channel_port=6990, ucx_net_devices="lo", control_plaintext=True)
+    cfg = KVPathConfig(side_channel_port=free_port(), ucx_net_devices="lo", control_plaintext=True)
     p = PushSender(cfg, layout_from_buffers(spans, spec.num_blocks, spec.block_size), spans).start()
     try:
         assert p.alive() and p in StallWatch.shared().watching() and StallWatch.shared().running()

@@ -2,7 +2,7 @@
 
 ``simulator_bridge/ns3/kvflows.cc`` is compiled with g++ against the wheel's headers
 and libraries on first use and cached under ``~/.cache/kvpath/ns3`` (keyed by the
-source, the ns-3 version and the flags), because importing the Python bindings costs
+source, the ns-3 version, the flags and the libraries' path), because importing the Python bindings costs
 ~10 s and 0.7 GB per process. Each run writes the flows to a file, runs the binary
 and reads one FCT per flow back.
 
@@ -117,7 +117,12 @@ def binary(cache_dir: Path | None = None) -> Path:
     callers (a parallel sweep) wait on a lock instead of compiling twice."""
     root = ns3_root()
     ver = _version(root)
-    key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(CXXFLAGS).encode()).hexdigest()[:16]
+    lib = (root / "lib64").resolve()
+    # the binary finds the libraries by the path it was linked against (its rpath), so the
+    # path is part of the key: a binary linked against another checkout's deleted venv
+    # would otherwise be reused and fail to start
+    key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(CXXFLAGS).encode()
+                         + str(lib).encode()).hexdigest()[:16]
     cache = cache_dir or Path(os.environ.get("KVPATH_CACHE", Path.home() / ".cache" / "kvpath")) / "ns3"
     cache.mkdir(parents=True, exist_ok=True)
     exe = cache / f"kvflows-{ver}-{key}"
@@ -130,16 +135,32 @@ def binary(cache_dir: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if exe.exists():
             return exe
-        log.info("compiling the ns-3 scenario against %s (once)", ver)
-        lib = root / "lib64"
+        _prune(cache)
+        log.info("compiling the ns-3 scenario against %s in %s (once)", ver, lib)
         tmp = exe.parent / f"{exe.name}.tmp"
         cmd = [cxx, *CXXFLAGS, f"-I{root / 'include'}", "-o", str(tmp), str(SOURCE), f"-L{lib}",
                f"-Wl,-rpath,{lib}", *(f"-l{ver}-{m}" for m in NS3_LIBS)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise Ns3Error(f"compiling {SOURCE.name} failed:\n{r.stderr[-4000:]}")
+        exe.with_name(exe.name + LIB_SUFFIX).write_text(str(lib))
         tmp.rename(exe)
     return exe
+
+
+LIB_SUFFIX = ".lib"  # beside each cached binary: the library directory it was linked against
+
+
+def _prune(cache: Path) -> None:
+    """Deletes cached binaries whose libraries are gone (their venv was deleted), so a
+    cache shared by many checkouts stays bounded by the live ones."""
+    for side in cache.glob(f"kvflows-*{LIB_SUFFIX}"):
+        if not Path(side.read_text().strip()).is_dir():
+            side.with_name(side.name.removesuffix(LIB_SUFFIX)).unlink(missing_ok=True)
+            side.unlink(missing_ok=True)
+    for exe in cache.glob("kvflows-*"):  # built before the sidecar existed: unknown libraries
+        if exe.suffix not in (LIB_SUFFIX, ".tmp") and not exe.with_name(exe.name + LIB_SUFFIX).exists():
+            exe.unlink(missing_ok=True)
 
 
 @dataclass

@@ -5,6 +5,8 @@ on top of it. Flows are kept small so the whole file runs in seconds once compil
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -292,8 +294,6 @@ def test_a_flow_after_its_connection_went_idle_is_not_held_by_rto_backoffs():
 
 
 def test_a_bad_conn_field_or_an_empty_flow_is_refused_by_the_scenario(tmp_path):
-    import subprocess
-
     from kvpath.bridge.ns3_backend import binary
 
     for line, msg in (("0 0 4 0 1000 0.0 x", "bad flow line"), ("0 0 4 0 1000 0.0 7abc", "bad flow line"),
@@ -317,3 +317,32 @@ def test_a_new_connection_behind_a_full_port_is_not_lost_to_duplicate_syns():
     res = Ns3Backend(slow, params=Ns3Params(queue_bytes=1 << 20)).run(big + lane)
     assert res.drops > 0 and res.tier_drops["leaf_up"] > 0  # the uplink's queue was full
     assert np.isfinite(res.fct_s).all() and (res.fct_s > 0).all()
+
+
+def test_a_cached_binary_whose_libraries_were_deleted_is_rebuilt_and_pruned(tmp_path, monkeypatch):
+    """The binary finds ns-3's libraries by the path it was linked against. A cache shared by
+    checkouts once handed one checkout a binary linked against another's deleted venv, which
+    then failed to start (exit 127, libns3...so not found). The path is now in the key, and
+    binaries whose libraries are gone are deleted."""
+    from kvpath.bridge import ns3_backend
+
+    real = ns3_backend.ns3_root()
+    other = tmp_path / "other-venv" / "ns3"  # a second install of the same wheel, then deleted
+    (other / "lib64").mkdir(parents=True)
+    (other / "include").symlink_to(real / "include")
+    for so in (real / "lib64").iterdir():
+        (other / "lib64" / so.name).symlink_to(so)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(ns3_backend, "ns3_root", lambda: other)
+    stale = ns3_backend.binary(cache)
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "other-venv")
+    (cache / "kvflows-ns3.0-0000000000000000").write_text("built before the sidecar")
+
+    exe = ns3_backend.binary(cache)
+    assert exe != stale and not stale.exists()
+    assert sorted(p.name for p in cache.glob("kvflows-*")) == [exe.name, exe.name + ns3_backend.LIB_SUFFIX]
+    (tmp_path / "f.txt").write_text("0 0 4 0 0 0.0 1\n")
+    r = subprocess.run([str(exe), f"--flows={tmp_path / 'f.txt'}", f"--out={tmp_path / 'o.txt'}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "has no bytes" in r.stderr, r.stderr  # it started and read the file

@@ -127,12 +127,71 @@ async def app(scope, proto):
 """
 
 
+# the same relay with no HTTP server framework: asyncio protocols on uvloop, httptools
+# parsing both sides, D's body re-chunked to the client straight from the parser's callback
+RAW_RELAY = """
+import asyncio, json
+from urllib.parse import urlsplit
+import httptools, uvloop
+P, D = {p!r}, {d!r}
+
+class Upstream(asyncio.Protocol):
+    def __init__(self, pool):
+        self.pool, self.parser, self.sink, self.done = pool, httptools.HttpResponseParser(self), None, None
+    def connection_made(self, t): self.t = t
+    def data_received(self, data): self.parser.feed_data(data)
+    def on_body(self, b): self.sink(b)
+    def on_message_complete(self): self.done.set_result(None)
+    def connection_lost(self, exc):
+        if self.done is not None and not self.done.done(): self.done.set_exception(ConnectionError("engine gone"))
+        if self in self.pool.idle: self.pool.idle.remove(self)
+
+class Pool:
+    def __init__(self, url):
+        u = urlsplit(url); self.host, self.port, self.idle = u.hostname, u.port, []
+    async def request(self, body, sink):
+        c = self.idle.pop() if self.idle else (await asyncio.get_running_loop().create_connection(
+            lambda: Upstream(self), self.host, self.port))[1]
+        c.sink, c.done = sink, asyncio.get_running_loop().create_future()
+        c.t.write(b"POST /v1/completions HTTP/1.1\\r\\nhost: %s\\r\\ncontent-type: application/json\\r\\n"
+                  b"content-length: %d\\r\\n\\r\\n%s" % (self.host.encode(), len(body), body))
+        await c.done
+        c.done = None
+        self.idle.append(c)
+
+pp, pd = Pool(P), Pool(D)
+
+class Client(asyncio.Protocol):
+    def connection_made(self, t): self.t, self.parser, self.body = t, httptools.HttpRequestParser(self), []
+    def data_received(self, data): self.parser.feed_data(data)
+    def on_body(self, b): self.body.append(b)
+    def on_message_complete(self):
+        raw, self.body = b"".join(self.body), []
+        asyncio.ensure_future(self.handle(raw))
+    async def handle(self, raw):
+        b = json.loads(raw)
+        p = asyncio.ensure_future(pp.request(json.dumps({{**b, "max_tokens": 1, "stream": False}}).encode(), lambda c: None))
+        t = self.t
+        t.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+        await pd.request(json.dumps(b).encode(), lambda c: t.write(b"%x\\r\\n%s\\r\\n" % (len(c), c)))
+        t.write(b"0\\r\\n\\r\\n")
+        await p
+
+async def main():
+    server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", {port}, backlog=4096)
+    await server.serve_forever()
+
+uvloop.run(main())
+"""
+
 def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
     """How to run the floor relay on ``stack``; None when that server is not installed."""
     if stack == "uvicorn":
         return [sys.executable, "-c", RELAY.format(p=p, d=d, port=port)]
     if stack == "aiohttp":
         return [sys.executable, "-c", AIOHTTP_RELAY.format(p=p, d=d, port=port)]
+    if stack == "raw":
+        return [sys.executable, "-c", RAW_RELAY.format(p=p, d=d, port=port)]
     granian = shutil.which("granian", path=os.path.dirname(sys.executable))
     if granian is None:
         return None
@@ -148,7 +207,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--requests-per-stream", type=int, default=10)
-    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian"], default=["uvicorn"],
+    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian", "raw"], default=["uvicorn"],
                     help="servers to run the floor relay on (uvicorn: the stack kvpath proxy runs on)")
     args = ap.parse_args()
     workdir = tempfile.mkdtemp(prefix="kvpath-floor-")

@@ -110,7 +110,12 @@ class VLLMServer:
             env["VLLM_API_KEY"] = self.api_key
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         logger.info("starting %s", " ".join(self.command()))
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # its own process group (stopped as one), but not its own session: with the kernel's
+        # autogroups each session is a scheduling group, and an engine whose core waits for
+        # its workers spinning on sched_yield (vLLM's shm broadcast) then kept a core from
+        # every other group's tasks for minutes on these VMs, the other engine pinned there
+        # included (docs/connector-tp.md, "CPU 0 stalls")
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

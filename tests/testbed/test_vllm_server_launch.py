@@ -1,0 +1,53 @@
+"""How the testbed starts a vLLM engine: in a process group of its own (stopped as one)
+but in the launcher's session. A session of its own put each engine in a kernel
+autogroup of its own, and an EngineCore spinning on sched_yield in one group kept a core
+from the other engines for minutes (docs/connector-tp.md, "CPU 0 stalls")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from kvpath.testbed.vllm_server import VLLMServer
+
+
+class _Sleeper(VLLMServer):
+    """The launcher with a child that forks a grandchild and sleeps, in place of vllm serve."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import os, time; os.fork(); time.sleep(60)"]
+
+
+def test_an_engine_gets_its_own_process_group_in_the_launchers_session(tmp_path):
+    s = _Sleeper(model="unused", port=1, log_path=str(tmp_path / "log")).start()
+    try:
+        pid = s.proc.pid
+        deadline = time.monotonic() + 10
+        while len(_group(pid)) < 2 and time.monotonic() < deadline:  # the child has forked
+            time.sleep(0.05)
+        assert len(_group(pid)) == 2
+        assert os.getpgid(pid) == pid  # a group of its own: kill() reaches every process of it
+        assert os.getsid(pid) == os.getsid(0)  # not a session (an autogroup) of its own
+    finally:
+        s.stop()
+    assert s.proc.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while (left := _group(pid)) and time.monotonic() < deadline:  # the signal takes a moment
+        time.sleep(0.05)
+    assert left == []  # the forked child went with the group
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of group ``pgid`` (zombies left out), from /proc."""
+    live = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # not a process, or gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            live.append(int(d))
+    return live

@@ -15,7 +15,8 @@ CPU goes to the sockets' system calls and the event loop, per request and per
 streamed chunk). ``--stacks`` adds the same relay on other servers of the field, in the
 same alternating rounds: ``aiohttp`` (aiohttp.web's server, uvloop) and ``granian``
 (a Rust HTTP server calling Python through its RSGI interface; used when installed,
-``pip install granian``)."""
+``pip install granian``), and ``raw``: bare asyncio protocols on uvloop with httptools
+parsing both sides, no server framework at all."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ streamed chunk). ``--stacks`` adds the same relay on other servers of the field,
 same alternating rounds: ``aiohttp`` (aiohttp.web's server, uvloop) and ``granian``
 (a Rust HTTP server calling Python through its RSGI interface; used when installed,
 ``pip install granian``), and ``raw``: bare asyncio protocols on uvloop with httptools
-parsing both sides, no server framework at all."""
+parsing both sides, no server framework at all; ``raw-legs``: uvicorn serving the
+client, the legs on raw pooled httptools connections (no aiohttp)."""
 
 from __future__ import annotations
 
@@ -185,6 +186,81 @@ async def main():
 uvloop.run(main())
 """
 
+# uvicorn serving the client as in RELAY, the legs on RAW_RELAY's pooled httptools
+# connections: what the engine side's HTTP client costs, apart from the server's
+RAW_LEGS_RELAY = """
+import asyncio, json
+from urllib.parse import urlsplit
+import httptools, uvicorn
+P, D = {p!r}, {d!r}
+
+class Upstream(asyncio.Protocol):
+    def __init__(self, pool):
+        self.pool, self.parser = pool, httptools.HttpResponseParser(self)
+        self.chunks, self.wake, self.ended = [], None, False
+    def connection_made(self, t): self.t = t
+    def data_received(self, data):
+        self.parser.feed_data(data)
+        if self.wake is not None and not self.wake.done(): self.wake.set_result(None)
+    def on_body(self, b): self.chunks.append(b)
+    def on_message_complete(self): self.ended = True
+    def connection_lost(self, exc):
+        self.ended = True
+        if self.wake is not None and not self.wake.done(): self.wake.set_result(None)
+        if self in self.pool.idle: self.pool.idle.remove(self)
+    async def body(self):
+        while True:
+            if self.chunks:
+                out, self.chunks = b"".join(self.chunks), []
+                yield out
+            elif self.ended:
+                return
+            else:
+                self.wake = asyncio.get_running_loop().create_future()
+                await self.wake
+
+class Pool:
+    def __init__(self, url):
+        u = urlsplit(url); self.host, self.port, self.idle = u.hostname, u.port, []
+    async def post(self, body):
+        c = self.idle.pop() if self.idle else (await asyncio.get_running_loop().create_connection(
+            lambda: Upstream(self), self.host, self.port))[1]
+        c.chunks, c.ended = [], False
+        c.t.write(b"POST /v1/completions HTTP/1.1\\r\\nhost: %s\\r\\ncontent-type: application/json\\r\\n"
+                  b"content-length: %d\\r\\n\\r\\n%s" % (self.host.encode(), len(body), body))
+        return c
+    def done(self, c): self.idle.append(c)
+
+pp, pd = Pool(P), Pool(D)
+
+async def p_leg(body):
+    c = await pp.post(body)
+    async for _ in c.body(): pass
+    pp.done(c)
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({{"type": "lifespan.startup.complete"}})
+        await send({{"type": "lifespan.shutdown.complete"}})
+        return
+    body, more = b"", True
+    while more:
+        m = await receive()
+        body, more = body + m.get("body", b""), m.get("more_body", False)
+    b = json.loads(body)
+    p = asyncio.ensure_future(p_leg(json.dumps({{**b, "max_tokens": 1, "stream": False}}).encode()))
+    c = await pd.post(json.dumps(b).encode())
+    await send({{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}})
+    async for chunk in c.body():
+        await send({{"type": "http.response.body", "body": chunk, "more_body": True}})
+    await send({{"type": "http.response.body", "body": b"", "more_body": False}})
+    pd.done(c)
+    await p
+
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", backlog=4096, proxy_headers=False)
+"""
+
 def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
     """How to run the floor relay on ``stack``; None when that server is not installed."""
     if stack == "uvicorn":
@@ -193,6 +269,8 @@ def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[s
         return [sys.executable, "-c", AIOHTTP_RELAY.format(p=p, d=d, port=port)]
     if stack == "raw":
         return [sys.executable, "-c", RAW_RELAY.format(p=p, d=d, port=port)]
+    if stack == "raw-legs":
+        return [sys.executable, "-c", RAW_LEGS_RELAY.format(p=p, d=d, port=port)]
     granian = shutil.which("granian", path=os.path.dirname(sys.executable))
     if granian is None:
         return None
@@ -208,7 +286,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--requests-per-stream", type=int, default=10)
-    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian", "raw"], default=["uvicorn"],
+    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian", "raw", "raw-legs"], default=["uvicorn"],
                     help="servers to run the floor relay on (uvicorn: the stack kvpath proxy runs on)")
     args = ap.parse_args()
     workdir = tempfile.mkdtemp(prefix="kvpath-floor-")

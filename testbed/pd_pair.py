@@ -44,6 +44,7 @@ class PDSide:
     extra_args: Sequence[str] = ()  # more `vllm serve` arguments
     # a whole --kv-transfer-config instead of KVPathConnector's (an in-tree baseline connector)
     kv_transfer_config: dict[str, Any] | None = None
+    own_session: bool = True  # VLLMServer.own_session
 
 
 @dataclass
@@ -124,7 +125,7 @@ def side_server(model: str | Path, role: str, side: PDSide, home: int | None, lo
         cpu = cores[0]
     return VLLMServer(str(model), side.port, cpu=cpu, kv_transfer_config=ktc, log_path=str(log_path),
                       env={**env, **side.env}, extra_args=[*args, *side.extra_args], api_key=api_key,
-                      pin_all=pin_all)
+                      pin_all=pin_all, own_session=side.own_session)
 
 
 @contextmanager

@@ -129,7 +129,9 @@ class VllmEngines:
             extra = ["--tensor-parallel-size", str(tp)]
         return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip,
                           wrap=site.fabric.exec_argv(pl.host, []), log_path=str(site.engine_log(pl.role, pl.host)),
-                          env=env, extra_args=extra, api_key=self.api_key)
+                          env=env, extra_args=extra, api_key=self.api_key,
+                          # at TP > 1 every engine in the run's session (docs/connector-tp.md, "CPU 0 stalls")
+                          own_session=max(cfg.tp_sizes) == 1)
 
     def start(self, proxy_url: str) -> None:
         from kvpath.tiny_model import build_tiny_model

@@ -65,6 +65,13 @@ class VLLMServer:
     # never on its command line (readable by every local user, and logged)
     api_key: str | None = field(default=None, repr=False)
     pin_all: bool = True  # every process of the engine on its cores, not only the OpenMP threads
+    # A session of its own is a kernel scheduling group (autogroup) of its own: threads
+    # spinning on the engine's cores (in-tree NIXL progress threads) then take only that
+    # group's share from the proxy and clients beside it. False: the launcher's session,
+    # for engines that wait on each other's progress at TP > 1 (docs/connector-tp.md,
+    # "CPU 0 stalls": in a group of its own, an EngineCore spinning on sched_yield kept a
+    # core from every other group for minutes on these VMs)
+    own_session: bool = True
     proc: subprocess.Popen | None = None
 
     @property
@@ -110,12 +117,9 @@ class VLLMServer:
             env["VLLM_API_KEY"] = self.api_key
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         logger.info("starting %s", " ".join(self.command()))
-        # its own process group (stopped as one), but not its own session: with the kernel's
-        # autogroups each session is a scheduling group, and an engine whose core waits for
-        # its workers spinning on sched_yield (vLLM's shm broadcast) then kept a core from
-        # every other group's tasks for minutes on these VMs, the other engine pinned there
-        # included (docs/connector-tp.md, "CPU 0 stalls")
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        # a process group of its own either way: stopped as one
+        group = {"start_new_session": True} if self.own_session else {"process_group": 0}
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, **group)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -51,6 +51,10 @@ REG_TIMEOUT = 12.0  # D's liveness clock: a dead P's requests fail after this (a
 # its SIGKILL, leaving an orphan whose connector still answers D. D then gives up at
 # this bound and cancels, rather than at the liveness clock.
 MAX_WAIT = 45.0
+# Every engine here in the test's session (one scheduling group): in sessions of their
+# own, P TP=2's EngineCore spinning on sched_yield kept CPU 0 from the D at TP=1 it
+# waited on for minutes (docs/connector-tp.md, "CPU 0 stalls")
+OWN_SESSION = False
 
 
 def _common(logs):
@@ -65,8 +69,8 @@ def tp2(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2")
     both = cpus_for(2)  # both engines' ranks share the two cores (rank r of each on core r)
     p = PDSide(P_PORT, P_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "p-tp2"},
-               extra_args=["--max-num-batched-tokens", str(P_CHUNK)])
-    d = PDSide(D_PORT, D_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "d-tp2"})
+               extra_args=["--max-num-batched-tokens", str(P_CHUNK)], own_session=OWN_SESSION)
+    d = PDSide(D_PORT, D_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "d-tp2"}, own_session=OWN_SESSION)
     with pd_pair(model, logs, p, d, knobs=_common(logs)) as pair:
         yield pair.p, pair.d, logs
 
@@ -238,7 +242,7 @@ def d_tp1(model, tp2):
     """A D at TP=1 beside the TP=2 pair (their workers idle meanwhile), started by the
     first case that needs it."""
     _, _, logs = tp2
-    d = VLLMServer(model, D1_PORT, cpu=0, log_path=str(logs / "d1.log"),
+    d = VLLMServer(model, D1_PORT, cpu=0, log_path=str(logs / "d1.log"), own_session=OWN_SESSION,
                    kv_transfer_config=connector_config("kv_consumer", D1_SIDE, keys_dir=logs / "keys",
                                                        engine_id="d-tp1", trace_path=str(logs / "d1_trace.jsonl"),
                                                        **{**_common(logs), "registration_timeout_s": D1_LIVENESS,
@@ -435,7 +439,7 @@ def p_tp1(model, tp2):
     """A P at TP=1 beside the TP=2 pair, chunked prefill off (the TP=2 engines keep
     vLLM's default, on), for the D at TP=2: each P request is pushed once per D rank."""
     _, _, logs = tp2
-    p = VLLMServer(model, P1_PORT, cpu=0, log_path=str(logs / "p1.log"), extra_args=["--no-enable-chunked-prefill"],
+    p = VLLMServer(model, P1_PORT, cpu=0, log_path=str(logs / "p1.log"), own_session=OWN_SESSION, extra_args=["--no-enable-chunked-prefill"],
                    kv_transfer_config=connector_config("kv_producer", P1_SIDE, keys_dir=logs / "keys",
                                                        engine_id="p-tp1", trace_path=str(logs / "p1_trace.jsonl"),
                                                        **{**_common(logs), "idle_step_wait_ms": 20.0}))

@@ -1,7 +1,8 @@
-"""How the testbed starts a vLLM engine: in a process group of its own (stopped as one)
-but in the launcher's session. A session of its own put each engine in a kernel
-autogroup of its own, and an EngineCore spinning on sched_yield in one group kept a core
-from the other engines for minutes (docs/connector-tp.md, "CPU 0 stalls")."""
+"""How the testbed starts a vLLM engine: in a process group of its own (stopped as one),
+in a session of its own by default (a kernel autogroup: its spinning threads take only
+that group's share from the processes beside it) or, with ``own_session=False``, in the
+launcher's session: at TP > 1 an EngineCore spinning on sched_yield in a group of its own
+kept a core from the other engines for minutes (docs/connector-tp.md, "CPU 0 stalls")."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import signal
 import sys
 import time
+
+import pytest
 
 from kvpath.testbed.vllm_server import VLLMServer
 
@@ -20,8 +23,9 @@ class _Sleeper(VLLMServer):
         return [sys.executable, "-c", "import os, time; os.fork(); time.sleep(60)"]
 
 
-def test_an_engine_gets_its_own_process_group_in_the_launchers_session(tmp_path):
-    s = _Sleeper(model="unused", port=1, log_path=str(tmp_path / "log")).start()
+@pytest.mark.parametrize("own_session", [True, False])
+def test_an_engine_gets_its_own_process_group_and_the_session_asked_for(tmp_path, own_session):
+    s = _Sleeper(model="unused", port=1, log_path=str(tmp_path / "log"), own_session=own_session).start()
     try:
         pid = s.proc.pid
         deadline = time.monotonic() + 10
@@ -29,7 +33,7 @@ def test_an_engine_gets_its_own_process_group_in_the_launchers_session(tmp_path)
             time.sleep(0.05)
         assert len(_group(pid)) == 2
         assert os.getpgid(pid) == pid  # a group of its own: kill() reaches every process of it
-        assert os.getsid(pid) == os.getsid(0)  # not a session (an autogroup) of its own
+        assert (os.getsid(pid) == pid) == own_session and (os.getsid(pid) == os.getsid(0)) != own_session
     finally:
         s.stop()
     assert s.proc.returncode == -signal.SIGTERM

@@ -122,7 +122,7 @@ def binary(cache_dir: Path | None = None) -> Path:
     # path is part of the key: a binary linked against another checkout's deleted venv
     # would otherwise be reused and fail to start
     key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(CXXFLAGS).encode()
-                         + str(lib).encode()).hexdigest()[:16]
+                         + os.fsencode(lib)).hexdigest()[:16]
     cache = cache_dir or Path(os.environ.get("KVPATH_CACHE", Path.home() / ".cache" / "kvpath")) / "ns3"
     cache.mkdir(parents=True, exist_ok=True)
     exe = cache / f"kvflows-{ver}-{key}"
@@ -143,7 +143,7 @@ def binary(cache_dir: Path | None = None) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise Ns3Error(f"compiling {SOURCE.name} failed:\n{r.stderr[-4000:]}")
-        exe.with_name(exe.name + LIB_SUFFIX).write_text(str(lib))
+        exe.with_name(exe.name + LIB_SUFFIX).write_bytes(os.fsencode(lib))
         tmp.rename(exe)
     return exe
 
@@ -153,14 +153,26 @@ LIB_SUFFIX = ".lib"  # beside each cached binary: the library directory it was l
 
 def _prune(cache: Path) -> None:
     """Deletes cached binaries whose libraries are gone (their venv was deleted), so a
-    cache shared by many checkouts stays bounded by the live ones."""
+    cache shared by many checkouts stays bounded by the live ones. Housekeeping only: an
+    entry it cannot read or delete is left as it is."""
+    day_ago = time.time() - 86400
     for side in cache.glob(f"kvflows-*{LIB_SUFFIX}"):
-        if not Path(side.read_text().strip()).is_dir():
+        try:
+            if not side.is_file() or Path(os.fsdecode(side.read_bytes().strip())).is_dir():
+                continue
             side.with_name(side.name.removesuffix(LIB_SUFFIX)).unlink(missing_ok=True)
             side.unlink(missing_ok=True)
-    for exe in cache.glob("kvflows-*"):  # built before the sidecar existed: unknown libraries
-        if exe.suffix not in (LIB_SUFFIX, ".tmp") and not exe.with_name(exe.name + LIB_SUFFIX).exists():
-            exe.unlink(missing_ok=True)
+        except (OSError, UnicodeError):
+            continue
+    for exe in cache.glob("kvflows-*"):
+        # built before sidecars (or by an older checkout sharing the cache, which may be
+        # about to run it): its libraries are unknown, so only a day after it was built
+        try:
+            if (exe.suffix not in (LIB_SUFFIX, ".tmp") and exe.is_file()
+                    and not exe.with_name(exe.name + LIB_SUFFIX).exists() and exe.stat().st_mtime < day_ago):
+                exe.unlink()
+        except OSError:
+            continue
 
 
 @dataclass

@@ -67,7 +67,8 @@ class VLLMServer:
     pin_all: bool = True  # every process of the engine on its cores, not only the OpenMP threads
     # A session of its own is a kernel scheduling group (autogroup) of its own: threads
     # spinning on the engine's cores (in-tree NIXL progress threads) then take only that
-    # group's share from the proxy and clients beside it. False: the launcher's session,
+    # group's share from the proxy and clients beside it (the default, as before; one CI
+    # run without it failed the pull-mode bench test, not analysed). False: the launcher's session,
     # for engines that wait on each other's progress at TP > 1 (docs/connector-tp.md,
     # "CPU 0 stalls": in a group of its own, an EngineCore spinning on sched_yield kept a
     # core from every other group for minutes on these VMs)
@@ -119,7 +120,9 @@ class VLLMServer:
         logger.info("starting %s", " ".join(self.command()))
         # a process group of its own either way: stopped as one
         group = {"start_new_session": True} if self.own_session else {"process_group": 0}
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, **group)
+        # (no terminal input: an engine in the launcher's session that read it would be stopped)
+        self.proc = subprocess.Popen(self.command(), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, **group)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

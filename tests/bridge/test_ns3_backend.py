@@ -5,8 +5,10 @@ on top of it. Flows are kept small so the whole file runs in seconds once compil
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -337,11 +339,17 @@ def test_a_cached_binary_whose_libraries_were_deleted_is_rebuilt_and_pruned(tmp_
     stale = ns3_backend.binary(cache)
     monkeypatch.undo()
     shutil.rmtree(tmp_path / "other-venv")
-    (cache / "kvflows-ns3.0-0000000000000000").write_text("built before the sidecar")
+    old = cache / "kvflows-ns3.0-0000000000000000"  # built before sidecars: deleted only a day on
+    young = cache / "kvflows-ns3.0-1111111111111111"
+    for f in (old, young):
+        f.write_text("built before the sidecar")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    (cache / "kvflows-ns3.0-2222222222222222.lib").mkdir()  # not a sidecar it can read: left as it is
 
     exe = ns3_backend.binary(cache)
     assert exe != stale and not stale.exists()
-    assert sorted(p.name for p in cache.glob("kvflows-*")) == [exe.name, exe.name + ns3_backend.LIB_SUFFIX]
+    assert sorted(p.name for p in cache.glob("kvflows-*")) == sorted(
+        [exe.name, exe.name + ns3_backend.LIB_SUFFIX, young.name, "kvflows-ns3.0-2222222222222222.lib"])
     (tmp_path / "f.txt").write_text("0 0 4 0 0 0.0 1\n")
     r = subprocess.run([str(exe), f"--flows={tmp_path / 'f.txt'}", f"--out={tmp_path / 'o.txt'}"],
                        capture_output=True, text=True, timeout=60)

@@ -109,11 +109,13 @@ def test_tp_sizes_reach_each_engine_with_its_ranks_on_cores_from_its_own(tmp_pat
     for srv, bind in ((p, "0|1"), (d, "1|0")):
         cmd = srv.command()
         assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and srv.env["VLLM_CPU_OMP_THREADS_BIND"] == bind
+        assert not srv.own_session  # at TP > 1 in the run's session (docs/connector-tp.md, "CPU 0 stalls")
     one_eng = VllmEngines(_site(tmp_path, engine="vllm"))
     one_eng.site.fabric.exec_argv = eng.site.fabric.exec_argv
     one = one_eng.server(Placement("l0h0", "prefill", "10.0.0.2", "10.254.0.2", 0),
                                                              "/m", "http://x")
     assert "--tensor-parallel-size" not in one.command() and "VLLM_CPU_OMP_THREADS_BIND" not in one.env
+    assert one.own_session
 
 
 def test_every_process_of_an_engine_is_bound_to_its_cores_not_only_the_openmp_threads():

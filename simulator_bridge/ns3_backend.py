@@ -143,12 +143,16 @@ def binary(cache_dir: Path | None = None) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise Ns3Error(f"compiling {SOURCE.name} failed:\n{r.stderr[-4000:]}")
-        exe.with_name(exe.name + LIB_SUFFIX).write_bytes(os.fsencode(lib))
+        _sidecar(exe).write_bytes(os.fsencode(lib))
         tmp.rename(exe)
     return exe
 
 
 LIB_SUFFIX = ".lib"  # beside each cached binary: the library directory it was linked against
+
+
+def _sidecar(exe: Path) -> Path:
+    return exe.with_name(exe.name + LIB_SUFFIX)
 
 
 def _prune(cache: Path) -> None:
@@ -169,7 +173,7 @@ def _prune(cache: Path) -> None:
         # about to run it): its libraries are unknown, so only a day after it was built
         try:
             if (exe.suffix not in (LIB_SUFFIX, ".tmp") and exe.is_file()
-                    and not exe.with_name(exe.name + LIB_SUFFIX).exists() and exe.stat().st_mtime < day_ago):
+                    and not _sidecar(exe).exists() and exe.stat().st_mtime < day_ago):
                 exe.unlink()
         except OSError:
             continue

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kvpath.testbed.readiness import answers
-from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for, rank_cores
+from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for, own_session_for, rank_cores
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ class PDSide:
     extra_args: Sequence[str] = ()  # more `vllm serve` arguments
     # a whole --kv-transfer-config instead of KVPathConnector's (an in-tree baseline connector)
     kv_transfer_config: dict[str, Any] | None = None
-    own_session: bool = True  # VLLMServer.own_session
 
 
 @dataclass
@@ -97,9 +96,9 @@ def log_tail(path: str | Path | None, lines: int = LOG_TAIL_LINES) -> str:
 
 def side_server(model: str | Path, role: str, side: PDSide, home: int | None, log_path: Path, *,
                 keys_dir: Path, knobs: Mapping[str, Any] | None = None, trace_path: Path | None = None,
-                api_key: str | None = None, pin_all: bool = True) -> VLLMServer:
+                api_key: str | None = None, pin_all: bool = True, own_session: bool = True) -> VLLMServer:
     """One side's server, not started. ``role``: kv_producer or kv_consumer; ``home``: its
-    own core when ``side.cores`` does not name them."""
+    own core when ``side.cores`` does not name them; ``own_session``: VLLMServer's."""
     if side.kv_transfer_config is not None:
         if side.knobs or side.trace or side.side_channel_port is not None:
             raise ValueError("a side with a whole kv_transfer_config takes no knobs, trace or side_channel_port")
@@ -125,7 +124,7 @@ def side_server(model: str | Path, role: str, side: PDSide, home: int | None, lo
         cpu = cores[0]
     return VLLMServer(str(model), side.port, cpu=cpu, kv_transfer_config=ktc, log_path=str(log_path),
                       env={**env, **side.env}, extra_args=[*args, *side.extra_args], api_key=api_key,
-                      pin_all=pin_all, own_session=side.own_session)
+                      pin_all=pin_all, own_session=own_session)
 
 
 @contextmanager
@@ -151,7 +150,7 @@ def pd_pair(model: str | Path, logs: str | Path, p: PDSide, d: PDSide, *, knobs:
         tag = name.lower()
         log, trace = logs / f"{tag}.log", logs / f"{tag}_trace.jsonl" if side.trace else None
         servers[name] = side_server(model, role, side, home, log, keys_dir=keys, knobs=knobs, trace_path=trace,
-                                    api_key=api_key, pin_all=pin_all)
+                                    api_key=api_key, pin_all=pin_all, own_session=own_session_for((p.tp, d.tp)))
         paths.append((log, trace))
     (p_log, p_trace), (d_log, d_trace) = paths
     with serving(servers, stop_signal=stop_signal, ready_timeout_s=ready_timeout_s):

@@ -31,7 +31,7 @@ from rich.console import Console
 from kvpath.testbed.driver import prompt_ids
 from kvpath.testbed.engines import API_PORT, KV_PORT, RunSite, engine_id
 from kvpath.testbed.run_config import CONNECTORS
-from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config, cpus_for, rank_cores
+from kvpath.testbed.vllm_server import MODEL_NAME, VLLMServer, connector_config, cpus_for, own_session_for, rank_cores
 from kvpath.trace import TransferRecord, kv_ready_at, read_connector_log, read_transfers
 
 logger = logging.getLogger(__name__)
@@ -130,8 +130,7 @@ class VllmEngines:
         return VLLMServer(model, API_PORT, cpu=pl.cpu, kv_transfer_config=kv, host=pl.mgmt_ip,
                           wrap=site.fabric.exec_argv(pl.host, []), log_path=str(site.engine_log(pl.role, pl.host)),
                           env=env, extra_args=extra, api_key=self.api_key,
-                          # at TP > 1 every engine in the run's session (docs/connector-tp.md, "CPU 0 stalls")
-                          own_session=max(cfg.tp_sizes) == 1)
+                          own_session=own_session_for(cfg.tp_sizes))
 
     def start(self, proxy_url: str) -> None:
         from kvpath.tiny_model import build_tiny_model

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from kvpath.testbed.readiness import wait_http
@@ -159,6 +160,13 @@ class VLLMServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def own_session_for(tp_sizes: Sequence[int]) -> bool:
+    """VLLMServer.own_session for the engines of one deployment: a session of its own for
+    each unless an engine runs at TP > 1, then the launcher's session for all of them (the
+    engines wait on each other's progress; docs/connector-tp.md, "CPU 0 stalls")."""
+    return max(tp_sizes) == 1
 
 
 def cpus_for(n: int) -> list[int]:

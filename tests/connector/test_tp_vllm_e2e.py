@@ -23,7 +23,7 @@ from kvpath.connector.params import decode_leg_params
 from kvpath.testbed.pd_client import PDResult, engine_client, make_prompts, pd_and_decode_only, pd_request
 from kvpath.testbed.pd_pair import PDSide, pd_pair, serving
 from kvpath.testbed.readiness import wait_http
-from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for
+from kvpath.testbed.vllm_server import VLLMServer, connector_config, cpus_for, own_session_for
 from kvpath.trace import read_connector_log, read_transfers
 
 pytestmark = pytest.mark.e2e
@@ -51,10 +51,10 @@ REG_TIMEOUT = 12.0  # D's liveness clock: a dead P's requests fail after this (a
 # its SIGKILL, leaving an orphan whose connector still answers D. D then gives up at
 # this bound and cancels, rather than at the liveness clock.
 MAX_WAIT = 45.0
-# Every engine here in the test's session (one scheduling group): in sessions of their
-# own, P TP=2's EngineCore spinning on sched_yield kept CPU 0 from the D at TP=1 it
-# waited on for minutes (docs/connector-tp.md, "CPU 0 stalls")
-OWN_SESSION = False
+# The engines beside the TP=2 pair join its session (pd_pair puts a pair at TP > 1 in
+# the test's): in sessions of their own, P TP=2's EngineCore spinning on sched_yield kept
+# CPU 0 from the D at TP=1 it waited on for minutes (docs/connector-tp.md, "CPU 0 stalls")
+OWN_SESSION = own_session_for((2, 1))
 
 
 def _common(logs):
@@ -69,8 +69,8 @@ def tp2(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2")
     both = cpus_for(2)  # both engines' ranks share the two cores (rank r of each on core r)
     p = PDSide(P_PORT, P_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "p-tp2"},
-               extra_args=["--max-num-batched-tokens", str(P_CHUNK)], own_session=OWN_SESSION)
-    d = PDSide(D_PORT, D_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "d-tp2"}, own_session=OWN_SESSION)
+               extra_args=["--max-num-batched-tokens", str(P_CHUNK)])
+    d = PDSide(D_PORT, D_SIDE, tp=2, cores=both, trace=True, knobs={"engine_id": "d-tp2"})
     with pd_pair(model, logs, p, d, knobs=_common(logs)) as pair:
         yield pair.p, pair.d, logs
 

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from kvpath.testbed.vllm_server import VLLMServer
+from kvpath.testbed.pd_pair import PDSide, side_server
+from kvpath.testbed.vllm_server import VLLMServer, own_session_for
 
 
 class _Sleeper(VLLMServer):
@@ -41,6 +42,15 @@ def test_an_engine_gets_its_own_process_group_and_the_session_asked_for(tmp_path
     while (left := _group(pid)) and time.monotonic() < deadline:  # the signal takes a moment
         time.sleep(0.05)
     assert left == []  # the forked child went with the group
+
+
+def test_engines_of_a_deployment_at_tp_above_1_share_the_launchers_session(tmp_path):
+    assert own_session_for((1, 1)) and not own_session_for((2, 1)) and not own_session_for((1, 2))
+    side = PDSide(8100, 5800, tp=2)
+    for own in (True, False):
+        srv = side_server("/m", "kv_producer", side, 0, tmp_path / "p.log", keys_dir=tmp_path / "keys",
+                          own_session=own)
+        assert srv.own_session == own
 
 
 def _group(pgid: int) -> list[int]:

@@ -17,7 +17,15 @@ same alternating rounds: ``aiohttp`` (aiohttp.web's server, uvloop) and ``grania
 (a Rust HTTP server calling Python through its RSGI interface; used when installed,
 ``pip install granian``), and ``raw``: bare asyncio protocols on uvloop with httptools
 parsing both sides, no server framework at all; ``raw-legs``: uvicorn serving the
-client, the legs on raw pooled httptools connections (no aiohttp)."""
+client, the legs on raw pooled httptools connections (no aiohttp); ``nginx``: nginx
+(compiled, one worker) with its Lua module sending P's leg as a subrequest and
+streaming D's answer with ``proxy_pass`` (P's leg ends before D's starts: the same work,
+at a lower request rate); ``nginx-1leg``: nginx streaming D's answer only, no P leg and
+no Lua (less than any P/D proxy must do). The nginx stacks are used when nginx and its
+Lua module are installed (Debian: ``apt-get install nginx libnginx-mod-http-lua
+lua-cjson``). Each process's CPU is split into user and system (kernel) time: on
+loopback the kernel's TCP work for a relayed stream, both ends of each socket, is
+charged to the processes that write to it."""
 
 from __future__ import annotations
 
@@ -261,6 +269,68 @@ async def app(scope, receive, send):
 uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", backlog=4096, proxy_headers=False)
 """
 
+# nginx as the relay (placeholders @...@: nginx's own syntax uses braces and dollars)
+NGINX_CONF = """
+daemon off; master_process off; worker_processes 1; error_log stderr warn; pid @WD@/nginx.pid;
+@MODULES@
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path @WD@/body; proxy_temp_path @WD@/proxy; fastcgi_temp_path @WD@/fcgi;
+  uwsgi_temp_path @WD@/uwsgi; scgi_temp_path @WD@/scgi;
+  client_body_buffer_size 64k;
+  upstream p { server @P@; keepalive 512; }
+  upstream d { server @D@; keepalive 512; }
+  server {
+    listen 127.0.0.1:@PORT@ backlog=4096;
+    location = /v1/completions {
+      @P_LEG@
+      proxy_pass http://d; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off;
+    }
+    location = /_p {
+      internal; proxy_pass http://p/v1/completions; proxy_http_version 1.1; proxy_set_header Connection "";
+    }
+  }
+}
+"""
+NGINX_P_LEG = """access_by_lua_block {
+        ngx.req.read_body()
+        local cjson = require "cjson.safe"
+        local b = cjson.decode(ngx.req.get_body_data())
+        b.max_tokens = 1; b.stream = false
+        ngx.location.capture("/_p", {method = ngx.HTTP_POST, body = cjson.encode(b)})
+      }"""
+NGINX_MODULES = "/usr/lib/nginx/modules"
+
+
+def nginx_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
+    """nginx as the floor relay; None when nginx or (for the P/D relay) its Lua module is missing."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    lua = os.path.join(NGINX_MODULES, "ngx_http_lua_module.so")
+    if nginx is None or (stack == "nginx" and not os.path.exists(lua)):
+        return None
+    wd = os.path.join(workdir, stack)
+    os.makedirs(wd)
+    modules = (f"load_module {NGINX_MODULES}/ndk_http_module.so; load_module {lua};" if stack == "nginx" else "")
+    conf = (NGINX_CONF.replace("@MODULES@", modules).replace("@P_LEG@", NGINX_P_LEG if stack == "nginx" else "")
+            .replace("@WD@", wd).replace("@P@", p.split("//", 1)[1]).replace("@D@", d.split("//", 1)[1])
+            .replace("@PORT@", str(port)))
+    with open(os.path.join(wd, "nginx.conf"), "w") as f:
+        f.write(conf)
+    return [nginx, "-p", wd, "-c", os.path.join(wd, "nginx.conf")]
+
+
+def system_s(proc: psutil.Process) -> float:
+    """Kernel (system) CPU seconds of a relay's processes."""
+    total = 0.0
+    for q in (proc, *proc.children(recursive=True)):
+        try:
+            total += q.cpu_times().system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
     """How to run the floor relay on ``stack``; None when that server is not installed."""
     if stack == "uvicorn":
@@ -271,6 +341,8 @@ def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[s
         return [sys.executable, "-c", RAW_RELAY.format(p=p, d=d, port=port)]
     if stack == "raw-legs":
         return [sys.executable, "-c", RAW_LEGS_RELAY.format(p=p, d=d, port=port)]
+    if stack.startswith("nginx"):
+        return nginx_command(stack, p, d, port, workdir)
     granian = shutil.which("granian", path=os.path.dirname(sys.executable))
     if granian is None:
         return None
@@ -286,7 +358,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--requests-per-stream", type=int, default=10)
-    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian", "raw", "raw-legs"], default=["uvicorn"],
+    ap.add_argument("--stacks", nargs="+", choices=["uvicorn", "aiohttp", "granian", "raw", "raw-legs", "nginx", "nginx-1leg"], default=["uvicorn"],
                     help="servers to run the floor relay on (uvicorn: the stack kvpath proxy runs on)")
     args = ap.parse_args()
     workdir = tempfile.mkdtemp(prefix="kvpath-floor-")
@@ -303,7 +375,9 @@ def main() -> int:
             port = free_port()
             cmd = relay_command(stack, url["P"], url["D"], port, workdir)
             if cmd is None:
-                Console().print(f"[yellow]{stack}: not installed (pip install {stack}), left out[/yellow]")
+                how = ("apt-get install nginx libnginx-mod-http-lua lua-cjson" if stack.startswith("nginx")
+                       else f"pip install {stack}")
+                Console().print(f"[yellow]{stack}: not installed ({how}), left out[/yellow]")
                 continue
             procs.append(subprocess.Popen(cmd))
             servers[f"floor relay, {stack}"] = (f"http://127.0.0.1:{port}", psutil.Process(procs[-1].pid))
@@ -320,21 +394,25 @@ def main() -> int:
             uvloop.run(run_streams(u, 8, 1, args.tokens))  # warm connections
         spread = 0.2 + args.tokens * 0.01
         cpu: dict[str, list[float]] = {k: [] for k in servers}
+        kernel: dict[str, list[float]] = {k: [] for k in servers}
         errors = dict.fromkeys(servers, 0)
         for r in range(args.rounds):
             order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
             for name in order:
                 u, proc = servers[name]
-                c0 = cpu_s([proc])
+                c0, k0 = cpu_s([proc]), system_s(proc)
                 _, e2e, err = uvloop.run(run_streams(u, args.streams, args.requests_per_stream, args.tokens, spread))
                 cpu[name].append((cpu_s([proc]) - c0) * 1e3 / max(1, len(e2e)))
+                kernel[name].append((system_s(proc) - k0) * 1e3 / max(1, len(e2e)))
                 errors[name] += err
         t = Table(title=f"CPU per streamed request, {args.streams} streams, {args.tokens} tokens each, "
                         f"{args.rounds} rounds alternating")
-        for col in ("server", "CPU ms/request: median (range)", "errors"):
+        for col in ("server", "CPU ms/request: median (range)", "of it kernel (system) time", "errors"):
             t.add_column(col)
         for name, v in cpu.items():
-            t.add_row(name, f"{np.median(v):.2f} ({min(v):.2f}..{max(v):.2f})", str(errors[name]))
+            k = kernel[name]
+            t.add_row(name, f"{np.median(v):.2f} ({min(v):.2f}..{max(v):.2f})",
+                      f"{np.median(k):.2f} ({min(k):.2f}..{max(k):.2f})", str(errors[name]))
         Console(width=130).print(t)
         for name in servers:
             if name != "kvpath proxy":

@@ -156,8 +156,9 @@ def _sidecar(exe: Path) -> Path:
 
 
 def _prune(cache: Path) -> None:
-    """Deletes cached binaries whose libraries are gone (their venv was deleted), so a
-    cache shared by many checkouts stays bounded by the live ones. Housekeeping only: an
+    """Deletes cached binaries whose libraries are gone (their venv was deleted) and the
+    partial output of killed compiles, so a cache shared by many checkouts stays bounded
+    by the live ones. Housekeeping only: an
     entry it cannot read or delete is left as it is."""
     day_ago = time.time() - 86400
     for side in cache.glob(f"kvflows-*{LIB_SUFFIX}"):
@@ -168,11 +169,17 @@ def _prune(cache: Path) -> None:
             side.unlink(missing_ok=True)
         except (OSError, UnicodeError):
             continue
+    hour_ago = time.time() - 3600
     for exe in cache.glob("kvflows-*"):
-        # built before sidecars (or by an older checkout sharing the cache, which may be
-        # about to run it): its libraries are unknown, so only a day after it was built
         try:
-            if (exe.suffix not in (LIB_SUFFIX, ".tmp") and exe.is_file()
+            if exe.suffix == ".tmp":
+                # a compile's output before its rename: one killed mid-way leaves it. Compiles
+                # run under the lock we hold, and take seconds: an hour-old one is nobody's
+                if exe.is_file() and exe.stat().st_mtime < hour_ago:
+                    exe.unlink()
+            # built before sidecars (or by an older checkout sharing the cache, which may be
+            # about to run it): its libraries are unknown, so only a day after it was built
+            elif (exe.suffix != LIB_SUFFIX and exe.is_file()
                     and not _sidecar(exe).exists() and exe.stat().st_mtime < day_ago):
                 exe.unlink()
         except OSError:

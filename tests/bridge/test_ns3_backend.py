@@ -325,7 +325,7 @@ def test_a_cached_binary_whose_libraries_were_deleted_is_rebuilt_and_pruned(tmp_
     """The binary finds ns-3's libraries by the path it was linked against. A cache shared by
     checkouts once handed one checkout a binary linked against another's deleted venv, which
     then failed to start (exit 127, libns3...so not found). The path is now in the key, and
-    binaries whose libraries are gone are deleted."""
+    binaries whose libraries are gone are deleted, as is what a killed compile left."""
     from kvpath.bridge import ns3_backend
 
     real = ns3_backend.ns3_root()
@@ -344,12 +344,18 @@ def test_a_cached_binary_whose_libraries_were_deleted_is_rebuilt_and_pruned(tmp_
     for f in (old, young):
         f.write_text("built before the sidecar")
     os.utime(old, (time.time() - 2 * 86400,) * 2)
+    killed = cache / "kvflows-ns3.0-3333333333333333.tmp"  # a compile killed two hours ago: deleted
+    compiling = cache / "kvflows-ns3.0-4444444444444444.tmp"  # a compile under way: kept
+    for f in (killed, compiling):
+        f.write_text("half a binary")
+    os.utime(killed, (time.time() - 7200,) * 2)
     (cache / "kvflows-ns3.0-2222222222222222.lib").mkdir()  # not a sidecar it can read: left as it is
 
     exe = ns3_backend.binary(cache)
     assert exe != stale and not stale.exists()
     assert sorted(p.name for p in cache.glob("kvflows-*")) == sorted(
-        [exe.name, exe.name + ns3_backend.LIB_SUFFIX, young.name, "kvflows-ns3.0-2222222222222222.lib"])
+        [exe.name, exe.name + ns3_backend.LIB_SUFFIX, young.name, "kvflows-ns3.0-2222222222222222.lib",
+         compiling.name])
     (tmp_path / "f.txt").write_text("0 0 4 0 0 0.0 1\n")
     r = subprocess.run([str(exe), f"--flows={tmp_path / 'f.txt'}", f"--out={tmp_path / 'o.txt'}"],
                        capture_output=True, text=True, timeout=60)

@@ -17,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpath.connector import messages as M
 from kvpath.connector.config import KVPathConfig
 from kvpath.connector.control_auth import ControlKeys, harden, routing_id, secure_client
+from kvpath.connector.peer_names import PeerNames
 from kvpath.connector.telemetry import Stats
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,10 @@ class PeerLinks:
         self.cfg, self.stats = cfg, stats
         self._ctx, self._keys, self._sockets = ctx, keys, sockets
         self._on_unsent, self._busy = on_unsent, busy
+        # keyed by one spelling of each P address (PeerNames): two links to one P would take
+        # the routing id from each other
         self.by_addr: dict[str, PeerLink] = {}
+        self.names = PeerNames()
         self._monitors: dict[zmq.Socket, PeerLink] = {}  # each link's monitor -> the link
         self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
         self.poller: zmq.Poller | None = None  # the receiver thread's, set when it runs

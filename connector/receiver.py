@@ -24,6 +24,7 @@ from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector.engine_thread import DORMANT_POLL_MS, LINGER_S, EngineThread
 from kvpath.connector.entropy import LISTEN_LOCK, listening_sockets
 from kvpath.connector.peer_links import MAX_LINKS, PeerLink, PeerLinks
+from kvpath.connector.peer_names import Unresolvable
 from kvpath.connector.nixl_io import PROBE_BYTES, configure_ucx, make_agent
 from kvpath.connector.recv_state import ReceiverState
 from kvpath.connector.tcp_table import lanes_drained
@@ -58,6 +59,9 @@ class PushReceiver(EngineThread):
         self._next_prune = 0.0
         # (transfer id, P peer) -> its Register; receiver thread only: to re-send after P restarted
         self._regs: dict[tuple[str, str], M.Register] = {}
+        # commands waiting for a host name's lookup (receiver thread only): at most one per
+        # registration the engine made, each retried when a lookup answers
+        self._parked: list[tuple[str, Any]] = []
         self.instance = uuid.uuid4().hex[:12]
         self._keys: ControlKeys | None = None
         cfg.validate_security()
@@ -66,6 +70,7 @@ class PushReceiver(EngineThread):
         self.agent: Any = None
         self.links = PeerLinks(cfg, self._ctx, self.stats, self._keys, self._sockets, on_unsent=self._unsent,
                                busy=self._busy_peers)
+        self.links.names.on_answer = self._wake
 
     def start(self) -> "PushReceiver":
         try:
@@ -247,21 +252,60 @@ class PushReceiver(EngineThread):
         self.send_cancels()
 
     def drain_commands(self) -> None:
-        for kind, arg in self._commands():
+        # commands waiting for a host name's lookup first (PeerNames wakes us when one answers)
+        parked, self._parked = self._parked, []
+        for kind, arg in [*parked, *self._commands()]:
             if kind == "register":
-                request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp = arg
-                for peer in peers:  # one flow per P rank
-                    self._register_flow(request_id, tid, peer, server_key, M.Register(
-                        transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
-                        skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
-                        p_tp_size=p_tp,
-                    ))
+                self._register_request(arg)
             elif kind == "reconnect":
                 self.links.reconnect_all()
             elif kind == "connect":
-                link = self.links.link(*arg)
+                peer, server_key = arg
+                try:
+                    addr = self.links.names.canonical(peer)
+                except Unresolvable as e:
+                    logger.error("no control link to %s: %s", peer, e)
+                    continue
+                if addr is None:
+                    self._parked.append((kind, arg))
+                    continue
+                link = self.links.link(addr, server_key)
                 if link is not None:
                     self.flush(link)
+
+    def _register_request(self, arg: tuple) -> None:
+        request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp = arg
+        with self._lock:
+            if not self.state.waits(request_id):  # ended while its command waited (a cancel, its deadline)
+                return
+        spelled: list[tuple[str, str]] = []
+        for given in peers:
+            try:
+                addr = self.links.names.canonical(given)
+            except Unresolvable as e:
+                with self._lock:
+                    self.state.send_failed(tid, str(e), given, request_id)
+                logger.error("request %s not registered with %s: %s", request_id, given, e)
+                continue
+            if addr is None:  # its lookup runs: nothing is sent (its flows are unsent: freeing them is safe)
+                self._parked.append(("register", arg))
+                return
+            spelled.append((given, addr))
+        for given, peer in spelled:  # one flow per P rank
+            with self._lock:
+                # renamed before anything is sent, so P's answers (which come on the link) find it
+                renamed = self.state.rename_peer(tid, given, peer, request_id)
+                if not renamed:
+                    self.state.send_failed(tid, f"{given} is {peer}, which the request names already", given,
+                                           request_id)
+            if not renamed:
+                logger.error("request %s: P %s named twice (as %s)", request_id, peer, given)
+                continue
+            self._register_flow(request_id, tid, peer, server_key, M.Register(
+                transfer_id=tid, request_id=request_id, agent_name=self.agent.name, block_ids=block_ids,
+                skip_blocks=skip, post_by_s=self.cfg.max_wait_s, transfer_key=transfer_key,
+                p_tp_size=p_tp,
+            ))
 
     def _register_flow(self, request_id: str, tid: str, peer: str, server_key: bytes | None,
                        reg: M.Register) -> None:
@@ -365,6 +409,14 @@ class PushReceiver(EngineThread):
             self.stats.inc("peer_restarts")
             logger.warning("P at %s restarted (instance %s -> %s): %d waiting requests end once its old "
                            "connections are drained", link.addr, link.instance, msg.instance, len(gone))
+        if msg.instance != link.instance:
+            other = next((lk for lk in self.links if lk is not link and lk.instance == msg.instance), None)
+            if other is not None:
+                # one P process at two addresses: our links share one routing id, which P hands to
+                # the newest connection, so each takes the other's answers (peer_names.py)
+                self.stats.inc("peers_aliased")
+                logger.error("P at %s is the process D also reaches at %s (instance %s): requests to it will "
+                             "time out; name each P by one address", link.addr, other.addr, msg.instance)
         link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
         link.current_lanes = {(ip, port) for ip, port in msg.lanes}
         if not msg.complete:  # sticky: a lane it could not list may still be open

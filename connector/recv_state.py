@@ -120,6 +120,22 @@ class ReceiverState:
         self._flows_left[request_id] = len(peers)
         return True
 
+    def rename_peer(self, transfer_id: str, peer: str, to: str, request_id: str) -> bool:
+        """``request_id``'s flow of ``transfer_id`` from ``peer`` waits on ``to`` from now
+        on (the address the request's spelling resolved to). False when the transfer
+        already has a flow from ``to`` (one request named one P twice); True when there is
+        nothing to rename (another request's flow is not touched)."""
+        flows = self.by_tid.get(transfer_id)
+        w = flows.get(peer) if flows else None
+        if w is None or peer == to or w.request_id != request_id:
+            return True
+        if to in flows:
+            return False
+        del flows[peer]
+        w.peer = to
+        flows[to] = w
+        return True
+
     def get(self, transfer_id: str, peer: str | None = None) -> Waiting | None:
         """The flow of ``transfer_id`` from ``peer``; without a peer, the transfer's only flow."""
         flows = self.by_tid.get(transfer_id)

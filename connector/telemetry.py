@@ -56,6 +56,7 @@ COUNTERS = (
     "pushes_queue_overdue",  # ... and started without one when its wait reached its bound
     "peers_forgotten",
     "peers_over_limit",
+    "peers_aliased",  # D: one P process answered at two addresses (its requests time out)
     "lane_registrations_skipped",
     "worker_pair_collisions",
     "kv_verify_ok",

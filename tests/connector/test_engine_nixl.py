@@ -283,6 +283,27 @@ def test_a_restarted_p_at_the_same_address_is_picked_up_by_d():
         p2.sender.close()
 
 
+def test_one_p_named_two_ways_is_one_link_and_every_request_arrives():
+    """D's links share one routing id and P hands it to the newest connection: a second link
+    to the same P under another spelling took it from the first, and from then on every
+    request to that P under either spelling was lost (two of four here, before the fix)."""
+    c = cfg(lanes=1)
+    p = PSide(c)
+    port = p.sender.address.rsplit(":", 1)[1]
+    spellings = [f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST.:{port}", f"127.0.0.1:{port}"]
+    with PeerProcess(c, SPEC) as d:
+        for i, peer in enumerate(spellings):
+            d.call("register", f"d{i}", f"n{i}", peer, [10 + i], 0)
+            p.sender.submit_finished(f"p{i}", f"n{i}", [40 + i])
+            _, done, failed = d.call("wait", [f"d{i}"], 10)
+            assert done == [f"d{i}"] and not failed, f"request {i} to {peer}"
+            assert d.call("read", [10 + i])[1] == p.expect([40 + i])
+        stats = p.sender.stats.snapshot()
+        assert stats["handshakes"] == 1 and stats["registrations"] == 4
+        assert stats["control_disconnects"] == 0
+    p.sender.close()
+
+
 @pytest.mark.parametrize("side", ["writer", "receiver"])
 def test_an_exception_in_an_engine_loop_is_counted_and_the_loop_keeps_serving(side, caplog):
     from kvpath.connector.receiver import PushReceiver

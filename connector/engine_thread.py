@@ -214,8 +214,10 @@ class EngineThread:
                 self.trace.close()
                 return False
         # the finalizer's own release, run now (once): every socket, then the context
-        # (any socket left, a link made as an error struck, too)
-        self._finalizer()
+        # (any socket left, a link made as an error struck, too). Under the wake lock: other
+        # threads (a host name's lookup) may be waking us through one of those sockets.
+        with self._wake_lock:
+            self._finalizer()
         # transfers and remote agents first, then the memory they point at
         try:
             self._drop_agents()

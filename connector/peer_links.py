@@ -86,7 +86,7 @@ class PeerLinks:
         # keyed by one spelling of each P address (PeerNames): two links to one P would take
         # the routing id from each other
         self.by_addr: dict[str, PeerLink] = {}
-        self.names = PeerNames()
+        self.names = PeerNames(linked=lambda ip: any(addr.rpartition(":")[0] == ip for addr in self.by_addr))
         self._monitors: dict[zmq.Socket, PeerLink] = {}  # each link's monitor -> the link
         self._routing_id: bytes | None = None  # made with the first link (it names our NIXL agent)
         self.poller: zmq.Poller | None = None  # the receiver thread's, set when it runs

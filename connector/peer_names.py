@@ -11,11 +11,13 @@ Literal addresses are normalised without a lookup. A host name is looked up on a
 of its own (at most ``MAX_LOOKUPS`` at once), never on the receiver's or the engine's:
 until the answer comes, ``canonical`` says so (None) and the receiver keeps the
 registration unsent. An answer is kept ``TTL_S``; after that the address is still used
-while a new lookup runs (a P keeps its link through a slow or failing resolver), and an
-address that is still among the answers is kept (a name with several). A name that does
-not resolve, with no earlier answer, fails its requests (``Unresolvable``) for
-``FAIL_TTL_S`` before it is looked up again. At most ``MAX_NAMES`` names are kept: a
-peer that sends a new name with each request cannot grow the cache.
+while a new lookup runs (a P keeps its link through a slow or failing resolver); an
+address that is still among the answers is kept (a name with several), else one a link
+already goes to. A name that does not resolve, with no earlier answer, fails its
+requests (``Unresolvable``) for ``FAIL_TTL_S`` before it is looked up again. At most
+``MAX_NAMES`` names with an address are kept, and ``MAX_UNRESOLVED`` without one apart: a
+peer that sends a new name with each request can neither grow the cache nor push out
+the names in use.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvpath.connector.config import parse_host_port
 
 logger = logging.getLogger(__name__)
 
-MAX_NAMES = 1024
+MAX_NAMES = 1024  # names with an address
+MAX_UNRESOLVED = 64  # names without one yet (a lookup runs or failed), kept apart: made-up names leave first
 MAX_LOOKUPS = 4  # lookups running at once; a name beyond them waits for a free one
 TTL_S = 60.0  # a P moved to a new address is reached at it after about this long
 FAIL_TTL_S = 5.0
@@ -60,6 +63,7 @@ class _Name:
     valid_until: float  # ask again after this
     why: str = ""  # the last lookup's failure, when it failed
     looking: bool = False  # a lookup for it runs
+    answers: list[str] = field(default_factory=list)  # the last lookup's addresses, not applied yet
 
 
 class PeerNames:
@@ -67,8 +71,10 @@ class PeerNames:
     (the receiver's); lookups answer from theirs and call ``on_answer``."""
 
     def __init__(self, resolve: Resolver = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
-                 on_answer: Callable[[], None] = lambda: None):
-        self._resolve, self._clock, self.on_answer = resolve, clock, on_answer
+                 on_answer: Callable[[], None] = lambda: None, linked: Callable[[str], bool] = lambda addr: False):
+        """``linked(addr)``: a control link to that address is open (receiver thread):
+        of a name's addresses, one in use is kept."""
+        self._resolve, self._clock, self.on_answer, self._linked = resolve, clock, on_answer, linked
         self._lock = threading.Lock()  # the cache, shared with the lookup threads
         self._names: OrderedDict[str, _Name] = OrderedDict()
         self._running = 0  # lookups under way
@@ -92,17 +98,45 @@ class PeerNames:
             entry = self._names.get(name)
             if entry is None:
                 entry = self._names[name] = _Name(None, 0.0)
-                while len(self._names) > MAX_NAMES:  # the least recently asked for goes
-                    self._names.popitem(last=False)
+                self._evict(name)
             self._names.move_to_end(name)
+            if entry.answers:
+                # new answers: the address in use stays while it is among them (a name with
+                # several), else one a link already goes to (never two links to one P)
+                if entry.addr not in entry.answers:
+                    resolved_now = entry.addr is None
+                    entry.addr = next((a for a in entry.answers if self._linked(a)), entry.answers[0])
+                    if resolved_now:
+                        self._evict(name)
+                entry.answers = []
             if entry.valid_until <= self._clock() and not entry.looking and self._running < MAX_LOOKUPS:
-                entry.looking = True
-                self._running += 1
-                threading.Thread(target=self._lookup, args=(name, entry), name="kvpath-resolve",
-                                 daemon=True).start()
+                self._start_lookup(name, entry)
             if entry.addr is None and entry.why and not entry.looking:
                 raise Unresolvable(f"P's host {name[:255]!r} does not resolve: {entry.why}")
             return entry.addr
+
+    def _evict(self, asked: str) -> None:
+        """At most MAX_UNRESOLVED names without an address and MAX_NAMES with one, the
+        least recently asked-for leaving first; never ``asked``, the one just added or
+        resolved. A peer's made-up names so never push out the names in use."""
+        for resolved, bound in ((False, MAX_UNRESOLVED), (True, MAX_NAMES)):
+            group = [n for n, e in self._names.items() if (e.addr is not None) == resolved and n != asked]
+            for victim in group[:max(0, len(group) + (1 if self._in(asked, resolved) else 0) - bound)]:
+                del self._names[victim]
+
+    def _in(self, name: str, resolved: bool) -> bool:
+        entry = self._names.get(name)
+        return entry is not None and (entry.addr is not None) == resolved
+
+    def _start_lookup(self, name: str, entry: _Name) -> None:
+        entry.looking = True
+        self._running += 1
+        try:
+            threading.Thread(target=self._lookup, args=(name, entry), name="kvpath-resolve", daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: as a failed lookup, asked again later
+            self._running -= 1
+            entry.looking = False
+            entry.valid_until, entry.why = self._clock() + FAIL_TTL_S, f"no thread for the lookup: {e}"
 
     def _lookup(self, name: str, entry: _Name) -> None:
         addrs: list[str] = []
@@ -119,8 +153,7 @@ class PeerNames:
             self._running -= 1
             entry.looking = False
             if addrs:
-                if entry.addr not in addrs:
-                    entry.addr = addrs[0]
+                entry.answers = addrs  # applied on the receiver thread, which knows the links
                 entry.valid_until, entry.why = self._clock() + TTL_S, ""
             else:
                 # an address known before is kept (a failing resolver must not move a live P)

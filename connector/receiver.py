@@ -70,7 +70,8 @@ class PushReceiver(EngineThread):
         self.agent: Any = None
         self.links = PeerLinks(cfg, self._ctx, self.stats, self._keys, self._sockets, on_unsent=self._unsent,
                                busy=self._busy_peers)
-        self.links.names.on_answer = self._wake
+        self._names_answered = threading.Event()
+        self.links.names.on_answer = self._names_answer
 
     def start(self) -> "PushReceiver":
         try:
@@ -122,7 +123,8 @@ class PushReceiver(EngineThread):
                 self.stats.inc("registrations_duplicate")
                 logger.warning("request %s is registered already: the second registration is ignored", request_id)
                 return
-            if not self.state.add(request_id, transfer_id, peers, peer_ranks):
+            serial = self.state.add(request_id, transfer_id, peers, peer_ranks)
+            if not serial:
                 # Two live requests with one transfer id (a reused id, or n > 1 whose
                 # children share kv_transfer_params): only one can receive the push.
                 self.state.reject_new(request_id)
@@ -131,7 +133,7 @@ class PushReceiver(EngineThread):
                                request_id, transfer_id)
                 return
         self.put("register", (request_id, transfer_id, peers, list(block_ids), skip_blocks, server_key, transfer_key,
-                               p_tp_size))
+                               p_tp_size, serial))
 
     def refuse(self, request_id: str, why: str) -> None:
         """Fail a request that cannot be registered (its KV cannot come): freed at once."""
@@ -252,32 +254,48 @@ class PushReceiver(EngineThread):
         self.send_cancels()
 
     def drain_commands(self) -> None:
-        # commands waiting for a host name's lookup first (PeerNames wakes us when one answers)
-        parked, self._parked = self._parked, []
-        for kind, arg in [*parked, *self._commands()]:
-            if kind == "register":
-                self._register_request(arg)
-            elif kind == "reconnect":
-                self.links.reconnect_all()
-            elif kind == "connect":
-                peer, server_key = arg
-                try:
-                    addr = self.links.names.canonical(peer)
-                except Unresolvable as e:
-                    logger.error("no control link to %s: %s", peer, e)
-                    continue
-                if addr is None:
-                    self._parked.append((kind, arg))
-                    continue
-                link = self.links.link(addr, server_key)
-                if link is not None:
-                    self.flush(link)
+        commands = list(self._commands())
+        if self._parked and self._names_answered.is_set():
+            # commands waiting for a host name's lookup, retried when one answers
+            self._names_answered.clear()
+            commands[:0], self._parked = self._parked, []
+        for kind, arg in commands:
+            try:
+                if kind == "register":
+                    self._register_request(arg)
+                elif kind == "reconnect":
+                    self.links.reconnect_all()
+                elif kind == "connect":
+                    self._connect(arg)
+            except Exception:  # one command's fault must not lose the others taken from the queue
+                self.stats.inc("engine_thread_errors")
+                logger.exception("a %s command failed", kind)
+
+    def _names_answer(self) -> None:
+        """A host name's lookup answered (on its own thread): retry the parked commands."""
+        self._names_answered.set()
+        self._wake()
+
+    def _connect(self, arg: tuple) -> None:
+        peer, server_key = arg
+        try:
+            addr = self.links.names.canonical(peer)
+        except Unresolvable as e:
+            logger.error("no control link to %s: %s", peer, e)
+            return
+        if addr is None:
+            self._parked.append(("connect", arg))
+            return
+        link = self.links.link(addr, server_key)
+        if link is not None:
+            self.flush(link)
 
     def _register_request(self, arg: tuple) -> None:
-        request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp = arg
+        request_id, tid, peers, block_ids, skip, server_key, transfer_key, p_tp, serial = arg
         with self._lock:
-            if not self.state.waits(request_id):  # ended while its command waited (a cancel, its deadline)
-                return
+            # a flow ended while its command waited (a cancel, its deadline), or a later
+            # registration took its ids: this command's blocks may be someone else's now
+            peers = [p for p in peers if self.state.current(tid, p, serial)]
         spelled: list[tuple[str, str]] = []
         for given in peers:
             try:
@@ -294,7 +312,7 @@ class PushReceiver(EngineThread):
         for given, peer in spelled:  # one flow per P rank
             with self._lock:
                 # renamed before anything is sent, so P's answers (which come on the link) find it
-                renamed = self.state.rename_peer(tid, given, peer, request_id)
+                renamed = self.state.rename_peer(tid, given, peer, serial)
                 if not renamed:
                     self.state.send_failed(tid, f"{given} is {peer}, which the request names already", given,
                                            request_id)
@@ -415,8 +433,13 @@ class PushReceiver(EngineThread):
                 # one P process at two addresses: our links share one routing id, which P hands to
                 # the newest connection, so each takes the other's answers (peer_names.py)
                 self.stats.inc("peers_aliased")
-                logger.error("P at %s is the process D also reaches at %s (instance %s): requests to it will "
-                             "time out; name each P by one address", link.addr, other.addr, msg.instance)
+                idle = other.addr not in self._busy_peers() and not other.queued
+                logger.error("P at %s is the process D also reaches at %s (instance %s): name each P by one "
+                             "address. %s", link.addr, other.addr, msg.instance,
+                             f"The link to {other.addr} held nothing and is closed." if idle else
+                             f"Requests waiting on {other.addr} may not arrive.")
+                if idle:  # closing it ends the tug of war over the id (its next use makes it again)
+                    self.links.drop(other, "the same P process is reached at another address")
         link.lanes.setdefault(msg.instance, set()).update((ip, port) for ip, port in msg.lanes)
         link.current_lanes = {(ip, port) for ip, port in msg.lanes}
         if not msg.complete:  # sticky: a lane it could not list may still be open

@@ -80,6 +80,7 @@ class Waiting:
     why: str = ""
     released_by: str = ""  # expire's release: "drain" (path 4) or "bound" (path 5)
     peer_rank: int = -1  # the P rank at ``peer`` (for the trace), -1: not given
+    serial: int = 0  # the registration that made it (add's answer): a stale command names another
 
 
 class ReceiverState:
@@ -101,33 +102,37 @@ class ReceiverState:
         self.released: set[str] = set()  # request ids: blocks hold the KV or are safe to reuse
         self.failed: set[str] = set()  # subset of released: the KV did not arrive
         self.transport_holds = 0  # flows whose liveness clock a live control connection held
+        self._serial = 0  # registrations made so far
 
     # -- inputs ------------------------------------------------------------------
     def add(self, request_id: str, transfer_id: str, peer: str | list[str], peer_ranks: list[int] | None = None
-            ) -> bool:
+            ) -> int:
         """Wait for ``transfer_id`` from ``peer`` (several: one flow from each, added
         together so that none can end the request before the others are known).
-        False for a transfer id already waiting, or a request already waiting: the
-        caller rejects the new request."""
+        Returns this registration's serial (above 0), which its flows carry; 0 for a
+        transfer id already waiting, or a request already waiting: the caller rejects
+        the new request."""
         peers = [peer] if isinstance(peer, str) else list(dict.fromkeys(peer))
         if transfer_id in self.by_tid or request_id in self._flows_left or not peers:
-            return False
+            return 0
         now = self.clock()
+        self._serial += 1
         ranks = peer_ranks if peer_ranks is not None and len(peer_ranks) == len(peers) else [-1] * len(peers)
         self.by_tid[transfer_id] = {
-            p: Waiting(request_id, transfer_id, p, now + self.liveness_s, now + self.max_wait_s, peer_rank=r)
+            p: Waiting(request_id, transfer_id, p, now + self.liveness_s, now + self.max_wait_s, peer_rank=r,
+                       serial=self._serial)
             for p, r in zip(peers, ranks)}
         self._flows_left[request_id] = len(peers)
-        return True
+        return self._serial
 
-    def rename_peer(self, transfer_id: str, peer: str, to: str, request_id: str) -> bool:
-        """``request_id``'s flow of ``transfer_id`` from ``peer`` waits on ``to`` from now
-        on (the address the request's spelling resolved to). False when the transfer
-        already has a flow from ``to`` (one request named one P twice); True when there is
-        nothing to rename (another request's flow is not touched)."""
+    def rename_peer(self, transfer_id: str, peer: str, to: str, serial: int) -> bool:
+        """Registration ``serial``'s flow of ``transfer_id`` from ``peer`` waits on ``to``
+        from now on (the address the request's spelling resolved to). False when the
+        transfer already has a flow from ``to`` (one request named one P twice); True when
+        there is nothing to rename (another registration's flow is not touched)."""
         flows = self.by_tid.get(transfer_id)
         w = flows.get(peer) if flows else None
-        if w is None or peer == to or w.request_id != request_id:
+        if w is None or peer == to or w.serial != serial:
             return True
         if to in flows:
             return False
@@ -188,6 +193,12 @@ class ReceiverState:
             self._end(w, why)
             return w
         return None
+
+    def current(self, transfer_id: str, peer: str, serial: int) -> bool:
+        """Registration ``serial``'s flow of ``transfer_id`` from ``peer`` still waits
+        (not ended, nor replaced by a later registration of the same ids)."""
+        w = self.by_tid.get(transfer_id, {}).get(peer)
+        return w is not None and w.serial == serial
 
     def waits(self, request_id: str) -> bool:
         """Flows of ``request_id`` are waiting."""

@@ -5,12 +5,14 @@ import socket
 import threading
 
 import pytest
+import zmq
 
 from kvpath.connector import messages as M
 from kvpath.connector.control_auth import ControlKeys
 from kvpath.connector import peer_names
 from kvpath.connector.peer_links import PeerLink
-from kvpath.connector.peer_names import FAIL_TTL_S, MAX_LOOKUPS, MAX_NAMES, TTL_S, PeerNames, Unresolvable
+from kvpath.connector.peer_names import (FAIL_TTL_S, MAX_LOOKUPS, MAX_NAMES, MAX_UNRESOLVED, TTL_S, PeerNames,
+                                         Unresolvable)
 from kvpath.connector.recv_state import ReceiverState
 from tests.connector.engine_doubles import FakeAgent, FakeDealer, bare_receiver
 from tests.connector.nixl_sides import cfg
@@ -123,8 +125,9 @@ def test_lookups_run_on_their_own_threads_a_few_at_once_and_names_are_bounded():
     assert names.cached() == MAX_NAMES
     asked = len(res.asked)
     assert names.canonical(f"h{MAX_NAMES + 9}:1") is not None  # the newest is kept
+    n = answers.n
     assert names.canonical("h0:1") is None  # the oldest went: looked up again
-    answers.wait(answers.n + 1)
+    answers.wait(n + 1)
     assert len(res.asked) == asked + 1
 
 
@@ -136,18 +139,35 @@ def test_the_real_resolver_gives_localhost_its_loopback_address():
 
 def test_a_flow_renamed_to_its_address_is_found_by_it():
     r = ReceiverState(3.0, 10.0, 1.0, clock=Clock())
-    assert r.add("d1", "t1", ["localhost:5600", "localhost:5601"])
-    assert r.rename_peer("t1", "localhost:5600", "127.0.0.1:5600", "d1")
+    serial = r.add("d1", "t1", ["localhost:5600", "localhost:5601"])
+    assert serial and r.current("t1", "localhost:5600", serial)
+    assert r.rename_peer("t1", "localhost:5600", "127.0.0.1:5600", serial)
     assert r.get("t1", "localhost:5600") is None
     assert r.get("t1", "127.0.0.1:5600").peer == "127.0.0.1:5600"
     assert r.on_sent("t1", "i1", peer="127.0.0.1:5600")
-    assert r.rename_peer("t1", "127.0.0.1:5600", "127.0.0.1:5600", "d1")  # nothing to do
-    assert r.rename_peer("t9", "a:1", "b:1", "d1")  # no such transfer: nothing to do
-    assert r.rename_peer("t1", "localhost:5601", "127.0.0.2:5601", "d7")  # another request's: untouched
-    assert r.get("t1", "localhost:5601") is not None
+    assert r.rename_peer("t1", "127.0.0.1:5600", "127.0.0.1:5600", serial)  # nothing to do
+    assert r.rename_peer("t9", "a:1", "b:1", serial)  # no such transfer: nothing to do
+    # a stale command (another registration's serial) touches nothing
+    assert r.rename_peer("t1", "localhost:5601", "127.0.0.2:5601", serial + 1)
+    assert r.get("t1", "localhost:5601") is not None and not r.current("t1", "localhost:5601", serial + 1)
     # the request names one P twice: the second flow cannot take the first one's key
-    assert not r.rename_peer("t1", "localhost:5601", "127.0.0.1:5600", "d1")
+    assert not r.rename_peer("t1", "localhost:5601", "127.0.0.1:5600", serial)
     assert r.get("t1", "localhost:5601") is not None
+
+
+def test_a_stale_command_never_sends_blocks_of_a_later_registration_of_the_same_ids(rx):
+    """A registration parked for its lookup, cancelled (its blocks freed), then made again
+    with the same request and transfer ids: only the second one's blocks go to P."""
+    rcv, link, gate, answers = rx
+    rcv.register("d1", "t1", "p0.pods:5600", [1, 2], 0)
+    rcv.drain_commands()  # parked
+    rcv.cancel("d1")
+    assert rcv.state.take() == ({"d1"}, set())
+    rcv.register("d1", "t1", "p0.pods:5600", [7, 8], 0)
+    gate.set()
+    answers.wait(1)
+    rcv.drain_commands()
+    assert [(m.transfer_id, m.block_ids) for m in link.sock.out] == [("t1", [7, 8])]
 
 
 @pytest.fixture
@@ -162,7 +182,13 @@ def rx(nixl_keys):
     link = PeerLink("10.0.0.7:5600", FakeDealer(), welcomed=True, instance="pA", server_key=p_key)
     rcv.links.by_addr = {link.addr: link}
     gate, answers = threading.Event(), Answers()
-    rcv.links.names = PeerNames(Resolver({"p0.pods": ["10.0.0.7"]}, gate=gate), clock=c, on_answer=answers)
+    wake = rcv.links.names.on_answer  # the receiver's: retry what waits for a lookup
+
+    def on_answer():
+        wake()
+        answers()
+
+    rcv.links.names = PeerNames(Resolver({"p0.pods": ["10.0.0.7"]}, gate=gate), clock=c, on_answer=on_answer)
     return rcv, link, gate, answers
 
 
@@ -195,16 +221,82 @@ def test_a_registration_naming_a_host_that_does_not_resolve_fails_at_once(rx):
 
 
 
-def test_one_p_process_at_two_addresses_is_counted_and_named(rx, caplog):
+def test_one_p_process_at_two_addresses_is_counted_named_and_its_idle_link_closed(nixl_keys, caplog):
     """Two addresses of one P (two interfaces, 127.0.0.1 and 127.0.0.2) cannot be told
-    apart by their spelling: P's handshake names its process, and D says what it sees."""
-    rcv, link, gate, answers = rx
-    other = PeerLink("10.0.1.7:5600", FakeDealer(), server_key=link.server_key)
-    rcv.links.by_addr[other.addr] = other
-    rcv.on_welcome(other, M.Welcome("pB", True, complete=True))  # another process: nothing to say
-    assert rcv.stats.snapshot().get("peers_aliased", 0) == 0
-    rcv.on_welcome(other, M.Welcome("pA", True, complete=True))  # pA restarted there? no: pA lives at 10.0.0.7
+    apart by their spelling: P's handshake names its process, and D says what it sees and
+    closes the older link when nothing waits on it (their tug of war over the id ends)."""
+    conf = cfg()
+    rcv = bare_receiver(conf)
+    rcv.links.poller = zmq.Poller()
+    (key,) = ControlKeys.load(conf.control_key, conf.control_trusted_keys).trusted
+
+    def welcomed(addr, instance):
+        link = rcv.links.link(addr, key)
+        rcv.on_welcome(link, M.Welcome(instance, True, complete=True))
+        return link
+
+    welcomed("10.0.0.7:5600", "pA")
+    welcomed("10.0.9.9:5600", "pB")  # another process: nothing to say
+    assert rcv.stats.snapshot()["peers_aliased"] == 0
+    welcomed("10.0.1.7:5600", "pA")
     assert rcv.stats.snapshot()["peers_aliased"] == 1
     assert "10.0.1.7:5600 is the process D also reaches at 10.0.0.7:5600" in caplog.text
-    rcv.on_welcome(other, M.Welcome("pA", True, complete=True))  # the same again: said once
-    assert rcv.stats.snapshot()["peers_aliased"] == 1
+    assert "10.0.0.7:5600" not in rcv.links and "10.0.1.7:5600" in rcv.links  # the idle one went
+    # a link something waits on is kept (its requests' fence needs it)
+    welcomed("10.0.2.7:5600", "pC")
+    assert rcv.state.add("d9", "t9", "10.0.2.7:5600")
+    welcomed("10.0.3.7:5600", "pC")
+    assert rcv.stats.snapshot()["peers_aliased"] == 2
+    assert "10.0.2.7:5600" in rcv.links and "Requests waiting on 10.0.2.7:5600 may not arrive" in caplog.text
+
+
+def test_of_a_names_addresses_one_a_link_goes_to_is_taken():
+    answers = Answers()
+    res = Resolver({"p0.pods": ["10.0.0.7", "10.0.0.8"]})
+    names = PeerNames(res, clock=Clock(), on_answer=answers, linked=lambda addr: addr == "10.0.0.8")
+    assert ask(names, answers, "p0.pods:5600", 1) == "10.0.0.8:5600"
+
+
+def test_names_a_peer_makes_up_leave_before_names_in_use():
+    answers = Answers()
+    res = Resolver({f"h{i}": [f"10.0.{i // 250}.{i % 250}"] for i in range(MAX_NAMES)})
+    names = PeerNames(res, clock=Clock(), on_answer=answers)
+    for i in range(MAX_NAMES):
+        ask(names, answers, f"h{i}:1", i + 1)
+    for j in range(MAX_UNRESOLVED + 10):  # names that never resolve
+        n = answers.n
+        if names.canonical(f"junk{j}:1") is None:
+            answers.wait(n + 1)
+    assert names.cached() == MAX_NAMES + MAX_UNRESOLVED
+    asked = len(res.asked)
+    assert [names.canonical(f"h{i}:1") for i in (0, MAX_NAMES - 1)] == ["10.0.0.0:1", f"10.0.4.{(MAX_NAMES - 1) % 250}:1"]
+    assert len(res.asked) == asked  # still known: no lookup
+
+
+def test_no_thread_for_a_lookup_fails_the_name_for_a_while_and_frees_its_slot(monkeypatch):
+    clock, answers = Clock(), Answers()
+    names = PeerNames(Resolver({"p0.pods": ["10.0.0.7"]}), clock=clock, on_answer=answers)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", no_thread)
+        for _ in range(MAX_LOOKUPS + 1):
+            with pytest.raises(Unresolvable, match="no thread for the lookup"):
+                names.canonical("p0.pods:5600")
+    clock.t += FAIL_TTL_S + 0.1
+    assert ask(names, answers, "p0.pods:5600", 1) == "10.0.0.7:5600"
+
+
+def test_a_registration_whose_deadline_passed_while_its_lookup_ran_is_never_sent(rx):
+    rcv, link, gate, answers = rx
+    rcv.register("d1", "t1", "p0.pods:5600", [1], 0)
+    rcv.drain_commands()  # parked
+    rcv.state.clock.t += 60  # past its liveness and max wait: given up unsent, released as failed
+    rcv.state.expire(lambda peer, instance: None)
+    assert rcv.state.take() == ({"d1"}, {"d1"})
+    gate.set()
+    answers.wait(1)
+    rcv.drain_commands()
+    assert link.sock.out == []

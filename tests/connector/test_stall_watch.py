@@ -127,9 +127,14 @@ def test_the_watcher_stops_when_the_last_watched_thread_has_ended():
     t = threading.Thread(target=blocked_in_a_native_wait, args=(release,), name="kvpath-writer-test")
     t.start()
     watch = StallWatch(period_s=0.05)
-    watch.add(Item(t, started=None))
-    assert watch.running()
-    release.set()
+    # held here: the watcher keeps its items weakly (a closed connector leaves it), and an
+    # item nobody held could go before running() is asked (seen once in CI)
+    item = Item(t, started=None)
+    try:
+        watch.add(item)
+        assert watch.running()
+    finally:
+        release.set()  # never leave a thread that keeps the test process from exiting
     t.join()
     deadline = time.monotonic() + 10
     while watch.running() and time.monotonic() < deadline:

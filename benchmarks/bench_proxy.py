@@ -104,7 +104,12 @@ async def run_streams(url: str, n_streams: int, per_stream: int, tokens: int,
 def cpu_s(procs: list[psutil.Process]) -> float:
     """CPU time of the proxy: its processes (its workers too) and, with --workers, its
     reservation service's (which a single proxy runs in process)."""
-    total = 0.0
+    return cpu_split_s(procs)[0]
+
+
+def cpu_split_s(procs: list[psutil.Process]) -> tuple[float, float]:
+    """(CPU seconds, of them kernel (system) seconds) of ``procs`` and their children."""
+    total = kernel = 0.0
     for p in procs:
         for q in (p, *p.children(recursive=True)):
             try:
@@ -112,7 +117,8 @@ def cpu_s(procs: list[psutil.Process]) -> float:
             except psutil.NoSuchProcess:
                 continue
             total += t.user + t.system
-    return total
+            kernel += t.system
+    return total, kernel
 
 
 def idle_pct(since: "psutil._common.scputimes") -> float:

@@ -43,7 +43,7 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from bench_proxy import STUB, cpu_s, run_streams
+from bench_proxy import STUB, cpu_split_s, run_streams
 from kvpath.deployment import KV_SIDE_CHANNEL_PORT
 from kvpath.testbed.readiness import free_port, terminate, wait_http
 
@@ -320,17 +320,6 @@ def nginx_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[s
     return [nginx, "-p", wd, "-c", os.path.join(wd, "nginx.conf")]
 
 
-def system_s(proc: psutil.Process) -> float:
-    """Kernel (system) CPU seconds of a relay's processes."""
-    total = 0.0
-    for q in (proc, *proc.children(recursive=True)):
-        try:
-            total += q.cpu_times().system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 def relay_command(stack: str, p: str, d: str, port: int, workdir: str) -> list[str] | None:
     """How to run the floor relay on ``stack``; None when that server is not installed."""
     if stack == "uvicorn":
@@ -400,10 +389,11 @@ def main() -> int:
             order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
             for name in order:
                 u, proc = servers[name]
-                c0, k0 = cpu_s([proc]), system_s(proc)
+                c0, k0 = cpu_split_s([proc])
                 _, e2e, err = uvloop.run(run_streams(u, args.streams, args.requests_per_stream, args.tokens, spread))
-                cpu[name].append((cpu_s([proc]) - c0) * 1e3 / max(1, len(e2e)))
-                kernel[name].append((system_s(proc) - k0) * 1e3 / max(1, len(e2e)))
+                c1, k1 = cpu_split_s([proc])
+                cpu[name].append((c1 - c0) * 1e3 / max(1, len(e2e)))
+                kernel[name].append((k1 - k0) * 1e3 / max(1, len(e2e)))
                 errors[name] += err
         t = Table(title=f"CPU per streamed request, {args.streams} streams, {args.tokens} tokens each, "
                         f"{args.rounds} rounds alternating")

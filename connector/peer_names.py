@@ -120,13 +120,10 @@ class PeerNames:
         least recently asked-for leaving first; never ``asked``, the one just added or
         resolved. A peer's made-up names so never push out the names in use."""
         for resolved, bound in ((False, MAX_UNRESOLVED), (True, MAX_NAMES)):
-            group = [n for n, e in self._names.items() if (e.addr is not None) == resolved and n != asked]
-            for victim in group[:max(0, len(group) + (1 if self._in(asked, resolved) else 0) - bound)]:
+            group = [n for n, e in self._names.items() if (e.addr is not None) == resolved]
+            excess = len(group) - bound
+            for victim in [n for n in group if n != asked][:max(0, excess)]:
                 del self._names[victim]
-
-    def _in(self, name: str, resolved: bool) -> bool:
-        entry = self._names.get(name)
-        return entry is not None and (entry.addr is not None) == resolved
 
     def _start_lookup(self, name: str, entry: _Name) -> None:
         entry.looking = True

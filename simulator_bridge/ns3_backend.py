@@ -158,9 +158,8 @@ def _sidecar(exe: Path) -> Path:
 def _prune(cache: Path) -> None:
     """Deletes cached binaries whose libraries are gone (their venv was deleted) and the
     partial output of killed compiles, so a cache shared by many checkouts stays bounded
-    by the live ones. Housekeeping only: an
-    entry it cannot read or delete is left as it is."""
-    day_ago = time.time() - 86400
+    by the live ones. Housekeeping only: an entry it cannot read or delete is left as it is."""
+    now = time.time()
     for side in cache.glob(f"kvflows-*{LIB_SUFFIX}"):
         try:
             if not side.is_file() or Path(os.fsdecode(side.read_bytes().strip())).is_dir():
@@ -169,18 +168,17 @@ def _prune(cache: Path) -> None:
             side.unlink(missing_ok=True)
         except (OSError, UnicodeError):
             continue
-    hour_ago = time.time() - 3600
     for exe in cache.glob("kvflows-*"):
         try:
             if exe.suffix == ".tmp":
                 # a compile's output before its rename: one killed mid-way leaves it. Compiles
                 # run under the lock we hold, and take seconds: an hour-old one is nobody's
-                if exe.is_file() and exe.stat().st_mtime < hour_ago:
+                if exe.is_file() and exe.stat().st_mtime < now - 3600:
                     exe.unlink()
             # built before sidecars (or by an older checkout sharing the cache, which may be
             # about to run it): its libraries are unknown, so only a day after it was built
             elif (exe.suffix != LIB_SUFFIX and exe.is_file()
-                    and not _sidecar(exe).exists() and exe.stat().st_mtime < day_ago):
+                    and not _sidecar(exe).exists() and exe.stat().st_mtime < now - 86400):
                 exe.unlink()
         except OSError:
             continue
